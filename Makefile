@@ -1,0 +1,30 @@
+# Two entry points, both setting up a fresh machine first: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.folio-installed
+
+.PHONY: setup run test test-fast cuda-compile-check clean
+
+setup: $(STAMP)
+
+# torch is installed first, pinned, from the machine's local wheel; everything after is constrained to it, and the
+# native extension builds against it (--no-build-isolation), so no step can pull a different torch.
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*/*.cpp native/*/*.cu native/*/*.h native/*/*.cuh native/*.py)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
+	$(BIN)/pip install -q -c constraints.txt setuptools wheel pybind11 ninja
+	MAX_JOBS=$$(nproc) $(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[serve,test]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/folio run
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+cuda-compile-check:
+	bash native/check_cuda_compiles.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info folio/*.so

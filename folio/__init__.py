@@ -1,0 +1,42 @@
+"""folio: a paged dynamic generator for serving language models.
+
+The public names are imported lazily so that torch-free parts (`folio.hashing`, `folio.cache`) stay importable
+without loading torch — the router imports `folio.hashing` in processes that never run a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "Model": "folio.model.model",
+    "ModelConfig": "folio.model.config",
+    "Cache": "folio.kv_cache",
+    "Tokenizer": "folio.tokenizer",
+    "DynamicGenerator": "folio.generator",
+    "QueueFull": "folio.generator",
+    "DynamicJob": "folio.job",
+    "SamplerSettings": "folio.sampling",
+    "DynamicGeneratorAsync": "folio.aio",
+    "DynamicJobAsync": "folio.aio",
+    "Stage": "folio.results",
+    "EosReason": "folio.results",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'folio' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

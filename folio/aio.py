@@ -1,0 +1,204 @@
+"""asyncio front end: DynamicGeneratorAsync / DynamicJobAsync.
+
+The engine loop (`DynamicGenerator.iterate()`) runs in its own thread and never on the event loop, so streaming is
+smooth however long a step takes. Jobs may be created from any task or event loop: each job remembers the loop it
+was created on, and results are handed to it with `call_soon_threadsafe`. The sync generator is only ever touched
+by the engine thread; other threads talk to it through a command inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from folio.generator import DynamicGenerator, QueueFull
+from folio.job import DynamicJob, JobState
+from folio.results import Result
+
+_END = object()  # pushed to a job's queue when it ends without a final result (cancelled, generator closed)
+
+
+class GeneratorClosed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Command:
+    kind: str  # "enqueue" | "cancel"
+    job: DynamicJobAsync
+    done: asyncio.Future | None = None
+
+
+class DynamicGeneratorAsync:
+    """Owns a DynamicGenerator (pass one, or the DynamicGenerator constructor's keyword arguments)."""
+
+    def __init__(self, generator: DynamicGenerator | None = None, **generator_kwargs: Any):
+        if generator is None:
+            generator = DynamicGenerator(**generator_kwargs)
+        elif generator_kwargs:
+            raise TypeError("pass either a DynamicGenerator or its constructor arguments, not both")
+        self.generator = generator
+        self._inbox: deque[_Command] = deque()
+        self._jobs: dict[int, DynamicJobAsync] = {}  # id(sync job) -> async job, engine thread only
+        self._wake = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._engine_loop, name="folio-engine", daemon=True)
+        self._thread.start()
+
+    # --- called from the event loop(s) ---
+
+    def _submit(self, command: _Command) -> None:
+        with self._wake:
+            if self._closed:
+                raise GeneratorClosed("the generator is closed")
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def enqueue(self, job: DynamicJobAsync) -> None:
+        # Validate here so a bad request fails in the caller's task, not later in its stream.
+        self.generator.validate_job(job.job)
+        with self._wake:
+            queued = sum(1 for c in self._inbox if c.kind == "enqueue")
+            if queued + self.generator.num_pending_jobs() >= self.generator.max_q_size:
+                raise QueueFull(f"the generator's queue is full ({self.generator.max_q_size} pending jobs)")
+        self._submit(_Command("enqueue", job))
+
+    async def cancel(self, job: DynamicJobAsync) -> None:
+        """Cancel a job in any state; returns once its pages are released. Cancelling a finished job is a no-op."""
+        done = asyncio.get_running_loop().create_future()
+        try:
+            self._submit(_Command("cancel", job, done))
+        except GeneratorClosed:
+            return
+        await done
+
+    async def close(self) -> None:
+        """Stop the engine thread; jobs still running end (their iteration stops)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    @property
+    def num_remaining_jobs(self) -> int:
+        return len(self._inbox) + self.generator.num_remaining_jobs()
+
+    # --- engine thread ---
+
+    def _engine_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._inbox and self.generator.num_remaining_jobs() == 0:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                commands = list(self._inbox)
+                self._inbox.clear()
+            for command in commands:
+                self._apply(command)
+            if self.generator.num_remaining_jobs() == 0:
+                continue
+            try:
+                results = self.generator.iterate()
+            except BaseException as error:  # noqa: BLE001 — a failed step must not kill the loop
+                self._fail_all(error)
+                continue
+            for result in results:
+                self._deliver(result)
+        self._shutdown()
+
+    def _apply(self, command: _Command) -> None:
+        ajob = command.job
+        if command.kind == "enqueue":
+            if ajob.cancelled:
+                return
+            try:
+                self.generator.enqueue(ajob.job)
+            except Exception as error:  # noqa: BLE001 — e.g. the queue filled up meanwhile
+                ajob._push(error)
+                return
+            self._jobs[id(ajob.job)] = ajob
+        elif command.kind == "cancel":
+            ajob.cancelled = True
+            if id(ajob.job) in self._jobs:
+                self.generator.cancel(ajob.job)
+                del self._jobs[id(ajob.job)]
+            ajob._push(_END)
+            if command.done is not None:
+                command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
+
+    def _deliver(self, result: Result) -> None:
+        ajob = self._jobs.get(id(result.job))
+        if ajob is None:
+            return
+        if result.eos:
+            del self._jobs[id(result.job)]
+        ajob._push(result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for ajob in list(self._jobs.values()):
+            ajob._push(error)
+        self._jobs.clear()
+        self.generator.clear_queue()
+
+    def _shutdown(self) -> None:
+        for command in self._inbox:
+            if command.done is not None:
+                command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
+            command.job._push(_END)
+        self._inbox.clear()
+        for ajob in self._jobs.values():
+            ajob._push(GeneratorClosed("the generator was closed before the job finished"))
+        self._jobs.clear()
+        self.generator.clear_queue()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class DynamicJobAsync:
+    """Create inside a running event loop; `async for result in job` streams its results until eos."""
+
+    def __init__(self, generator: DynamicGeneratorAsync, **job_kwargs: Any):
+        self.generator = generator
+        self.job = DynamicJob(**job_kwargs)
+        self.cancelled = False
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ended = False
+        generator.enqueue(self)
+
+    def _push(self, item: Any) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> DynamicJobAsync:
+        return self
+
+    async def __anext__(self) -> Result:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.eos:
+            self._ended = True
+            if item.error is not None:
+                raise item.error
+        return item
+
+    async def cancel(self) -> None:
+        if self.job.state in (JobState.FINISHED, JobState.CANCELLED):
+            self._ended = True
+            return
+        await self.generator.cancel(self)
+        self._ended = True

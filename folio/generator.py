@@ -1,0 +1,308 @@
+"""DynamicGenerator: many concurrent jobs over one paged KV cache.
+
+The generator joins the parts: the scheduler decides what each step computes, the model computes it, the sampler
+picks tokens, and each job turns its tokens into results. See DESIGN.md "How a request flows".
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from folio import ops
+from folio.cache import PagePool
+from folio.job import DynamicJob, JobState, _TokenExtras
+from folio.kv_cache import Cache
+from folio.model.batch import ForwardBatch, SeqChunk
+from folio.model.model import Model
+from folio.results import Result
+from folio.sampling import RowParams, SamplerSettings, sample
+from folio.sampling.rng import uniform
+from folio.scheduler import Chunk, Scheduler, SeqState, StepPlan, validate_fits
+from folio.tokenizer import Tokenizer
+
+DEFAULT_MAX_CHUNK_TOKENS = 2048
+MAX_DERIVED_BATCH_SIZE = 256
+
+
+class QueueFull(RuntimeError):
+    """More jobs are waiting than the generator's `max_q_size` allows; retry once some have started."""
+
+
+class DynamicGenerator:
+    """Paged dynamic generator.
+
+    max_batch_size: most sequences active at once (None: one per cache page, at most 256).
+    max_seq_len: longest prompt + max_new_tokens of any job (None: the model's context length).
+    max_chunk_size: prompt tokens ingested per step over all jobs (None: 2048, rounded to whole pages).
+    max_q_size: most jobs waiting in the queue; `enqueue` raises QueueFull beyond it.
+    paged: False runs one job at a time (batch size 1); the page pool still reuses the previous job's prefix.
+    """
+
+    def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
+                 max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
+                 paged: bool = True):
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.page_size = cache.page_size
+        self.paged = paged
+        self.max_seq_len = self._resolve_max_seq_len(max_seq_len)
+        self.max_batch_size = self._resolve_max_batch_size(max_batch_size)
+        self.max_chunk_size = self._resolve_max_chunk_size(max_chunk_size)
+        if not isinstance(max_q_size, int) or max_q_size < 1:
+            raise ValueError(f"max_q_size must be an integer >= 1, got {max_q_size!r}")
+        self.max_q_size = max_q_size
+        self.pool = PagePool(cache.num_pages, cache.page_size)
+        self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size)
+        self._serials = itertools.count()
+        self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
+        self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
+
+    # --- construction steps ---
+
+    def _resolve_max_seq_len(self, max_seq_len: int | None) -> int:
+        limit = self.model.config.max_position_embeddings
+        if max_seq_len is None:
+            return limit
+        if max_seq_len < 1 or max_seq_len > limit:
+            raise ValueError(f"max_seq_len must be in [1, {limit}] (the model's context), got {max_seq_len}")
+        return max_seq_len
+
+    def _resolve_max_batch_size(self, max_batch_size: int | None) -> int:
+        if not self.paged:
+            if max_batch_size not in (None, 1):
+                raise ValueError("paged=False runs one job at a time: max_batch_size must be None or 1")
+            return 1
+        if max_batch_size is None:
+            return max(1, min(self.cache.num_pages, MAX_DERIVED_BATCH_SIZE))
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        return max_batch_size
+
+    def _resolve_max_chunk_size(self, max_chunk_size: int | None) -> int:
+        if max_chunk_size is None:
+            return max(self.page_size, DEFAULT_MAX_CHUNK_TOKENS - DEFAULT_MAX_CHUNK_TOKENS % self.page_size)
+        if not isinstance(max_chunk_size, int) or max_chunk_size < self.page_size or max_chunk_size % self.page_size:
+            raise ValueError(f"max_chunk_size must be a positive multiple of the page size ({self.page_size}), "
+                             f"got {max_chunk_size!r}")
+        return max_chunk_size
+
+    # --- queue ---
+
+    def validate_job(self, job: DynamicJob) -> None:
+        """Raise ValueError if `job` can never run here (too long, tokens outside the vocabulary)."""
+        if job.state != JobState.NEW:
+            raise ValueError(f"job was already enqueued (state {job.state})")
+        total = job.prompt_tokens + job.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) = "
+                             f"{total} exceeds max_seq_len {self.max_seq_len}")
+        validate_fits(job.input_ids, job.max_new_tokens, self.cache.num_pages, self.page_size)
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in job.input_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab}")
+
+    def enqueue(self, job: DynamicJob | Sequence[DynamicJob]) -> int | list[int]:
+        if isinstance(job, DynamicJob):
+            return self._enqueue_one(job)
+        return [self._enqueue_one(j) for j in job]
+
+    def _enqueue_one(self, job: DynamicJob) -> int:
+        self.validate_job(job)
+        if self.num_pending_jobs() >= self.max_q_size:
+            raise QueueFull(f"the generator's queue is full ({self.max_q_size} pending jobs); "
+                            f"raise max_q_size or wait for jobs to start")
+        job.bind(next(self._serials), self.tokenizer)
+        seq = SeqState(job=job, token_ids=list(job.input_ids))
+        self._seqs[id(job)] = seq
+        self.scheduler.add(seq)
+        return job.serial
+
+    def num_pending_jobs(self) -> int:
+        return len(self.scheduler.pending)
+
+    def num_remaining_jobs(self) -> int:
+        return self.scheduler.num_sequences
+
+    def cancel(self, job: DynamicJob) -> None:
+        """Drop a job in any state; its pages are released now. No result is emitted."""
+        seq = self._seqs.pop(id(job), None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        job.state = JobState.CANCELLED
+
+    def clear_queue(self) -> None:
+        for seq in list(self._seqs.values()):
+            self.cancel(seq.job)
+        self._deferred.clear()
+
+    def reset_page_table(self) -> None:
+        """Forget every cached page (the queue must be empty)."""
+        if self.num_remaining_jobs():
+            raise RuntimeError("reset_page_table() needs an empty queue")
+        self.pool.reset()
+
+    def warmup(self) -> None:
+        """Run a short generation so kernels and allocators are initialised, leaving no cached pages behind."""
+        self.generate("Once upon a time,", max_new_tokens=8, gen_settings=SamplerSettings.greedy())
+        self.reset_page_table()
+
+    # --- the step ---
+
+    def iterate(self) -> list[Result]:
+        """Run one step; return the results it produced (and those held back while `generate()` ran)."""
+        results, self._deferred = self._deferred, []
+        results.extend(self._step())
+        return results
+
+    def _step(self) -> list[Result]:
+        results: list[Result] = []
+        plan = self.scheduler.plan()
+        results.extend(seq.job.started_result() for seq in plan.started)
+        for seq in plan.started:
+            seq.job.state = JobState.ACTIVE
+        if plan.empty:
+            return results
+        try:
+            logits = self._forward(plan)
+        except Exception as error:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
+            for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
+                results.append(self._fail(seq, error))
+            return results
+        self.scheduler.commit(plan)
+        results.extend(self._prefill_results(plan))
+        sampled = [c for c in plan.chunks if c.wants_logits]
+        if sampled:
+            results.extend(self._sample_and_emit(sampled, logits))
+        return results
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        for copy in plan.copies:
+            ops.copy_page_slots(self.cache.k, self.cache.v, copy.src_page, copy.dst_page, copy.num_slots)
+        if not plan.chunks:
+            return None
+        chunks = [SeqChunk(token_ids=c.seq.token_ids[c.start:c.end], start_pos=c.start,
+                           block_table=c.seq.block_table, logits="last" if c.wants_logits else "none")
+                  for c in plan.chunks]
+        batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
+        return self.model.forward(batch, self.cache)
+
+    def _prefill_results(self, plan: StepPlan) -> list[Result]:
+        results = []
+        seen: set[int] = set()
+        progressed = [c.seq for c in plan.chunks if c.end - c.start > 1 or not c.wants_logits]
+        progressed += [s for s in self.scheduler.active if id(s) in plan.progressed]
+        for seq in progressed:
+            if id(seq) in seen or seq.job.new_tokens > 0 or seq not in self.scheduler.active:
+                continue
+            seen.add(id(seq))
+            target = seq.num_prefill_target
+            results.append(seq.job.prefill_result(min(seq.num_cached_tokens, target), target))
+        return results
+
+    def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor) -> list[Result]:
+        rows = [self._row_params(c.seq) for c in chunks]
+        output = sample(logits, rows)
+        # The one intended host sync of a step: the sampled ids decide what every job does next.
+        token_ids = output.token_ids.tolist()
+        probs = output.token_probs.tolist() if any(c.seq.job.return_probs for c in chunks) else None
+        want_top = any(c.seq.job.return_top_tokens for c in chunks)
+        top_tokens = output.top_k_tokens.tolist() if want_top else None
+        top_probs = output.top_k_probs.tolist() if want_top else None
+        results = []
+        for i, chunk in enumerate(chunks):
+            seq, job = chunk.seq, chunk.seq.job
+            k = job.return_top_tokens
+            extras = _TokenExtras(
+                prob=probs[i] if probs is not None else None,
+                top_k_tokens=top_tokens[i][:k] if k else None,
+                top_k_probs=top_probs[i][:k] if k else None,
+                logits=output.logits[i].to("cpu", torch.float32) if job.return_logits else None,
+            )
+            try:
+                self.scheduler.append_token(seq, token_ids[i])
+                result = job.receive_token(token_ids[i], extras)
+            except Exception as error:  # noqa: BLE001 — one job's failure must not take down the batch
+                results.append(self._fail(seq, error))
+                continue
+            results.append(result)
+            if result.eos:
+                self._seqs.pop(id(job), None)
+                self.scheduler.remove(seq)
+        return results
+
+    def _row_params(self, seq: SeqState) -> RowParams:
+        job = seq.job
+        return RowParams(
+            settings=job.gen_settings,
+            u=uniform(job.seed, job.new_tokens),
+            history_ids=seq.token_ids,
+            blocked_ids=tuple(job.blocked_tokens),
+            vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
+            return_top_tokens=job.return_top_tokens,
+            return_logits=job.return_logits,
+        )
+
+    def _fail(self, seq: SeqState, error: BaseException) -> Result:
+        self._seqs.pop(id(seq.job), None)
+        self.scheduler.remove(seq)
+        return seq.job.error_result(error)
+
+    # --- blocking convenience API ---
+
+    def generate(self, prompt: str | Sequence[str], max_new_tokens: int, min_new_tokens: int = 0,
+                 seed: int | None = None, gen_settings: SamplerSettings | Sequence[SamplerSettings] | None = None,
+                 encode_special_tokens: bool = False, decode_special_tokens: bool = False,
+                 stop_conditions: Sequence[int | str] | None = None, add_bos: bool = False,
+                 abort_event: Any = None, completion_only: bool = False,
+                 return_last_results: bool = False) -> Any:
+        """Generate completions for one prompt (returns str) or a list (returns list[str]), running alongside any
+        other jobs of this generator. Prompt i gets seed + i. With `abort_event` (a threading.Event) set, this
+        call's jobs are cancelled and None is returned. Completions include text held when a stop token ended
+        the job."""
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        if isinstance(gen_settings, SamplerSettings) or gen_settings is None:
+            settings = [gen_settings] * len(prompts)
+        else:
+            settings = list(gen_settings)
+            if len(settings) != len(prompts):
+                raise ValueError(f"gen_settings has {len(settings)} entries for {len(prompts)} prompts")
+        jobs = [DynamicJob(
+            input_ids=self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens),
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_conditions=stop_conditions,
+            gen_settings=s, seed=None if seed is None else seed + i, decode_special_tokens=decode_special_tokens,
+            identifier=i) for i, (p, s) in enumerate(zip(prompts, settings))]
+        for job in jobs:
+            self.validate_job(job)
+        last: dict[int, Result] = {}
+        waiting = list(jobs)
+        mine = {id(j) for j in jobs}
+        while len(last) < len(jobs):
+            while waiting and self.num_pending_jobs() < self.max_q_size:
+                self.enqueue(waiting.pop(0))
+            if abort_event is not None and abort_event.is_set():
+                for job in jobs:
+                    self.cancel(job)
+                return None
+            for result in self._step():
+                if id(result.job) not in mine:
+                    self._deferred.append(result)
+                elif result.eos:
+                    if result.error is not None:
+                        for job in jobs:
+                            self.cancel(job)
+                        raise result.error
+                    last[result.job.identifier] = result
+        completions = [last[i].full_completion if completion_only else prompts[i] + last[i].full_completion
+                       for i in range(len(jobs))]
+        out: Any = completions[0] if single else completions
+        if return_last_results:
+            return out, ([last[0]] if single else [last[i] for i in range(len(jobs))])
+        return out

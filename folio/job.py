@@ -1,0 +1,269 @@
+"""DynamicJob: one request — its settings, and what happens to each token it samples.
+
+A job never touches pages or tensors beyond the rows handed to it: page bookkeeping lives in `folio.scheduler`,
+text handling in `folio.text`. This module joins the two into typed results.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
+from folio.sampling import SamplerSettings
+from folio.text import TextStream
+
+if TYPE_CHECKING:
+    import torch
+
+    from folio.tokenizer import Tokenizer
+
+
+class JobState:
+    NEW = "new"
+    PENDING = "pending"
+    ACTIVE = "active"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class _TokenExtras:
+    """What a sampled token carries besides its id, held until the text pipeline releases the token."""
+
+    prob: float | None
+    top_k_tokens: list[int] | None
+    top_k_probs: list[float] | None
+    logits: torch.Tensor | None
+
+
+def _as_token_list(input_ids: Any) -> list[int]:
+    if hasattr(input_ids, "tolist"):  # torch tensor or numpy array, shape (n,) or (1, n)
+        if getattr(input_ids, "ndim", 1) == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(input_ids.shape)}")
+            input_ids = input_ids[0]
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Iterable):
+        raise TypeError("input_ids must be a sequence of token ids (list of int or a (1, n) tensor)")
+    ids = list(input_ids)
+    if not ids:
+        raise ValueError("input_ids is empty: a job needs at least one prompt token")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"input_ids must hold non-negative integer token ids, found {t!r}")
+    return ids
+
+
+class DynamicJob:
+    """One generation request.
+
+    `stop_conditions`: token ids (int) and stop strings (str). `None` stops on the tokenizer's EOS tokens; pass an
+    empty list to disable stopping on EOS. Stop tokens are blocked while fewer than `min_new_tokens` tokens have been
+    sampled; stop strings always apply.
+    `max_skips`: how many times later jobs may be admitted ahead of this one while it waits for room (None: no limit).
+    """
+
+    def __init__(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        stop_conditions: Sequence[int | str] | None = None,
+        gen_settings: SamplerSettings | None = None,
+        seed: int | None = None,
+        identifier: Any = None,
+        decode_special_tokens: bool = False,
+        return_probs: bool = False,
+        return_top_tokens: int = 0,
+        return_logits: bool = False,
+        max_skips: int | None = 4,
+    ):
+        self.input_ids = _as_token_list(input_ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+        if not isinstance(return_top_tokens, int) or return_top_tokens < 0:
+            raise ValueError(f"return_top_tokens must be an integer >= 0, got {return_top_tokens!r}")
+        if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 0):
+            raise ValueError(f"max_skips must be None or an integer >= 0, got {max_skips!r}")
+        if gen_settings is not None and not isinstance(gen_settings, SamplerSettings):
+            raise TypeError("gen_settings must be a folio.SamplerSettings")
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.gen_settings = gen_settings if gen_settings is not None else SamplerSettings()
+        self.seed = seed if seed is not None else random.getrandbits(63)
+        self.identifier = identifier
+        self.decode_special_tokens = decode_special_tokens
+        self.return_probs = return_probs
+        self.return_top_tokens = return_top_tokens
+        self.return_logits = return_logits
+        self.max_skips = max_skips
+        self.stop_tokens, self.stop_strings = self._split_stop_conditions(stop_conditions)
+        self._stop_on_eos = stop_conditions is None
+
+        # Set when the job is enqueued.
+        self.serial: int | None = None
+        self.state = JobState.NEW
+        self.skips = 0
+        self.new_tokens = 0
+        self.generated_ids: list[int] = []
+        self.full_completion = ""
+        self._tokenizer: Tokenizer | None = None
+        self._text: TextStream | None = None
+        self._held: deque[_TokenExtras] = deque()
+        self.time_enqueue: float | None = None
+        self.time_first_prefill: float | None = None
+        self.time_first_token: float | None = None
+        self.time_last_token: float | None = None
+        self.cached_tokens = 0
+        self.cached_pages = 0
+
+    @staticmethod
+    def _split_stop_conditions(conditions: Sequence[int | str] | None) -> tuple[frozenset[int], tuple[str, ...]]:
+        if conditions is None:
+            return frozenset(), ()
+        if isinstance(conditions, (str, int)) or not isinstance(conditions, Iterable):
+            raise ValueError("stop_conditions must be a list of token ids (int) and/or stop strings (str)")
+        tokens: set[int] = set()
+        strings: list[str] = []
+        for c in conditions:
+            if isinstance(c, bool):
+                raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
+            if isinstance(c, int):
+                tokens.add(c)
+            elif isinstance(c, str):
+                if not c:
+                    raise ValueError("stop strings must not be empty")
+                strings.append(c)
+            else:
+                raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
+        return frozenset(tokens), tuple(strings)
+
+    # --- lifecycle, driven by the generator ---
+
+    def bind(self, serial: int, tokenizer: Tokenizer) -> None:
+        self.serial = serial
+        self._tokenizer = tokenizer
+        if self._stop_on_eos:
+            self.stop_tokens = frozenset(tokenizer.eos_token_ids)
+        self._text = TextStream(tokenizer, self.stop_strings, self.decode_special_tokens)
+        self.state = JobState.PENDING
+        self.time_enqueue = time.monotonic()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def blocked_tokens(self) -> frozenset[int]:
+        """Tokens the sampler must not pick for this job's next token."""
+        return self.stop_tokens if self.new_tokens < self.min_new_tokens else frozenset()
+
+    def started_result(self) -> StartedResult:
+        return StartedResult(job=self, serial=self.serial, identifier=self.identifier)
+
+    def prefill_result(self, curr_progress: int, max_progress: int) -> PrefillResult:
+        if self.time_first_prefill is None:
+            self.time_first_prefill = time.monotonic()
+        return PrefillResult(job=self, serial=self.serial, identifier=self.identifier,
+                             curr_progress=curr_progress, max_progress=max_progress)
+
+    def receive_token(self, token_id: int, extras: _TokenExtras) -> StreamingResult:
+        """Run one sampled token through stop checks and the text pipeline; return its result (eos set when the
+        job ends). Stop tokens are not part of the text; text held before them is released."""
+        now = time.monotonic()
+        if self.time_first_token is None:
+            self.time_first_token = now
+            if self.time_first_prefill is None:
+                self.time_first_prefill = now
+        self.time_last_token = now
+        self.new_tokens += 1
+        self.generated_ids.append(token_id)
+
+        # The sampler blocks stop tokens below min_new_tokens, so one arriving here ends the job.
+        if token_id in self.stop_tokens:
+            event = self._text.flush()
+            result = self._released(event.text, event.token_ids)
+            return self._finish(result, EosReason.STOP_TOKEN, token_id=token_id)
+
+        self._held.append(extras)
+        event = self._text.push(token_id)
+        result = self._released(event.text, event.token_ids)
+        if event.stop_string is not None:
+            result.held_text = event.held_text
+            return self._finish(result, EosReason.STOP_STRING, string=event.stop_string)
+        if self.new_tokens >= self.max_new_tokens:
+            tail = self._text.flush()
+            self._merge(result, self._released(tail.text, tail.token_ids))
+            return self._finish(result, EosReason.MAX_NEW_TOKENS)
+        return result
+
+    def error_result(self, error: BaseException) -> StreamingResult:
+        result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier)
+        result.error = error
+        return self._finish(result, EosReason.ERROR)
+
+    # --- helpers ---
+
+    def _released(self, text: str, token_ids: list[int]) -> StreamingResult:
+        extras = [self._held.popleft() for _ in token_ids]
+        self.full_completion += text
+        result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier,
+                                 text=text, token_ids=list(token_ids))
+        if self.return_probs:
+            result.token_probs = [e.prob for e in extras]
+        if self.return_top_tokens:
+            result.top_k_tokens = [e.top_k_tokens for e in extras]
+            result.top_k_probs = [e.top_k_probs for e in extras]
+        if self.return_logits:
+            import torch
+
+            rows = [e.logits for e in extras]
+            result.logits = torch.stack(rows) if rows else None
+        return result
+
+    @staticmethod
+    def _merge(into: StreamingResult, more: StreamingResult) -> None:
+        into.text += more.text
+        into.token_ids += more.token_ids
+        for name in ("token_probs", "top_k_tokens", "top_k_probs"):
+            extra = getattr(more, name)
+            if extra:
+                setattr(into, name, (getattr(into, name) or []) + extra)
+        if more.logits is not None:
+            import torch
+
+            into.logits = more.logits if into.logits is None else torch.cat([into.logits, more.logits])
+
+    def _finish(self, result: StreamingResult, reason: EosReason, token_id: int | None = None,
+                string: str | None = None) -> StreamingResult:
+        self.state = JobState.FINISHED
+        self._held.clear()
+        result.eos = True
+        result.eos_reason = reason
+        if token_id is not None:
+            result.eos_triggering_token_id = token_id
+            result.eos_triggering_token_str = self._tokenizer.id_to_piece(token_id)
+        result.eos_triggering_string = string
+        result.full_completion = self.full_completion
+        result.new_tokens = self.new_tokens
+        result.prompt_tokens = self.prompt_tokens
+        result.cached_tokens = self.cached_tokens
+        result.cached_pages = self.cached_pages
+        now = time.monotonic()
+        first_prefill = self.time_first_prefill or now
+        first_token = self.time_first_token or now
+        result.time_enqueued = first_prefill - (self.time_enqueue or first_prefill)
+        result.time_prefill = first_token - first_prefill
+        result.time_generate = (self.time_last_token or first_token) - first_token
+        return result
+
+    def __repr__(self) -> str:
+        return (f"DynamicJob(serial={self.serial}, state={self.state}, prompt_tokens={self.prompt_tokens}, "
+                f"new_tokens={self.new_tokens}/{self.max_new_tokens})")

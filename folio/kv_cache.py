@@ -1,0 +1,89 @@
+"""Cache: the device K/V tensors of the paged cache, [L, P, S, Hkv, D] each, in the model's dtype.
+
+Which page holds what is the page pool's business (folio.cache); this module only owns the memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from folio import ops
+
+if TYPE_CHECKING:
+    from folio.model.model import Model
+
+MIN_PAGE_SIZE = 16
+
+
+class Cache:
+    def __init__(
+        self,
+        model: Model,
+        num_tokens: int | None = None,
+        page_size: int = 256,
+        max_memory_fraction: float | None = None,
+    ) -> None:
+        """Size the cache by num_tokens (a multiple of page_size), or on CUDA by max_memory_fraction of the
+        currently free device memory."""
+        _check_page_size(page_size)
+        cfg = model.config
+        self.page_size = page_size
+        self.page_shape = (page_size, cfg.num_kv_heads, cfg.head_dim)
+        element_size = torch.empty((), dtype=model.dtype).element_size()
+        # K and V, every layer
+        self.bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
+        self.num_pages = self._resolve_num_pages(model.device, num_tokens, max_memory_fraction)
+        shape = (cfg.num_layers, self.num_pages, *self.page_shape)
+        # zeros, not empty: deterministic contents for slots no sequence has written yet
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    def copy_page_slots(self, src_page: int, dst_page: int, num_slots: int) -> None:
+        """Copy slots [0, num_slots) of page src_page into dst_page, in every layer (partial-page reuse)."""
+        for page in (src_page, dst_page):
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page {page} outside [0, num_pages={self.num_pages})")
+        if not 0 <= num_slots <= self.page_size:
+            raise ValueError(f"num_slots={num_slots} outside [0, page_size={self.page_size}]")
+        ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
+
+    def _resolve_num_pages(
+        self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None
+    ) -> int:
+        if num_tokens is not None and max_memory_fraction is not None:
+            raise ValueError("give either num_tokens or max_memory_fraction, not both")
+        if num_tokens is not None:
+            if num_tokens <= 0 or num_tokens % self.page_size:
+                raise ValueError(f"num_tokens={num_tokens} must be a positive multiple of page_size={self.page_size}")
+            return num_tokens // self.page_size
+        if max_memory_fraction is None:
+            raise ValueError("the cache size is unknown: give num_tokens (or max_memory_fraction on CUDA)")
+        if device.type != "cuda":
+            raise ValueError(f"max_memory_fraction needs a CUDA device (model is on {device}); give num_tokens")
+        if not 0.0 < max_memory_fraction <= 1.0:
+            raise ValueError(f"max_memory_fraction={max_memory_fraction} must be in (0, 1]")
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        num_pages = int(free_bytes * max_memory_fraction) // self.bytes_per_page
+        if num_pages < 1:
+            raise ValueError(
+                f"{max_memory_fraction} of the {free_bytes} free bytes on {device} holds no page "
+                f"of {self.bytes_per_page} bytes"
+            )
+        return num_pages
+
+
+def _check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size must be an int, got {page_size!r}")
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two >= {MIN_PAGE_SIZE}")

@@ -1,0 +1,109 @@
+"""ForwardBatch: the device tensors of one forward pass, built from host-side per-sequence chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LogitsMode = Literal["none", "last", "all"]
+_LOGITS_MODES = ("none", "last", "all")
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence: token_ids sit at positions start_pos.. and their pages are already in
+    block_table (block_table[i] is the page of positions [i*page_size, (i+1)*page_size))."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    logits: LogitsMode = "last"
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat slot in [0, P*S)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with page 0 beyond each sequence's pages
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32, start_pos + len(token_ids)
+    logits_idx: torch.Tensor  # [N] int64, rows of T whose logits forward() returns, in chunk order
+    max_q_len: int
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
+        if not chunks:
+            raise ValueError("a ForwardBatch needs at least one chunk")
+        q_lens, context_lens, logits_idx = [], [], []
+        num_tokens = 0
+        for i, chunk in enumerate(chunks):
+            q_len = _check_chunk(i, chunk, page_size)
+            q_lens.append(q_len)
+            context_lens.append(chunk.start_pos + q_len)
+            if chunk.logits == "all":
+                logits_idx.extend(range(num_tokens, num_tokens + q_len))
+            elif chunk.logits == "last":
+                logits_idx.append(num_tokens + q_len - 1)
+            num_tokens += q_len
+
+        max_blocks = max(-(-n // page_size) for n in context_lens)
+        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
+        for i, (chunk, context_len) in enumerate(zip(chunks, context_lens)):
+            used = -(-context_len // page_size)
+            block_tables[i, :used] = torch.tensor(chunk.block_table[:used], dtype=torch.int64)
+
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), q_lens_t)  # [T]: which chunk a row belongs to
+        cu_seqlens_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        cu_seqlens_q[1:] = q_lens_t.cumsum(0)
+        start_pos = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+        positions = start_pos[seq_idx] + torch.arange(num_tokens) - cu_seqlens_q[seq_idx]
+        pages = block_tables[seq_idx, positions // page_size]
+        slot_mapping = pages * page_size + positions % page_size
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+
+        def to_device(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return t.to(dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=to_device(input_ids, torch.int64),
+            positions=to_device(positions, torch.int64),
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            block_tables=to_device(block_tables, torch.int32),
+            cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
+            context_lens=to_device(torch.tensor(context_lens), torch.int32),
+            logits_idx=to_device(torch.tensor(logits_idx, dtype=torch.int64), torch.int64),
+            max_q_len=max(q_lens),
+            max_context_len=max(context_lens),
+        )
+
+
+def _check_chunk(i: int, chunk: SeqChunk, page_size: int) -> int:
+    """Validate one chunk; returns its number of new tokens."""
+    q_len = len(chunk.token_ids)
+    if q_len == 0:
+        raise ValueError(f"chunk {i}: no token_ids")
+    if chunk.start_pos < 0:
+        raise ValueError(f"chunk {i}: start_pos={chunk.start_pos} is negative")
+    if chunk.logits not in _LOGITS_MODES:
+        raise ValueError(f"chunk {i}: logits={chunk.logits!r}, expected one of {_LOGITS_MODES}")
+    needed = -(-(chunk.start_pos + q_len) // page_size)
+    if len(chunk.block_table) < needed:
+        raise ValueError(
+            f"chunk {i}: positions up to {chunk.start_pos + q_len - 1} need {needed} pages of {page_size} "
+            f"but block_table has {len(chunk.block_table)}"
+        )
+    return q_len

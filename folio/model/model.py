@@ -1,0 +1,109 @@
+"""Model: a Llama-family decoder running over a paged K/V cache through folio.ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from folio import ops
+from folio.model.batch import ForwardBatch
+from folio.model.config import ModelConfig, check_dtype
+from folio.model.loader import LayerWeights, ModelWeights, load_weights
+from folio.model.rotary import rope_inv_freq
+
+if TYPE_CHECKING:
+    from folio.kv_cache import Cache
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.inv_freq = rope_inv_freq(config, device)  # [D/2] fp32
+        self.attention_scale = config.head_dim**-0.5
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        progress: bool = True,
+    ) -> Model:
+        """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype."""
+        config = ModelConfig.from_pretrained(path)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = check_dtype(dtype if dtype is not None else config.torch_dtype)
+        weights = load_weights(path, config, device, dtype, progress)
+        return cls(config, weights, device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: Cache) -> torch.Tensor:
+        """Run the batch's new tokens, writing their K/V into `cache`.
+
+        Returns fp32 logits [len(batch.logits_idx), vocab_size] for the rows selected by batch.logits_idx.
+        """
+        self._check_cache(cache)
+        w, eps = self.weights, self.config.rms_norm_eps
+        residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
+        x = ops.rms_norm(residual, w.layers[0].input_norm, eps)
+        for layer_idx, layer in enumerate(w.layers):
+            if layer_idx > 0:
+                ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
+            h = self._attention(layer_idx, layer, x, batch, cache)
+            ops.fused_add_rms_norm(h, residual, layer.post_attention_norm, eps)
+            x = self._mlp(layer, h)
+        ops.fused_add_rms_norm(x, residual, w.final_norm, eps)
+        # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
+        return F.linear(x[batch.logits_idx], w.lm_head).float()
+
+    def _attention(
+        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens, head_dim = x.shape[0], cfg.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)
+        # ops take contiguous tensors; rotary_cache_write updates q and k in place
+        q = q.contiguous().view(num_tokens, cfg.num_q_heads, head_dim)
+        k = k.contiguous().view(num_tokens, cfg.num_kv_heads, head_dim)
+        v = v.contiguous().view(num_tokens, cfg.num_kv_heads, head_dim)
+        k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
+        ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
+        if batch.max_q_len == 1:
+            out = ops.paged_attention_decode(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
+            )
+        else:
+            out = ops.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+                self.attention_scale, batch.max_q_len,
+            )
+        return F.linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
+
+    @staticmethod
+    def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+
+    def _check_cache(self, cache: Cache) -> None:
+        cfg = self.config
+        num_layers, _, _, num_kv_heads, head_dim = cache.k.shape
+        if (num_layers, num_kv_heads, head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"cache shape {list(cache.k.shape)} does not fit the model "
+                f"(layers={cfg.num_layers}, kv heads={cfg.num_kv_heads}, head_dim={cfg.head_dim})"
+            )
+        if cache.k.dtype != self.dtype or cache.k.device != self.device:
+            raise ValueError(
+                f"cache is {cache.k.dtype} on {cache.k.device}, model is {self.dtype} on {self.device}"
+            )

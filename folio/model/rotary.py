@@ -1,0 +1,32 @@
+"""Rotary inverse frequencies, computed in fp32 exactly as transformers does (default and llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from folio.model.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[head_dim / 2] fp32 angular frequency per rotated pair."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq.to(device)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated."""
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / scaling.low_freq_factor
+    high_freq_wavelen = old_context_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

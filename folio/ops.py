@@ -1,0 +1,187 @@
+"""Op dispatch: native CUDA / native CPU kernels when built, the torch reference otherwise.
+
+This is the only module that imports the compiled extensions (`folio._native_cuda`, `folio._native_cpu`).
+Each op is looked up per call, per device: a native module that exports a function with the op's name replaces the
+reference for tensors on its device; ops it does not (yet) export fall back to `folio.reference_ops`.
+Native functions take exactly the reference's arguments.
+
+`use_backend("reference" | "native" | "auto")` forces a choice: "reference" never touches native code, "native"
+raises `NativeUnavailableError` instead of falling back, "auto" (the default) prefers native.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from folio import reference_ops
+
+OP_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_cache_write",
+    "paged_attention",
+    "paged_attention_decode",
+    "copy_page_slots",
+)
+BACKENDS = ("auto", "native", "reference")
+NATIVE_MODULES = {"cuda": "folio._native_cuda", "cpu": "folio._native_cpu"}
+
+
+class NativeUnavailableError(RuntimeError):
+    """Backend "native" was forced but no native kernel exists for an op on a device."""
+
+
+class _BackendChoice:
+    """The process-wide backend choice.
+
+    Process-wide on purpose (like torch's default dtype): the engine loop runs in its own thread, and a choice
+    made by the caller must reach it, which a thread-local or context variable would not.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.name = "auto"
+
+    def swap(self, name: str) -> str:
+        with self._lock:
+            previous, self.name = self.name, name
+        return previous
+
+
+_choice = _BackendChoice()
+
+
+class use_backend:  # noqa: N801 - reads as a function: use_backend("reference") or `with use_backend(...):`
+    """Select the op backend. Takes effect at once; as a context manager, restores the previous one on exit."""
+
+    def __init__(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown ops backend {name!r}; expected one of {BACKENDS}")
+        self.name = name
+        self._previous = _choice.swap(name)
+
+    def __enter__(self) -> use_backend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _choice.swap(self._previous)
+
+
+def current_backend() -> str:
+    return _choice.name
+
+
+@lru_cache(maxsize=None)
+def _load_native(device_type: str) -> ModuleType | None:
+    """The compiled module for a device type, or None when it was not built.
+
+    A module that exists but fails to import (ABI mismatch, missing symbol) raises: a broken build must not
+    silently turn into the slow reference path.
+    """
+    module_name = NATIVE_MODULES.get(device_type)
+    if module_name is None:
+        return None
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            return None
+        raise
+
+
+def _first_device_type(args: tuple[Any, ...]) -> str:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+    raise TypeError("op called without any tensor argument")
+
+
+def resolve(op_name: str, device_type: str) -> Callable[..., Any]:
+    """The implementation that a call of `op_name` on `device_type` tensors uses under the current backend."""
+    if op_name not in OP_NAMES:
+        raise ValueError(f"unknown op {op_name!r}; expected one of {OP_NAMES}")
+    backend = _choice.name
+    if backend != "reference":
+        module = _load_native(device_type)
+        native_fn = getattr(module, op_name, None) if module is not None else None
+        if native_fn is not None:
+            return native_fn
+        if backend == "native":
+            where = NATIVE_MODULES.get(device_type, f"(no native module for device type {device_type!r})")
+            state = "not built" if module is None else f"built without {op_name!r}"
+            raise NativeUnavailableError(f"backend 'native' forced but {where} is {state}")
+    return getattr(reference_ops, op_name)
+
+
+def implementation_name(op_name: str, device_type: str) -> str:
+    """"native" or "reference": which one `resolve` picks (for tests, benchmarks and logs)."""
+    return "reference" if resolve(op_name, device_type) is getattr(reference_ops, op_name) else "native"
+
+
+def _call(op_name: str, args: tuple[Any, ...]) -> Any:
+    return resolve(op_name, _first_device_type(args))(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _call("rms_norm", (x, weight, eps))
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _call("fused_add_rms_norm", (x, residual, weight, eps))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _call("silu_and_mul", (x,))
+
+
+def rotary_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _call("rotary_cache_write", (q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
+    return _call(
+        "paged_attention", (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len)
+    )
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _call("paged_attention_decode", (q, k_cache, v_cache, block_tables, context_lens, scale))
+
+
+def copy_page_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src_page: int, dst_page: int, num_slots: int
+) -> None:
+    _call("copy_page_slots", (k_cache, v_cache, src_page, dst_page, num_slots))

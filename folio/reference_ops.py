@@ -1,0 +1,176 @@
+"""Pure-torch reference ops: the oracle that the native CPU/CUDA kernels are tested against.
+
+Every function computes in fp32 and returns (or writes) the input dtype. They are written to be obviously right,
+not fast: per-sequence loops and dense gathers are fine here. Signatures are fixed by the spec; the native module
+must match them exactly so that `folio.ops` can swap one for the other per op.
+
+Shapes: T new tokens, B sequences, Hq/Hkv query/kv heads, D head_dim, P pages, S page_size, L layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [N, H], weight: [H] -> [N, H] in x.dtype."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x; x[:] = rms_norm(residual) * weight.  x, residual: [N, H], weight: [H].
+
+    The norm reads the residual after it is rounded to its dtype, as a kernel that stores the residual
+    and then normalizes it would (and as transformers does).
+    """
+    residual.copy_((residual.float() + x.float()).to(residual.dtype))
+    x.copy_(rms_norm(residual, weight, eps))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, 2F] -> silu(x[:, :F]) * x[:, F:] : [N, F]."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[:, :half]) * xf[:, half:]).to(x.dtype)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] fp32; cos, sin: [T, D/2] fp32. Rotates pairs (i, i + D/2) (HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rotary_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotary on q [T, Hq, D] and k [T, Hkv, D] in place, then k and v [T, Hkv, D] into the caches.
+
+    positions: [T] int64; inv_freq: [D/2] fp32; k_cache, v_cache: [P, S, Hkv, D];
+    slot_mapping: [T] int64 flat slot in [0, P*S), or < 0 to skip writing that token.
+    """
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    q.copy_(_rotate_neox(q.float(), cos, sin).to(q.dtype))
+    k.copy_(_rotate_neox(k.float(), cos, sin).to(k.dtype))
+
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    # view (not reshape): a non-contiguous cache must fail loudly instead of writing into a copy
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_slots[slots] = k[keep].to(k_cache.dtype)
+    v_slots[slots] = v[keep].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """cache: [P, S, Hkv, D], block_table: [max_blocks] -> [context_len, Hkv, D] fp32 in position order."""
+    page_size = cache.shape[1]
+    num_blocks = -(-context_len // page_size)
+    pages = cache[block_table[:num_blocks].long()]  # [num_blocks, S, Hkv, D]
+    return pages.reshape(-1, *cache.shape[2:])[:context_len].float()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Q, Hq, D], k/v: [K, Hkv, D] fp32, mask: [Q, K] bool (True = may attend) -> [Q, Hq, D] fp32."""
+    group = q.shape[1] // k.shape[1]
+    # q head h reads kv head h // group
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
+    """Causal attention of new queries over paged K/V.
+
+    q: [T, Hq, D]; k_cache, v_cache: [P, S, Hkv, D]; block_tables: [B, max_blocks] int32;
+    cu_seqlens_q: [B+1] int32; context_lens: [B] int32 -> out [T, Hq, D].
+    Sequence b's queries are rows cu[b]..cu[b+1]-1 at positions context_lens[b]-qlen_b .. context_lens[b]-1.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b, context_len in enumerate(lens):
+        q_begin, q_end = cu[b], cu[b + 1]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        if q_len > max_q_len or q_len > context_len:
+            raise ValueError(
+                f"sequence {b}: {q_len} queries but max_q_len={max_q_len}, context_len={context_len}"
+            )
+        k = _gather_context(k_cache, block_tables[b], context_len)
+        v = _gather_context(v_cache, block_tables[b], context_len)
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        k_pos = torch.arange(context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out[q_begin:q_end] = _attend(q[q_begin:q_end].float(), k, v, mask, scale).to(q.dtype)
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, at position context_lens[b]-1, attending to all positions < context_lens[b].
+
+    q: [B, Hq, D]; block_tables: [B, max_blocks] int32; context_lens: [B] int32 -> out [B, Hq, D].
+    Computed for the whole batch at once (padded to max_blocks pages, masked by length), independently of
+    paged_attention's per-sequence loop so the two check each other.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    pages = block_tables.long()
+    k = k_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_dim).float()  # [B, max_blocks*S, Hkv, D]
+    v = v_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bkhd->bhk", q.float(), k) * scale
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    valid = k_pos[None, :] < context_lens.long()[:, None]  # [B, K]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    # slots past the context may hold anything (NaN included); 0 * NaN would leak into the sum
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    return torch.einsum("bhk,bkhd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def copy_page_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src_page: int, dst_page: int, num_slots: int
+) -> None:
+    """Copy slots [0, num_slots) of page src_page to page dst_page in every layer.
+
+    k_cache, v_cache: [L, P, S, Hkv, D]. Used to reuse the matching head of a cached partial page.
+    """
+    page_size = k_cache.shape[2]
+    if not 0 <= num_slots <= page_size:
+        raise ValueError(f"num_slots={num_slots} outside [0, page_size={page_size}]")
+    k_cache[:, dst_page, :num_slots] = k_cache[:, src_page, :num_slots]
+    v_cache[:, dst_page, :num_slots] = v_cache[:, src_page, :num_slots]

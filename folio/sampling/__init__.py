@@ -1,0 +1,7 @@
+"""Sampling: per-job settings, counter-based random draws, and the batched sampler."""
+
+from folio.sampling.rng import uniform, uniform_tensor
+from folio.sampling.sampler import RowParams, SampleOutput, sample
+from folio.sampling.settings import SamplerSettings
+
+__all__ = ["RowParams", "SampleOutput", "SamplerSettings", "sample", "uniform", "uniform_tensor"]

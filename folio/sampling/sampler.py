@@ -1,0 +1,277 @@
+"""Batched sampling on the logits' device, each row with its own settings.
+
+Order of operations per row (the reference's, with the common top-p definition):
+  repetition / frequency / presence penalties -> token bias -> blocked tokens (-inf) -> mask beyond the real vocab
+  -> greedy rows: argmax; other rows: temperature -> softmax over the top-k -> top-p -> min-p -> renormalise
+  -> inverse-CDF pick with the row's uniform draw over the candidates sorted by probability.
+
+All rows are processed together with tensor ops; per-row parameters travel to the device as a few small tensors
+built once per call (pinned, non-blocking on CUDA). Nothing here reads a device value back to the host: the caller
+does that when it reads `token_ids`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from folio.sampling.settings import SamplerSettings
+
+# Mass within this distance of top_p counts as reaching it: fp32 sums of probabilities that are exactly p in
+# exact arithmetic land a few ulps either side of it.
+_TOP_P_SLACK = 1e-6
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """One row of a sampling call.
+
+    settings: the job's SamplerSettings.
+    u: the job's uniform draw for this token, in [0, 1) (see folio.sampling.rng).
+    history_ids: prompt + generated token ids, oldest first, for the penalties (ids outside the logits are ignored).
+    blocked_ids: token ids that must not be picked (e.g. stop tokens below min_new_tokens).
+    vocab_size: number of real vocabulary entries; logits at and beyond it are masked (None: all columns are real).
+    return_top_tokens: how many of the most probable final candidates to report.
+    return_logits: report the processed logits (after penalties, bias and masks, before temperature).
+    """
+
+    settings: SamplerSettings
+    u: float
+    history_ids: Sequence[int] = ()
+    blocked_ids: Sequence[int] = ()
+    vocab_size: int | None = None
+    return_top_tokens: int = 0
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.settings, SamplerSettings):
+            raise TypeError(f"RowParams.settings must be a SamplerSettings, got {type(self.settings).__name__}")
+        if not isinstance(self.u, float | int) or not 0.0 <= self.u < 1.0:
+            raise ValueError(f"RowParams.u must be a number in [0, 1), got {self.u!r}")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise ValueError(f"RowParams.vocab_size must be None or an int >= 1, got {self.vocab_size!r}")
+        if not isinstance(self.return_top_tokens, int) or self.return_top_tokens < 0:
+            raise ValueError(f"RowParams.return_top_tokens must be an int >= 0, got {self.return_top_tokens!r}")
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """Results of one call, all on the logits' device.
+
+    token_ids: [B] int64, the picked tokens; -1 for a row where every token was masked (nothing could be picked).
+    token_probs: [B] fp32, probability of the picked token under the final (truncated, renormalised) distribution.
+    top_k_tokens / top_k_probs: [B, K] int64 / fp32 with K = the largest return_top_tokens in the call (None when
+        no row asked): final probabilities sorted descending; past the last candidate the probabilities are 0 and
+        the ids are other tokens. A row that asked for fewer takes its first columns.
+    logits: [B, V] fp32 after penalties, bias and masks, before temperature (None when no row asked).
+    """
+
+    token_ids: torch.Tensor
+    token_probs: torch.Tensor
+    top_k_tokens: torch.Tensor | None = None
+    top_k_probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy is queued on the stream instead of waiting for the GPU to drain.
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _check_call(logits: torch.Tensor, rows: Sequence[RowParams]) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"sample(): logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.shape[0] != len(rows) or not rows:
+        raise ValueError(f"sample(): got {logits.shape[0]} logits rows for {len(rows)} RowParams (need >= 1, equal)")
+    num_columns = logits.shape[1]
+    for b, row in enumerate(rows):
+        if row.vocab_size is not None and row.vocab_size > num_columns:
+            raise ValueError(f"sample(): row {b} vocab_size {row.vocab_size} exceeds the {num_columns} logits columns")
+        if row.return_top_tokens > num_columns:
+            raise ValueError(f"sample(): row {b} asks for {row.return_top_tokens} top tokens of {num_columns}")
+        for token_id in row.blocked_ids:
+            if not 0 <= token_id < num_columns:
+                raise ValueError(f"sample(): row {b} blocked token id {token_id} outside [0, {num_columns})")
+        for token_id, _ in row.settings.token_bias:
+            if token_id >= num_columns:
+                raise ValueError(f"sample(): row {b} token_bias id {token_id} outside [0, {num_columns})")
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V] fp32 (left unchanged) following each row's RowParams."""
+    _check_call(logits, rows)
+    num_columns = logits.shape[1]
+    # Working copy with one extra column: scatters aim the entries they must skip at it.
+    work = torch.nn.functional.pad(logits, (0, 1))
+    _apply_penalties(work, rows)
+    _apply_bias_and_blocks(work, rows)
+    x = work[:, :num_columns]
+    if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
+        vocab_sizes = _to_device([row.vocab_size or num_columns for row in rows], torch.int64, x.device)
+        x.masked_fill_(torch.arange(num_columns, device=x.device) >= vocab_sizes[:, None], -math.inf)
+    token_ids, token_probs, candidate_ids, final_probs = _pick(x, rows)
+
+    num_top = max(row.return_top_tokens for row in rows)
+    top_k_tokens = candidate_ids[:, :num_top] if num_top else None
+    top_k_probs = final_probs[:, :num_top] if num_top else None
+    logits_out = x if any(row.return_logits for row in rows) else None
+    return SampleOutput(token_ids, token_probs, top_k_tokens, top_k_probs, logits_out)
+
+
+def _penalty_window(row: RowParams) -> int:
+    window = row.settings.penalty_window
+    return len(row.history_ids) if window is None else min(window, len(row.history_ids))
+
+
+def _apply_penalties(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
+    """Repetition (CTRL), presence and frequency penalties over each row's recent history, in place.
+
+    Token at distance j from the newest (j = 0 newest) has strength w(j) = 1 up to j = range, then
+    1 - (j - range) / decay, and 0 from range + decay on (the reference's linear fade). The repetition and presence
+    penalties use the strength at a token's newest occurrence (the largest), the frequency penalty sums over all."""
+    windows = [_penalty_window(row) for row in rows]
+    width = max(windows)
+    if width == 0:
+        return
+    device = work.device
+    batch, dump_column = work.shape[0], work.shape[1] - 1
+    flat_ids: list[int] = []
+    for row, window in zip(rows, windows):
+        flat_ids.extend(itertools.repeat(dump_column, width - window))
+        if window:
+            history = row.history_ids
+            flat_ids.extend(history[len(history) - window:])
+    ids = _to_device(flat_ids, torch.int64, device).view(batch, width)
+    ids = torch.where((ids >= 0) & (ids < dump_column), ids, dump_column)
+
+    s = [row.settings for row in rows]
+    sustain = _to_device([x.token_repetition_range if x.token_repetition_range >= 0 else width for x in s],
+                         torch.int64, device)[:, None]
+    decay = _to_device([x.token_repetition_decay for x in s], torch.int64, device)[:, None]
+    strengths = _to_device([[x.token_repetition_penalty, x.token_presence_penalty, x.token_frequency_penalty]
+                            for x in s], torch.float32, device)
+    distance = torch.arange(width - 1, -1, -1, device=device)[None, :]
+    weight = 1.0 - (distance - sustain).clamp(min=0) / decay.clamp(min=1)
+    weight = torch.where(distance < sustain + decay, weight, 0.0).to(torch.float32)
+
+    # Group equal ids per row. The stable sort keeps each group oldest-first, so its last entry is the newest
+    # occurrence; the group's weight sum comes from a cumulative sum (deterministic, unlike atomic scatter-adds).
+    sorted_ids, order = ids.sort(dim=1, stable=True)
+    sorted_weight = weight.gather(1, order)
+    boundary = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    is_first = torch.cat([ones, boundary], dim=1)
+    is_last = torch.cat([boundary, ones], dim=1)
+    positions = torch.arange(width, device=device).expand(batch, width)
+    group_start = torch.where(is_first, positions, 0).cummax(dim=1).values
+    cumulative = sorted_weight.to(torch.float64).cumsum(dim=1)
+    before_group = cumulative.gather(1, group_start) - sorted_weight.gather(1, group_start).to(torch.float64)
+    weight_sum = (cumulative - before_group).to(torch.float32)
+
+    columns = torch.where(is_last, sorted_ids, dump_column)
+    values = work.gather(1, columns)
+    repetition, presence, frequency = strengths[:, 0:1], strengths[:, 1:2], strengths[:, 2:3]
+    factor = 1.0 + (repetition - 1.0) * sorted_weight
+    values = torch.where(values > 0, values / factor, values * factor)
+    values = values - presence * sorted_weight - frequency * weight_sum
+    work.scatter_(1, columns, values)
+
+
+def _apply_bias_and_blocks(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
+    """Token bias (added), then blocked tokens (-inf), in place."""
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for b, row in enumerate(rows):
+        for token_id, bias in row.settings.token_bias:
+            bias_rows.append(b)
+            bias_ids.append(token_id)
+            bias_values.append(bias)
+    device = work.device
+    if bias_rows:
+        index = (_to_device(bias_rows, torch.int64, device), _to_device(bias_ids, torch.int64, device))
+        work.index_put_(index, _to_device(bias_values, torch.float32, device), accumulate=True)
+    blocked_rows = [b for b, row in enumerate(rows) for _ in row.blocked_ids]
+    if blocked_rows:
+        blocked_ids = [token_id for row in rows for token_id in row.blocked_ids]
+        index = (_to_device(blocked_rows, torch.int64, device), _to_device(blocked_ids, torch.int64, device))
+        work.index_put_(index, torch.full((), -math.inf, device=device))
+
+
+def _candidate_width(rows: Sequence[RowParams], num_columns: int) -> int | None:
+    """How many top logits every row's candidates fit in (None: some row needs the full sort)."""
+    widest = 0
+    for row in rows:
+        s = row.settings
+        if not s.is_greedy and s.top_k == 0:
+            return None
+        widest = max(widest, 1 if s.is_greedy else s.top_k, row.return_top_tokens)
+    return min(widest, num_columns)
+
+
+def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...]:
+    """Truncate, renormalise and draw. Returns token_ids, token_probs, candidate ids and final probabilities, the
+    last two [B, C] sorted by probability."""
+    device = x.device
+    num_columns = x.shape[1]
+    width = _candidate_width(rows, num_columns)
+    if width is None:
+        sorted_logits, candidate_ids = x.sort(dim=1, descending=True, stable=True)
+    else:
+        sorted_logits, candidate_ids = x.topk(width, dim=1, sorted=True)
+
+    greedy = [row.settings.is_greedy for row in rows]
+    params = _to_device(
+        [[1.0 if g else row.settings.temperature,
+          row.settings.top_p if row.settings.top_p_active and not g else 2.0,
+          0.0 if g else row.settings.min_p,
+          float(row.u),
+          1.0 if g else float(row.settings.top_k or num_columns)]
+         for row, g in zip(rows, greedy)], torch.float64, device)
+    temperature, top_p, min_p = params[:, 0:1].float(), params[:, 1:2].float(), params[:, 2:3].float()
+    u, top_k = params[:, 3:4].float(), params[:, 4:5]
+
+    # A row whose logits are all -inf has nothing to pick; compute on zeros to keep NaNs out, report -1 below.
+    pickable = sorted_logits[:, 0] > -math.inf
+    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / temperature
+    rank = torch.arange(sorted_logits.shape[1], device=device)[None, :]
+    probs = torch.softmax(scaled.masked_fill(rank >= top_k, -math.inf), dim=1)
+
+    # top-p: keep a token while the mass of the tokens before it has not reached p (the smallest set reaching p).
+    mass_before = probs.cumsum(dim=1) - probs
+    keep = (mass_before < top_p - _TOP_P_SLACK) | (rank == 0)
+    keep &= probs >= min_p * probs[:, 0:1]
+    probs = probs * keep
+    probs = probs / probs.sum(dim=1, keepdim=True)
+
+    # Inverse CDF. Kept candidates form a prefix (each truncation keeps a prefix of the sorted order), so clamping
+    # to the last non-zero entry guards against u * total rounding up to the very end.
+    cdf = probs.cumsum(dim=1)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    num_nonzero = (probs > 0).sum(dim=1, keepdim=True)
+    picked = torch.minimum(picked, num_nonzero - 1)
+    token_ids = candidate_ids.gather(1, picked).squeeze(1)
+    token_probs = probs.gather(1, picked).squeeze(1)
+
+    if any(greedy):
+        # Greedy means argmax exactly (first index on ties), whatever order sort/topk gave to equal logits.
+        is_greedy = _to_device(greedy, torch.bool, device)
+        argmax = x.argmax(dim=1)
+        token_ids = torch.where(is_greedy, argmax, token_ids)
+        # Keep the reported candidates consistent with it: swap argmax into the first slot (a tie, so the order by
+        # probability is unchanged).
+        first = candidate_ids[:, 0:1]
+        swapped = torch.where(candidate_ids == argmax[:, None], first, candidate_ids)
+        swapped[:, 0] = argmax
+        candidate_ids = torch.where(is_greedy[:, None], swapped, candidate_ids)
+    token_ids = torch.where(pickable, token_ids, -1)
+    token_probs = torch.where(pickable, token_probs, 0.0)
+    probs = torch.where(pickable[:, None], probs, 0.0)
+    return token_ids, token_probs, candidate_ids, probs

@@ -1,0 +1,142 @@
+// Plain-old-data descriptions of each op's arguments, shared by the CPU kernels, the CUDA kernels and the
+// binding layer. No torch, no pybind11, no CUDA headers: both g++ and nvcc include this file.
+//
+// Pointers are raw device (or host) pointers; strides are in elements, not bytes. The innermost dimension of
+// every tensor is contiguous (the binding checks it), so only the outer strides travel.
+#pragma once
+
+#include <cstdint>
+
+namespace folio {
+
+enum class ScalarType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline const char* scalar_type_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::kFloat32: return "float32";
+    case ScalarType::kFloat16: return "float16";
+    case ScalarType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+// rms_norm and fused_add_rms_norm.
+// out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * weight      (rms_norm; out may equal x)
+// fused: residual[r, :] += x[r, :] (rounded to dtype), then x[r, :] = rms_norm(residual[r, :])
+struct RmsNormParams {
+  void* out;                 // [num_rows, hidden_size] dtype (fused: x itself)
+  int64_t out_row_stride;
+  const void* x;             // [num_rows, hidden_size] dtype
+  int64_t x_row_stride;
+  void* residual;            // [num_rows, hidden_size] dtype; nullptr for plain rms_norm
+  int64_t residual_row_stride;
+  const void* weight;        // [hidden_size] weight_dtype
+  int64_t num_rows;
+  int64_t hidden_size;
+  float eps;
+  ScalarType dtype;          // of out, x, residual
+  ScalarType weight_dtype;   // dtype or float32
+};
+
+// out[r, :] = silu(x[r, :F]) * x[r, F:]
+struct SiluAndMulParams {
+  void* out;                 // [num_rows, F] dtype
+  int64_t out_row_stride;
+  const void* x;             // [num_rows, 2F] dtype
+  int64_t x_row_stride;
+  int64_t num_rows;
+  int64_t half_width;        // F
+  ScalarType dtype;
+};
+
+// Neox rotary (pairs i, i + D/2) on q and k in place, then k and v copied into the paged caches.
+struct RotaryCacheWriteParams {
+  void* q;                    // [T, Hq, D] dtype
+  int64_t q_stride_token, q_stride_head;
+  void* k;                    // [T, Hkv, D] dtype
+  int64_t k_stride_token, k_stride_head;
+  const void* v;              // [T, Hkv, D] dtype
+  int64_t v_stride_token, v_stride_head;
+  const int64_t* positions;   // [T]
+  const float* inv_freq;      // [D/2]
+  void* k_cache;              // [P, S, Hkv, D] dtype
+  void* v_cache;              // [P, S, Hkv, D] dtype
+  int64_t cache_stride_page, cache_stride_slot, cache_stride_head;  // shared by k_cache and v_cache
+  const int64_t* slot_mapping;  // [T] flat slot page * S + offset; < 0 skips the token
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, page_size;
+  ScalarType dtype;
+};
+
+// Paged attention over K/V caches laid out [P, S, Hkv, D]; query head h reads kv head h / (Hq / Hkv).
+struct PagedAttentionParams {
+  void* out;                      // [T or B, Hq, D] dtype, contiguous
+  const void* q;                  // [T or B, Hq, D] dtype
+  int64_t q_stride_token, q_stride_head;
+  const void* k_cache;            // [P, S, Hkv, D] dtype
+  const void* v_cache;            // [P, S, Hkv, D] dtype
+  int64_t cache_stride_page, cache_stride_slot, cache_stride_head;  // shared by k_cache and v_cache
+  const int32_t* block_tables;    // [B, max_blocks]
+  int64_t block_table_stride;     // elements between rows of block_tables
+  const int32_t* cu_seqlens_q;    // [B + 1]; nullptr for decode (one query per sequence)
+  const int32_t* context_lens;    // [B]
+  int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_blocks;
+  int64_t max_q_len;              // prefill: longest query run; decode: 1
+  float scale;
+  ScalarType dtype;
+};
+
+// Copies slots [0, num_slots) of page src_page onto page dst_page, in every layer, for K and V.
+struct PageCopyParams {
+  void* k_cache;                  // [L, P, S, Hkv, D] dtype, contiguous
+  void* v_cache;                  // [L, P, S, Hkv, D] dtype, contiguous
+  int64_t num_layers, num_pages, page_size;
+  int64_t slot_elems;             // Hkv * D
+  int64_t src_page, dst_page, num_slots;
+  int64_t elem_size;              // bytes per element
+};
+
+// Batched sampling, one row per sequence. See native/cpu/sampling.h for the exact definition.
+struct SampleParams {
+  const float* logits;            // [B, V]
+  int64_t logits_row_stride;
+  const float* temperature;       // [B]
+  const int32_t* top_k;           // [B]   <= 0 or >= V: off
+  const float* top_p;             // [B]   >= 1: off
+  const float* min_p;             // [B]   <= 0: off
+  const float* uniform;           // [B]   draws in [0, 1)
+  int64_t* out_token_ids;         // [B]
+  int64_t num_rows, vocab_size;
+};
+
+// In-place repetition / frequency / presence penalties over each row's token history.
+struct PenaltyParams {
+  float* logits;                  // [B, V]
+  int64_t logits_row_stride;
+  const int64_t* history;         // [B, H] token ids, padded with -1 (any id outside [0, V) is ignored)
+  int64_t history_row_stride;
+  const float* repetition;        // [B]   1: off
+  const float* frequency;         // [B]   0: off
+  const float* presence;          // [B]   0: off
+  int64_t num_rows, vocab_size, history_len;
+};
+
+// logits[b, token_ids[b, j]] = -inf for every valid id (ids outside [0, V), e.g. the -1 padding, are ignored).
+struct MaskTokensParams {
+  float* logits;                  // [B, V]
+  int64_t logits_row_stride;
+  const int64_t* token_ids;       // [B, K]
+  int64_t token_ids_row_stride;
+  int64_t num_rows, vocab_size, num_ids;
+};
+
+// Fixed-point scale of sampling weights: a token's weight exp(z - max z) in [0, 1] becomes
+// floor(weight * 2^40) as an unsigned integer. Integer sums are exact and order-free, so CPU, CUDA and the
+// torch reference agree on every cumulative mass no matter how they add them up.
+constexpr double kSampleWeightScale = 1099511627776.0;  // 2^40
+
+}  // namespace folio
+
+namespace folio {
+// Rows whose temperature is below this sample greedily (argmax), as the reference engine does.
+constexpr float kGreedyTemperature = 0.01f;
+}  // namespace folio

@@ -1,0 +1,104 @@
+"""Tiny random Hugging Face models of each supported architecture, saved as safetensors for tests.
+
+Weights are drawn with a larger spread than transformers' init (which makes attention nearly uniform and zeroes
+biases and norm offsets) so that a wrong bias, norm or rotary shows up in the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+TINY_SIZES: dict[str, Any] = dict(
+    num_hidden_layers=3,
+    hidden_size=96,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=250,  # deliberately not a multiple of 32
+    intermediate_size=160,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},  # MistralConfig defaults to a 4096 window
+}
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so that the tiny head_dim has low, medium and high frequency bands
+    "original_max_position_embeddings": 64,
+}
+
+
+def build_hf_model(arch: str, dtype: torch.dtype = torch.float32, tie: bool = False, seed: int = 0,
+                   **overrides: Any) -> transformers.PreTrainedModel:
+    config_name, model_name = ARCHS[arch]
+    settings = {**TINY_SIZES, **ARCH_DEFAULTS.get(arch, {}), "tie_word_embeddings": tie, **overrides}
+    config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    _randomize(model, seed)
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    return model
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(0.12 * noise)
+
+
+def make_hf_model(path: str | Path, arch: str, dtype: torch.dtype = torch.float32, tie: bool = False, *,
+                  seed: int = 0, max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3) to `path`; returns the path.
+
+    overrides replace config fields (e.g. rope_parameters=LLAMA3_ROPE); max_shard_size saves a sharded checkpoint.
+    """
+    path = Path(path)
+    model = build_hf_model(arch, dtype, tie, seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def make_sharded_hf_model(path: str | Path, arch: str, max_shard_size: str = "40KB", **kwargs: Any) -> Path:
+    """Like make_hf_model, saved as several shards with a model.safetensors.index.json."""
+    return make_hf_model(path, arch, max_shard_size=max_shard_size, **kwargs)
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits [len(token_ids), vocab] of one sequence run whole (causal: row p depends on tokens 0..p)."""
+    ids = torch.tensor([token_ids], dtype=torch.int64)
+    return model(input_ids=ids).logits[0].float()
