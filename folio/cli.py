@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="stream a greedy generation from a model")
     run.add_argument(
-        "--model", type=Path, default=None, help=f"Hugging Face model directory (default: demo model in ./{DEFAULT_DEMO_DIR})"
+        "--model", type=Path, default=None, help=f"model directory (default: the demo model, in ./{DEFAULT_DEMO_DIR})"
     )
     run.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     run.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate at most (default 64)")
@@ -128,7 +128,8 @@ def greedy_tokens(model, tok, prompt_ids: list[int], max_new_tokens: int) -> Ite
         yield token_id
         if token_id in eos_ids:
             return
-        chunk = SeqChunk(token_ids=[token_id], start_pos=chunk.start_pos + len(chunk.token_ids), block_table=block_table)
+        next_pos = chunk.start_pos + len(chunk.token_ids)
+        chunk = SeqChunk(token_ids=[token_id], start_pos=next_pos, block_table=block_table)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ class DynamicGenerator:
     max_chunk_size: prompt tokens ingested per step over all jobs (None: 2048, rounded to whole pages).
     max_q_size: most jobs waiting in the queue; `enqueue` raises QueueFull beyond it.
     paged: False runs one job at a time (batch size 1); the page pool still reuses the previous job's prefix.
+    prefix_cache: False never shares or keeps pages between jobs (to measure what the prefix cache is worth).
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
-                 paged: bool = True):
+                 paged: bool = True, prefix_cache: bool = True):
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -57,7 +58,7 @@ class DynamicGenerator:
             raise ValueError(f"max_q_size must be an integer >= 1, got {max_q_size!r}")
         self.max_q_size = max_q_size
         self.pool = PagePool(cache.num_pages, cache.page_size)
-        self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size)
+        self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size, prefix_cache)
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran

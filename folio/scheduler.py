@@ -96,7 +96,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch_size: int, max_chunk_size: int):
+    def __init__(self, pool: PagePool, max_batch_size: int, max_chunk_size: int, prefix_cache: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_chunk_size < 1:
@@ -105,6 +105,9 @@ class Scheduler:
         self.page_size = pool.page_size
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
+        # Off: no page is ever shared or kept after its job (for measuring what the prefix cache is worth).
+        self.prefix_cache = prefix_cache
+        self.num_preemptions = 0
         self.pending: deque[SeqState] = deque()
         self.active: list[SeqState] = []  # in admission order
         self._admit_counter = 0
@@ -190,8 +193,10 @@ class Scheduler:
 
     def _fits(self, seq: SeqState) -> bool:
         """Room for the part of the prompt not already in the pool, plus one page to grow into."""
-        lookup = self.pool.lookup(seq.page_hashes)
-        shared = lookup.num_ready + lookup.num_pending
+        shared = 0
+        if self.prefix_cache:
+            lookup = self.pool.lookup(seq.page_hashes)
+            shared = lookup.num_ready + lookup.num_pending
         pages_needed = math.ceil(len(seq.token_ids) / self.page_size) - shared + 1
         reserve = self._admission_reserve_pages if self.active else 0
         return pages_needed + reserve <= self.pool.num_allocatable
@@ -200,6 +205,8 @@ class Scheduler:
 
     def _reuse_prefix(self, seq: SeqState, plan: StepPlan) -> None:
         """At a page boundary, take whole pages from the pool, else copy the leading slots of a similar page."""
+        if not self.prefix_cache:
+            return
         size = self.page_size
         while seq.num_cached_tokens % size == 0:
             page_idx = seq.num_cached_tokens // size
@@ -248,6 +255,8 @@ class Scheduler:
         plan.progressed.add(id(seq))
 
     def _waits_for_pending_page(self, seq: SeqState) -> bool:
+        if not self.prefix_cache:
+            return False
         start = seq.num_cached_tokens
         if start % self.page_size:
             return False
@@ -301,7 +310,7 @@ class Scheduler:
         return True
 
     def _claim_if_prompt_page(self, seq: SeqState, page_idx: int, page: int) -> None:
-        if page_idx < len(seq.page_hashes):
+        if self.prefix_cache and page_idx < len(seq.page_hashes):
             parent = seq.page_hashes[page_idx - 1] if page_idx > 0 else None
             if self.pool.claim(page, seq.page_hashes[page_idx], parent):
                 seq.claimed.add(page_idx)
@@ -311,6 +320,7 @@ class Scheduler:
             raise CacheTooSmall(
                 f"a single sequence of {len(seq.token_ids)} tokens does not fit the cache "
                 f"({self.pool.num_pages} pages of {self.page_size})")
+        self.num_preemptions += 1
         self.active.remove(seq)
         plan.chunks = [c for c in plan.chunks if c.seq is not seq]
         plan.copies = [c for c in plan.copies if c.dst_page not in seq.block_table]
@@ -320,6 +330,8 @@ class Scheduler:
         plan.preempted.append(seq)
 
     def _register_full_pages(self, seq: SeqState, start: int, end: int) -> None:
+        if not self.prefix_cache:
+            return
         size = self.page_size
         for page_idx in range(start // size, end // size):
             if page_idx < len(seq.page_hashes):
@@ -336,7 +348,7 @@ class Scheduler:
     def _release_pages(self, seq: SeqState) -> None:
         size = self.page_size
         cached = seq.num_cached_tokens
-        if cached % size and len(seq.block_table) > cached // size:
+        if self.prefix_cache and cached % size and len(seq.block_table) > cached // size:
             # Keep the partly filled last page findable for partial reuse (e.g. the next chat turn).
             page_idx = cached // size
             parent = seq.page_hashes[page_idx - 1] if page_idx > 0 else None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -80,7 +81,10 @@ class Tokenizer:
         source: str = "<memory>",
     ):
         self._source = source
-        self._json = json.loads(tokenizer_json)
+        spec = json.loads(tokenizer_json)
+        # Only what token_bytes needs later; the full JSON of a large vocabulary is not worth keeping.
+        self._decoder_spec = spec.get("decoder")
+        self._model_byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
         self._hf = HFTokenizer.from_str(tokenizer_json)
         # A second instance that treats special tokens in the input as plain text. Two instances rather than
         # toggling the flag per call, so concurrent encodes from several threads never see each other's setting.
@@ -220,7 +224,7 @@ class _TokenBytesBuilder:
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
-        decoder_parts = _component_types(tok._json.get("decoder"))
+        decoder_parts = _component_types(tok._decoder_spec)
         part_types = [p.get("type") for p in decoder_parts]
         self.byte_level = "ByteLevel" in part_types
         self.space_marker: str | None = None
@@ -230,8 +234,7 @@ class _TokenBytesBuilder:
             elif part.get("type") == "Replace" and part.get("content") == " ":
                 pattern = part.get("pattern", {})
                 self.space_marker = pattern.get("String") if isinstance(pattern, dict) else None
-        model = tok._json.get("model") or {}
-        self.byte_fallback = "ByteFallback" in part_types or bool(model.get("byte_fallback"))
+        self.byte_fallback = "ByteFallback" in part_types or tok._model_byte_fallback
         if not self.byte_level and self.space_marker is None:
             raise ValueError(
                 f"{tok._source}: token_bytes supports byte-level BPE (ByteLevel decoder) and SentencePiece-style "

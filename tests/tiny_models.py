@@ -57,6 +57,7 @@ def build_hf_model(arch: str, dtype: torch.dtype = torch.float32, tie: bool = Fa
     _randomize(model, seed)
     model = model.to(dtype)
     model.config.dtype = dtype
+    model.config.architectures = [model_name]  # save_pretrained adds it; set it for config-only saves too
     return model
 
 

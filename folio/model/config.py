@@ -97,12 +97,15 @@ class ModelConfig:
         num_q_heads = _required(raw, "num_attention_heads", int)
         num_kv_heads = _optional(raw, "num_key_value_heads", int) or num_q_heads
         if num_q_heads % num_kv_heads:
-            raise ConfigError(f"num_attention_heads={num_q_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+            raise ConfigError(
+                f"num_attention_heads={num_q_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
         head_dim = _optional(raw, "head_dim", int)
         if head_dim is None:
             if hidden_size % num_q_heads:
                 raise ConfigError(
-                    f"no head_dim and hidden_size={hidden_size} is not a multiple of num_attention_heads={num_q_heads}"
+                    f"no head_dim and hidden_size={hidden_size} is not a multiple of "
+                    f"num_attention_heads={num_q_heads}"
                 )
             head_dim = hidden_size // num_q_heads
         if head_dim % 2:
@@ -151,17 +154,19 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _required(raw: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     if key not in raw or raw[key] is None:
         raise ConfigError(f"missing required field {key!r}")
-    return _typed(raw, key, kind)
+    return _positive_number(raw, key, kind)
 
 
 def _optional(raw: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    return None if raw.get(key) is None else _typed(raw, key, kind)
+    return None if raw.get(key) is None else _positive_number(raw, key, kind)
 
 
-def _typed(raw: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+def _positive_number(raw: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, kind):
         raise ConfigError(f"field {key!r} = {value!r} has the wrong type")
+    if value <= 0:
+        raise ConfigError(f"field {key!r} = {value!r} must be positive")
     return value
 
 
@@ -266,7 +271,8 @@ def _token_ids(value: Any, key: str) -> tuple[int, ...]:
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
     # generation_config.json usually lists every stop id (e.g. Llama 3 instruct's end-of-turn); keep both, in order
-    ids = _token_ids(generation.get("eos_token_id"), "eos_token_id") + _token_ids(raw.get("eos_token_id"), "eos_token_id")
+    ids = _token_ids(generation.get("eos_token_id"), "eos_token_id")
+    ids += _token_ids(raw.get("eos_token_id"), "eos_token_id")
     return tuple(dict.fromkeys(ids))
 
 

@@ -185,35 +185,70 @@ def _apply_penalties(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
 
 
 def _apply_bias_and_blocks(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
-    """Token bias (added), then blocked tokens (-inf), in place."""
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
+    """Token bias (added), then blocked tokens (-inf), in place, addressed as flat indices into `work`."""
+    stride = work.shape[1]
+    flat = work.view(-1)
+    bias_index: list[int] = []
     bias_values: list[float] = []
     for b, row in enumerate(rows):
         for token_id, bias in row.settings.token_bias:
-            bias_rows.append(b)
-            bias_ids.append(token_id)
+            bias_index.append(b * stride + token_id)
             bias_values.append(bias)
-    device = work.device
-    if bias_rows:
-        index = (_to_device(bias_rows, torch.int64, device), _to_device(bias_ids, torch.int64, device))
-        work.index_put_(index, _to_device(bias_values, torch.float32, device), accumulate=True)
-    blocked_rows = [b for b, row in enumerate(rows) for _ in row.blocked_ids]
-    if blocked_rows:
-        blocked_ids = [token_id for row in rows for token_id in row.blocked_ids]
-        index = (_to_device(blocked_rows, torch.int64, device), _to_device(blocked_ids, torch.int64, device))
-        work.index_put_(index, torch.full((), -math.inf, device=device))
+    if bias_index:
+        # Indices are unique (token_bias is a mapping), so the add is deterministic.
+        flat.index_add_(0, _to_device(bias_index, torch.int64, work.device),
+                        _to_device(bias_values, torch.float32, work.device))
+    blocked_index = [b * stride + token_id for b, row in enumerate(rows) for token_id in row.blocked_ids]
+    if blocked_index:
+        flat.index_fill_(0, _to_device(blocked_index, torch.int64, work.device), -math.inf)
 
 
-def _candidate_width(rows: Sequence[RowParams], num_columns: int) -> int | None:
-    """How many top logits every row's candidates fit in (None: some row needs the full sort)."""
-    widest = 0
+_GREEDY = (1.0, 2.0, 0.0, 1)
+
+
+def _truncation(s: SamplerSettings) -> tuple[float, float, float, int]:
+    """(temperature, top_p, min_p, top_k) as `_pick` applies them: a greedy row is top_k 1 at temperature 1, and
+    top_p 2.0 / min_p 0 / top_k 0 mean off."""
+    if s.is_greedy:
+        return _GREEDY
+    return s.temperature, s.top_p if s.top_p_active else 2.0, s.min_p, s.top_k
+
+
+@dataclass(frozen=True)
+class _PickParams:
+    """Per-row truncation parameters on the device, [B, 1] each, and what the host knows about them."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    top_k: torch.Tensor  # 0 (off) already replaced by the number of columns
+    u: torch.Tensor
+    any_greedy: bool
+    max_top_k: int | None  # None: some row has top-k off and needs the full sort
+
+
+def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.device) -> _PickParams:
+    """One small table per distinct settings object (rows often share one), gathered per row on the device; the
+    table, the draws and the row -> table index travel in a single transfer."""
+    table_index: dict[int, int] = {}
+    table: list[tuple[float, float, float, int]] = []
+    row_index: list[int] = []
     for row in rows:
-        s = row.settings
-        if not s.is_greedy and s.top_k == 0:
-            return None
-        widest = max(widest, 1 if s.is_greedy else s.top_k, row.return_top_tokens)
-    return min(widest, num_columns)
+        key = id(row.settings)
+        if key not in table_index:
+            table_index[key] = len(table)
+            table.append(_truncation(row.settings))
+        row_index.append(table_index[key])
+    flat = [v for t in table for v in (t[0], t[1], t[2], t[3] or num_columns)]
+    packed = _to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
+    num_rows, table_size = len(rows), 4 * len(table)
+    per_row = packed[:table_size].view(len(table), 4)[packed[table_size + num_rows:].long()]
+    columns = per_row.float().split(1, dim=1)
+    top_ks = [t[3] for t in table]
+    return _PickParams(temperature=columns[0], top_p=columns[1], min_p=columns[2], top_k=columns[3],
+                       u=packed[table_size: table_size + num_rows, None].float(),
+                       any_greedy=any(t is _GREEDY for t in table),
+                       max_top_k=None if 0 in top_ks else max(top_ks))
 
 
 def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...]:
@@ -221,48 +256,39 @@ def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...
     last two [B, C] sorted by probability."""
     device = x.device
     num_columns = x.shape[1]
-    width = _candidate_width(rows, num_columns)
-    if width is None:
+    p = _pick_params(rows, num_columns, device)
+    if p.max_top_k is None:
         sorted_logits, candidate_ids = x.sort(dim=1, descending=True, stable=True)
     else:
+        # Every row's candidates lie within the widest top-k: a partial top-k instead of a full sort.
+        width = min(num_columns, max(p.max_top_k, max(row.return_top_tokens for row in rows)))
         sorted_logits, candidate_ids = x.topk(width, dim=1, sorted=True)
-
-    greedy = [row.settings.is_greedy for row in rows]
-    params = _to_device(
-        [[1.0 if g else row.settings.temperature,
-          row.settings.top_p if row.settings.top_p_active and not g else 2.0,
-          0.0 if g else row.settings.min_p,
-          float(row.u),
-          1.0 if g else float(row.settings.top_k or num_columns)]
-         for row, g in zip(rows, greedy)], torch.float64, device)
-    temperature, top_p, min_p = params[:, 0:1].float(), params[:, 1:2].float(), params[:, 2:3].float()
-    u, top_k = params[:, 3:4].float(), params[:, 4:5]
 
     # A row whose logits are all -inf has nothing to pick; compute on zeros to keep NaNs out, report -1 below.
     pickable = sorted_logits[:, 0] > -math.inf
-    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / temperature
+    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / p.temperature
     rank = torch.arange(sorted_logits.shape[1], device=device)[None, :]
-    probs = torch.softmax(scaled.masked_fill(rank >= top_k, -math.inf), dim=1)
+    probs = torch.softmax(scaled.masked_fill(rank >= p.top_k, -math.inf), dim=1)
 
     # top-p: keep a token while the mass of the tokens before it has not reached p (the smallest set reaching p).
     mass_before = probs.cumsum(dim=1) - probs
-    keep = (mass_before < top_p - _TOP_P_SLACK) | (rank == 0)
-    keep &= probs >= min_p * probs[:, 0:1]
+    keep = (mass_before + probs <= p.top_p + _TOP_P_SLACK) | (rank == 0)
+    keep &= probs >= p.min_p * probs[:, 0:1]
     probs = probs * keep
     probs = probs / probs.sum(dim=1, keepdim=True)
 
     # Inverse CDF. Kept candidates form a prefix (each truncation keeps a prefix of the sorted order), so clamping
     # to the last non-zero entry guards against u * total rounding up to the very end.
     cdf = probs.cumsum(dim=1)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    picked = torch.searchsorted(cdf, p.u * cdf[:, -1:], right=True)
     num_nonzero = (probs > 0).sum(dim=1, keepdim=True)
     picked = torch.minimum(picked, num_nonzero - 1)
     token_ids = candidate_ids.gather(1, picked).squeeze(1)
     token_probs = probs.gather(1, picked).squeeze(1)
 
-    if any(greedy):
+    if p.any_greedy:
         # Greedy means argmax exactly (first index on ties), whatever order sort/topk gave to equal logits.
-        is_greedy = _to_device(greedy, torch.bool, device)
+        is_greedy = p.top_k[:, 0] == 1  # top_k 1 is greedy by definition
         argmax = x.argmax(dim=1)
         token_ids = torch.where(is_greedy, argmax, token_ids)
         # Keep the reported candidates consistent with it: swap argmax into the first slot (a tie, so the order by

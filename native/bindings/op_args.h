@@ -115,7 +115,9 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
   check_size(k, "k", 0, num_tokens, "num_tokens (q.size(0))");
   check_size(k, "k", 2, head_dim, "head_dim (q.size(2))");
   TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "argument 'v' has shape ", shape_str(v), " but 'k' has ", shape_str(k));
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_inner_contiguous(*t, name);
+  check_inner_contiguous(q, "q");
+  check_inner_contiguous(k, "k");
+  check_inner_contiguous(v, "v");
   check_dtype(positions, "positions", at::kLong);
   check_dim(positions, "positions", 1, "[num_tokens]");
   check_size(positions, "positions", 0, num_tokens, "num_tokens (q.size(0))");

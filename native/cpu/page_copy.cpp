@@ -1,5 +1,6 @@
 // Partial-page copy (CPU): slots [0, n) of one page onto another, in every layer of K and V.
 #include <cstring>
+#include <initializer_list>
 
 #include "kernels.h"
 

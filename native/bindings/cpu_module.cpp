@@ -1,0 +1,203 @@
+// folio._native_cpu: checks the tensors, releases the GIL, and runs the CPU kernels of native/cpu over
+// torch's intra-op thread pool. Signatures match folio/reference_ops.py exactly (plus the sampling ops).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "../cpu/kernels.h"
+#include "op_args.h"
+
+namespace folio::bind {
+namespace {
+
+constexpr c10::DeviceType kCpu = c10::DeviceType::CPU;
+
+// Runs kernel(begin, end) over [0, num_items) on torch's thread pool with the GIL released. `item_cost` is a
+// rough count of elements one item touches; small ops stay on the calling thread.
+template <typename Kernel>
+void run_items(int64_t num_items, int64_t item_cost, Kernel&& kernel) {
+  if (num_items <= 0) return;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, item_cost));
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) { kernel(begin, end); });
+}
+
+at::Tensor rms_norm(const at::Tensor& x,       // [N, H] float32/float16/bfloat16
+                    const at::Tensor& weight,  // [H] x's dtype or float32
+                    double eps) {
+  check_all_on(kCpu, {{&x, "x"}, {&weight, "weight"}});
+  const auto out = at::empty_like(x, at::MemoryFormat::Contiguous);  // [N, H] x's dtype
+  const RmsNormParams p = rms_norm_args(out, x, nullptr, weight, eps);
+  run_items(p.num_rows, p.hidden_size, [&](int64_t b, int64_t e) { cpu::rms_norm(p, b, e); });
+  return out;
+}
+
+void fused_add_rms_norm(const at::Tensor& x,         // [N, H] float; in place: rms_norm(residual + x) * weight
+                        const at::Tensor& residual,  // [N, H] x's dtype; in place: residual + x
+                        const at::Tensor& weight,    // [H] x's dtype or float32
+                        double eps) {
+  check_all_on(kCpu, {{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}});
+  const RmsNormParams p = rms_norm_args(x, x, &residual, weight, eps);
+  run_items(p.num_rows, p.hidden_size, [&](int64_t b, int64_t e) { cpu::rms_norm(p, b, e); });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {  // [N, 2F] float
+  check_all_on(kCpu, {{&x, "x"}});
+  check_dim(x, "x", 2, "[num_rows, 2 * width]");
+  const auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());  // [N, F] x's dtype
+  const SiluAndMulParams p = silu_and_mul_args(out, x);
+  run_items(p.num_rows, 2 * p.half_width, [&](int64_t b, int64_t e) { cpu::silu_and_mul(p, b, e); });
+  return out;
+}
+
+void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; rotated in place
+                        const at::Tensor& k,             // [T, Hkv, D] q's dtype; rotated in place
+                        const at::Tensor& v,             // [T, Hkv, D] q's dtype
+                        const at::Tensor& positions,     // [T] int64
+                        const at::Tensor& inv_freq,      // [D/2] float32
+                        const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                        const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                        const at::Tensor& slot_mapping)  // [T] int64, < 0 = do not write
+{
+  check_all_on(kCpu, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"}, {&inv_freq, "inv_freq"},
+                      {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}});
+  const RotaryCacheWriteParams p = rotary_cache_write_args(q, k, v, positions, inv_freq, k_cache, v_cache,
+                                                           slot_mapping);
+  const int64_t num_slots = k_cache.size(0) * p.page_size;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    TORCH_CHECK_VALUE(p.slot_mapping[t] < num_slots, "slot_mapping[", t, "] = ", p.slot_mapping[t],
+                      " outside the cache's ", num_slots, " slots");
+  }
+  run_items(p.num_tokens, (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim,
+            [&](int64_t b, int64_t e) { cpu::rotary_cache_write(p, b, e); });
+}
+
+// Host-side checks the CPU can afford: every sequence's pages exist and every page index is valid.
+void check_sequences(const PagedAttentionParams& p, int64_t num_pages) {
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t context_len = p.context_lens[b];
+    TORCH_CHECK_VALUE(0 <= context_len && context_len <= p.max_blocks * p.page_size, "context_lens[", b, "] = ",
+                      context_len, " outside [0, max_blocks * page_size = ", p.max_blocks * p.page_size, "]");
+    const int64_t used_blocks = (context_len + p.page_size - 1) / p.page_size;
+    for (int64_t j = 0; j < used_blocks; ++j) {
+      const int64_t page = p.block_tables[b * p.block_table_stride + j];
+      TORCH_CHECK_VALUE(0 <= page && page < num_pages, "block_tables[", b, ", ", j, "] = ", page,
+                        " outside [0, num_pages = ", num_pages, ")");
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
+                           const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                           const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                           const at::Tensor& block_tables,  // [B, max_blocks] int32
+                           const at::Tensor& cu_seqlens_q,  // [B + 1] int32
+                           const at::Tensor& context_lens,  // [B] int32
+                           double scale, int64_t max_q_len) {
+  check_all_on(kCpu, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
+                      {&cu_seqlens_q, "cu_seqlens_q"}, {&context_lens, "context_lens"}});
+  const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
+  const PagedAttentionParams p =
+      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
+  check_sequences(p, k_cache.size(0));
+  const int64_t num_tokens = q.size(0);
+  TORCH_CHECK_VALUE(p.cu_seqlens_q[0] == 0 && p.cu_seqlens_q[p.num_seqs] == num_tokens,
+                    "cu_seqlens_q must start at 0 and end at num_tokens = ", num_tokens, ", got ",
+                    p.cu_seqlens_q[0], " .. ", p.cu_seqlens_q[p.num_seqs]);
+  std::vector<int32_t> token_seq(num_tokens);
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t q_len = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    TORCH_CHECK_VALUE(0 <= q_len && q_len <= max_q_len && q_len <= p.context_lens[b], "sequence ", b, ": ", q_len,
+                      " queries but max_q_len=", max_q_len, ", context_len=", p.context_lens[b]);
+    for (int64_t t = p.cu_seqlens_q[b]; t < p.cu_seqlens_q[b + 1]; ++t) token_seq[t] = static_cast<int32_t>(b);
+  }
+  run_items(num_tokens * p.num_q_heads, p.max_blocks * p.page_size * p.head_dim,
+            [&](int64_t b, int64_t e) { cpu::paged_attention(p, token_seq.data(), b, e); });
+  return out;
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D] float
+                                  const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                                  const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                                  const at::Tensor& block_tables,  // [B, max_blocks] int32
+                                  const at::Tensor& context_lens,  // [B] int32
+                                  double scale) {
+  check_all_on(kCpu, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
+                      {&context_lens, "context_lens"}});
+  const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
+  const PagedAttentionParams p =
+      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1);
+  check_sequences(p, k_cache.size(0));
+  run_items(p.num_seqs * p.num_q_heads, p.max_blocks * p.page_size * p.head_dim,
+            [&](int64_t b, int64_t e) { cpu::paged_attention_decode(p, b, e); });
+  return out;
+}
+
+void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float, contiguous
+                     const at::Tensor& v_cache,  // [L, P, S, Hkv, D] k_cache's dtype, contiguous
+                     int64_t src_page, int64_t dst_page, int64_t num_slots) {
+  check_all_on(kCpu, {{&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
+  const PageCopyParams p = copy_page_slots_args(k_cache, v_cache, src_page, dst_page, num_slots);
+  run_items(p.num_layers, 2 * p.num_slots * p.slot_elems, [&](int64_t b, int64_t e) { cpu::copy_page_slots(p, b, e); });
+}
+
+at::Tensor sample_rows(const at::Tensor& logits,       // [B, V] float32
+                       const at::Tensor& temperature,  // [B] float32; < 0.01 = greedy
+                       const at::Tensor& top_k,        // [B] int32; <= 0 = off
+                       const at::Tensor& top_p,        // [B] float32; >= 1 = off
+                       const at::Tensor& min_p,        // [B] float32; <= 0 = off
+                       const at::Tensor& u) {          // [B] float32 uniform draws in [0, 1)
+  check_all_on(kCpu, {{&logits, "logits"}, {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"},
+                      {&min_p, "min_p"}, {&u, "u"}});
+  logits_args(logits);
+  const auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));  // [B] int64
+  const SampleParams p = sample_rows_args(out, logits, temperature, top_k, top_p, min_p, u);
+  run_items(p.num_rows, 4 * p.vocab_size, [&](int64_t b, int64_t e) { cpu::sample_rows(p, b, e); });
+  return out;
+}
+
+void apply_penalties(const at::Tensor& logits,   // [B, V] float32, modified in place
+                     const at::Tensor& history,  // [B, H] int64 token ids, -1 = padding
+                     const at::Tensor& rep,      // [B] float32 repetition penalty (1 = off)
+                     const at::Tensor& freq,     // [B] float32 frequency penalty (0 = off)
+                     const at::Tensor& pres) {   // [B] float32 presence penalty (0 = off)
+  check_all_on(kCpu, {{&logits, "logits"}, {&history, "history"}, {&rep, "rep"}, {&freq, "freq"}, {&pres, "pres"}});
+  const PenaltyParams p = apply_penalties_args(logits, history, rep, freq, pres);
+  run_items(p.num_rows, p.history_len, [&](int64_t b, int64_t e) { cpu::apply_penalties(p, b, e); });
+}
+
+void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in place
+                 const at::Tensor& token_ids) {  // [B, K] int64 ids set to -inf, -1 = padding
+  check_all_on(kCpu, {{&logits, "logits"}, {&token_ids, "token_ids"}});
+  const MaskTokensParams p = mask_tokens_args(logits, token_ids);
+  run_items(p.num_rows, p.num_ids, [&](int64_t b, int64_t e) { cpu::mask_tokens(p, b, e); });
+}
+
+}  // namespace
+}  // namespace folio::bind
+
+PYBIND11_MODULE(_native_cpu, m) {
+  namespace py = pybind11;
+  using namespace folio::bind;
+  m.doc() = "folio CPU kernels (see native/); signatures match folio.reference_ops";
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, py::arg("x"));
+  m.def("rotary_cache_write", &rotary_cache_write, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),
+        py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("max_q_len"));
+  m.def("paged_attention_decode", &paged_attention_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
+  m.def("copy_page_slots", &copy_page_slots, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"),
+        py::arg("dst_page"), py::arg("num_slots"));
+  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("min_p"), py::arg("u"));
+  m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
+        py::arg("pres"));
+  m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
+}

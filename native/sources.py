@@ -1,0 +1,30 @@
+"""The one list of native sources, read by setup.py (paths relative to the repository root).
+
+Kernels live in native/cpu (C++) and native/cuda (CUDA) and include no torch or pybind11 header; the binding
+layer in native/bindings checks tensors and defines one pybind11 module per backend.
+"""
+
+CPU_MODULE = "folio._native_cpu"
+CPU_SOURCES = [
+    "native/bindings/cpu_module.cpp",
+    "native/cpu/norm.cpp",
+    "native/cpu/rotary.cpp",
+    "native/cpu/attention.cpp",
+    "native/cpu/page_copy.cpp",
+    "native/cpu/sampling.cpp",
+]
+
+CUDA_MODULE = "folio._native_cuda"
+CUDA_SOURCES = [
+    "native/bindings/cuda_module.cpp",
+    "native/cuda/norm.cu",
+    "native/cuda/rotary.cu",
+    "native/cuda/attention_decode.cu",
+    "native/cuda/attention_prefill.cu",
+    "native/cuda/page_copy.cu",
+    "native/cuda/sampling.cu",
+]
+
+# Compute capabilities built by default: Hopper plus the common Ampere/Ada parts. FOLIO_CUDA_ARCHS="9.0"
+# restricts a build to Hopper (much faster to compile).
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0"

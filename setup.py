@@ -1,0 +1,70 @@
+"""Builds folio's native extensions against the torch that is already installed.
+
+    pip install --no-build-isolation -e .        # or: python setup.py build_ext --inplace
+
+Always builds folio._native_cpu; builds folio._native_cuda too when the installed torch has CUDA and nvcc is
+found (CUDA_HOME or PATH). Build-time settings (read here only, never inside folio/):
+    FOLIO_CUDA_ARCHS   compute capabilities, e.g. "9.0" for a fast Hopper-only build (default: sources.py)
+    FOLIO_BUILD_CUDA   "0" skips the CUDA module even where it could be built
+    MAX_JOBS           parallel compile jobs (default: every core)
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+SOURCES = runpy.run_path(str(ROOT / "native" / "sources.py"))
+
+
+def _cuda_gencode_flags(archs: str) -> list[str]:
+    """'8.0;9.0' -> -gencode flags with machine code for each, plus PTX of the newest for later chips."""
+    caps = [a.strip().replace(".", "") for a in archs.replace(",", ";").split(";") if a.strip()]
+    if not caps or not all(c.isdigit() for c in caps):
+        raise SystemExit(f"FOLIO_CUDA_ARCHS={archs!r}: expected compute capabilities like '8.0;9.0'")
+    flags = [f"-gencode=arch=compute_{c},code=sm_{c}" for c in caps]
+    newest = max(caps, key=int)
+    return flags + [f"-gencode=arch=compute_{newest},code=compute_{newest}"]
+
+
+def _extensions() -> tuple[list, dict]:
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        # Metadata-only runs (e.g. `pip install` without --no-build-isolation) get no native code; folio.ops
+        # then falls back to the torch reference ops.
+        print("setup.py: torch is not importable here; building no native extension", file=sys.stderr)
+        return [], {}
+
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    cxx_flags = ["-O3"]
+    extensions = [
+        CppExtension(SOURCES["CPU_MODULE"], SOURCES["CPU_SOURCES"], extra_compile_args={"cxx": cxx_flags}),
+    ]
+    want_cuda = os.environ.get("FOLIO_BUILD_CUDA", "1") != "0"
+    if want_cuda and torch.version.cuda is not None and CUDA_HOME is not None:
+        archs = os.environ.get("FOLIO_CUDA_ARCHS", SOURCES["DEFAULT_CUDA_ARCHS"])
+        nvcc_flags = ["-O3", "-lineinfo", *_cuda_gencode_flags(archs)]
+        extensions.append(
+            CUDAExtension(
+                SOURCES["CUDA_MODULE"],
+                SOURCES["CUDA_SOURCES"],
+                extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            )
+        )
+        print(f"setup.py: building {SOURCES['CUDA_MODULE']} for compute capabilities {archs}", file=sys.stderr)
+    else:
+        reason = "FOLIO_BUILD_CUDA=0" if not want_cuda else (
+            "torch has no CUDA" if torch.version.cuda is None else "nvcc not found (set CUDA_HOME)")
+        print(f"setup.py: skipping {SOURCES['CUDA_MODULE']}: {reason}", file=sys.stderr)
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

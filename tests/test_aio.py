@@ -1,0 +1,164 @@
+"""The asyncio API: concurrent jobs from separate tasks, cancellation, per-job errors, and a free event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import folio
+from folio.results import EosReason, Stage
+
+GREEDY = folio.SamplerSettings.greedy()
+
+
+def make_async(parts, **kwargs):
+    cache = folio.Cache(parts.model, num_tokens=4096, page_size=16)
+    return folio.DynamicGeneratorAsync(model=parts.model, cache=cache, tokenizer=parts.tokenizer,
+                                       max_q_size=64, **kwargs)
+
+
+async def collect(job) -> list:
+    return [r async for r in job]
+
+
+def test_32_concurrent_jobs_from_separate_tasks(peaked):
+    tok = peaked.tokenizer
+    prompt_ids = [tok.encode(f"Story {i}: the tide came in") for i in range(32)]
+    lengths = [4 + i % 7 for i in range(32)]
+
+    # Reference: each prompt alone through the synchronous generator.
+    sync_gen = folio.DynamicGenerator(model=peaked.model, cache=folio.Cache(peaked.model, num_tokens=4096,
+                                      page_size=16), tokenizer=tok)
+    expected = []
+    for ids, n in zip(prompt_ids, lengths):
+        job = folio.DynamicJob(input_ids=ids, max_new_tokens=n, gen_settings=GREEDY, stop_conditions=[])
+        sync_gen.enqueue(job)
+        while sync_gen.num_remaining_jobs():
+            sync_gen.iterate()
+        expected.append(job.generated_ids)
+
+    async def main():
+        generator = make_async(peaked)
+
+        async def one(i):
+            await asyncio.sleep(0.001 * (i % 4))
+            job = folio.DynamicJobAsync(generator, input_ids=prompt_ids[i], max_new_tokens=lengths[i],
+                                        gen_settings=GREEDY, stop_conditions=[])
+            results = await collect(job)
+            return job, results
+
+        outs = await asyncio.gather(*(asyncio.create_task(one(i)) for i in range(32)))
+        await generator.close()
+        return outs
+
+    outs = asyncio.run(main())
+    for i, (job, results) in enumerate(outs):
+        assert results[0].stage == Stage.STARTED
+        assert results[-1].eos and results[-1].eos_reason == EosReason.MAX_NEW_TOKENS
+        streamed = [t for r in results if r.stage == Stage.STREAMING for t in r.token_ids]
+        assert len(streamed) == lengths[i]
+        assert job.job.generated_ids == expected[i]
+
+
+def test_cancel_mid_stream_frees_pages(peaked):
+    async def main():
+        generator = make_async(peaked)
+        pool = generator.generator.pool
+        long_job = folio.DynamicJobAsync(generator, input_ids=peaked.tokenizer.encode("long one"),
+                                         max_new_tokens=300, gen_settings=GREEDY, stop_conditions=[])
+        seen = 0
+        async for result in long_job:
+            if result.stage == Stage.STREAMING:
+                seen += 1
+                if seen == 40:
+                    assert pool.num_in_use > 0
+                    await long_job.cancel()
+        in_use_after = pool.num_in_use
+        remaining = generator.num_remaining_jobs
+        # A cancelled (or finished) job can be cancelled again harmlessly.
+        await long_job.cancel()
+        await generator.close()
+        return seen, in_use_after, remaining
+
+    seen, in_use_after, remaining = asyncio.run(main())
+    assert seen == 40
+    assert in_use_after == 0 and remaining == 0
+
+
+def test_cancel_pending_job_before_it_starts(peaked):
+    async def main():
+        generator = make_async(peaked)
+        job = folio.DynamicJobAsync(generator, input_ids=[5, 6, 7], max_new_tokens=50, stop_conditions=[])
+        await job.cancel()
+        results = await collect(job)
+        await asyncio.sleep(0.05)
+        state = (generator.num_remaining_jobs, generator.generator.pool.num_in_use)
+        await generator.close()
+        return results, state
+
+    results, state = asyncio.run(main())
+    assert results == [] and state == (0, 0)
+
+
+def test_error_in_one_job_fails_only_that_job(peaked, monkeypatch):
+    async def main():
+        generator = make_async(peaked)
+        good = folio.DynamicJobAsync(generator, input_ids=[5, 6, 7], max_new_tokens=20, gen_settings=GREEDY,
+                                     stop_conditions=[])
+        bad = folio.DynamicJobAsync(generator, input_ids=[8, 9], max_new_tokens=20, gen_settings=GREEDY,
+                                    stop_conditions=[])
+        original = bad.job.receive_token
+
+        def explode(token_id, extras):
+            if bad.job.new_tokens == 3:
+                raise RuntimeError("filter blew up")
+            return original(token_id, extras)
+
+        bad.job.receive_token = explode
+        good_task = asyncio.create_task(collect(good))
+        with pytest.raises(RuntimeError, match="filter blew up"):
+            await collect(bad)
+        good_results = await good_task
+        in_use = generator.generator.pool.num_in_use
+        await generator.close()
+        return good_results, in_use
+
+    good_results, in_use = asyncio.run(main())
+    assert good_results[-1].eos_reason == EosReason.MAX_NEW_TOKENS
+    assert in_use == 0
+
+
+def test_event_loop_stays_free_while_generating(peaked):
+    async def main():
+        generator = make_async(peaked)
+        jobs = [folio.DynamicJobAsync(generator, input_ids=[5 + i, 6, 7], max_new_tokens=60, stop_conditions=[])
+                for i in range(8)]
+        tasks = [asyncio.create_task(collect(j)) for j in jobs]
+        # A ticker on the loop: if the engine ran on the loop, gaps would be as long as whole steps.
+        gaps, last = [], time.monotonic()
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.002)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        await asyncio.gather(*tasks)
+        await generator.close()
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert len(gaps) > 10
+    assert sorted(gaps)[len(gaps) // 2] < 0.05
+
+
+def test_invalid_job_raises_in_the_caller(peaked):
+    async def main():
+        generator = make_async(peaked, max_seq_len=64)
+        try:
+            with pytest.raises(ValueError, match="max_seq_len"):
+                folio.DynamicJobAsync(generator, input_ids=list(range(5, 60)), max_new_tokens=20)
+        finally:
+            await generator.close()
+
+    asyncio.run(main())

@@ -1,0 +1,361 @@
+"""DynamicGenerator end to end on the CPU: equivalences under greedy sampling, preemption, admission, stop
+conditions, cancellation, and the errors users see. The page pool's invariants are checked after every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import hf_logits, load_hf_model
+
+import folio
+from folio.generator import QueueFull
+from folio.job import JobState
+from folio.results import EosReason, Stage
+
+GREEDY = folio.SamplerSettings.greedy()
+
+
+def prompts(tokenizer, n: int, base: str = "The lighthouse keeper") -> list[list[int]]:
+    texts = [f"{base} number {i} walked {'far ' * (i % 5)}along the shore" for i in range(n)]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def run_to_end(generator, jobs, check_every_step: bool = True) -> dict[int, list]:
+    """Enqueue jobs, iterate until all finish; returns {serial: [results]} (pool.check() after every step)."""
+    results: dict[int, list] = {}
+    for job in jobs:
+        generator.enqueue(job)
+    steps = 0
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            results.setdefault(r.serial, []).append(r)
+        if check_every_step:
+            generator.pool.check()
+        steps += 1
+        assert steps < 10_000, "generator made no progress"
+    return results
+
+
+def generated_ids(results: list) -> list[int]:
+    return [t for r in results if r.stage == Stage.STREAMING for t in r.token_ids] + (
+        [results[-1].eos_triggering_token_id] if results[-1].eos_reason == EosReason.STOP_TOKEN else [])
+
+
+def make_jobs(token_lists, max_new_tokens=24, **kwargs):
+    return [folio.DynamicJob(input_ids=ids, max_new_tokens=max_new_tokens, gen_settings=GREEDY,
+                             stop_conditions=[], **kwargs) for ids in token_lists]
+
+
+def outputs(generator, token_lists, **kwargs) -> list[list[int]]:
+    jobs = make_jobs(token_lists, **kwargs)
+    res = run_to_end(generator, jobs)
+    return [job.generated_ids for job in jobs] if res else []
+
+
+# --- equivalences (greedy) ---
+
+def test_batched_equals_each_alone(peaked):
+    token_lists = prompts(peaked.tokenizer, 6)
+    alone = []
+    for ids in token_lists:
+        alone += outputs(peaked.generator(), [ids])
+    batched = outputs(peaked.generator(), token_lists)
+    assert batched == alone
+    assert all(len(o) == 24 for o in batched)
+
+
+def test_prefix_cache_on_equals_off_and_hits(peaked):
+    shared = peaked.tokenizer.encode("A long shared preamble about ships and harbours and the sea " * 3)
+    token_lists = [shared + peaked.tokenizer.encode(f" question {i}?") for i in range(4)]
+    gen_on = peaked.generator()
+    on = []
+    for ids in token_lists:  # one after another, so later jobs find the first one's pages cached
+        jobs = make_jobs([ids])
+        res = run_to_end(gen_on, jobs)
+        on.append(jobs[0].generated_ids)
+        final = res[jobs[0].serial][-1]
+        if ids is not token_lists[0]:
+            assert final.cached_pages >= len(shared) // 16 - 1
+            assert final.cached_tokens >= final.cached_pages * 16
+    off = []
+    gen_off = peaked.generator(prefix_cache=False)
+    for ids in token_lists:
+        jobs = make_jobs([ids])
+        res = run_to_end(gen_off, jobs)
+        off.append(jobs[0].generated_ids)
+        assert res[jobs[0].serial][-1].cached_tokens == 0
+    assert on == off
+
+
+def test_in_flight_jobs_share_prefix_pages(peaked):
+    shared = peaked.tokenizer.encode("Shared context for every request in this batch, long enough. " * 3)
+    token_lists = [shared + peaked.tokenizer.encode(f" tail {i}") for i in range(4)]
+    gen = peaked.generator()
+    jobs = make_jobs(token_lists, max_new_tokens=4)
+    for job in jobs:
+        gen.enqueue(job)
+    peak_shared = 0
+    while gen.num_remaining_jobs():
+        gen.iterate()
+        gen.pool.check()
+        tables = [s.block_table for s in gen.scheduler.active]
+        if len(tables) > 1:
+            first_pages = [t[0] for t in tables if t]
+            peak_shared = max(peak_shared, max(first_pages.count(p) for p in first_pages))
+    assert peak_shared == 4, "all four running jobs should reference the same first page"
+    alone = outputs(peaked.generator(), token_lists, max_new_tokens=4)
+    assert [j.generated_ids for j in jobs] == alone
+
+
+def test_preempted_and_resumed_equals_uninterrupted(peaked):
+    token_lists = prompts(peaked.tokenizer, 6)
+    reference = outputs(peaked.generator(num_tokens=4096), token_lists, max_new_tokens=40)
+    # 12 pages of 16 tokens: all six jobs are admitted, then run out of room while decoding.
+    small = peaked.generator(num_tokens=12 * 16)
+    got = outputs(small, token_lists, max_new_tokens=40)
+    assert small.scheduler.num_preemptions > 0
+    assert got == reference
+
+
+def test_chunked_prefill_equals_whole(peaked):
+    long_prompt = peaked.tokenizer.encode("Every harbour has its own story to tell, and ours is long. " * 4)
+    assert len(long_prompt) > 64
+    whole = outputs(peaked.generator(max_chunk_size=2048), [long_prompt])
+    gen = peaked.generator(max_chunk_size=16)
+    jobs = make_jobs([long_prompt])
+    res = run_to_end(gen, jobs)
+    prefill = [r for r in res[jobs[0].serial] if r.stage == Stage.PREFILL]
+    assert len(prefill) >= len(long_prompt) // 16  # one chunk of at most 16 tokens per step
+    assert [r.curr_progress for r in prefill] == sorted(r.curr_progress for r in prefill)
+    assert jobs[0].generated_ids == whole[0]
+
+
+def test_return_logits_match_transformers(peaked):
+    ids = peaked.tokenizer.encode("The keeper lit the lamp")
+    job = folio.DynamicJob(input_ids=ids, max_new_tokens=8, gen_settings=GREEDY, stop_conditions=[],
+                           return_logits=True, return_probs=True, return_top_tokens=3)
+    res = run_to_end(peaked.generator(), [job])[job.serial]
+    ours = torch.cat([r.logits for r in res if r.stage == Stage.STREAMING and r.logits is not None])
+    assert ours.shape[0] == 8
+    hf = hf_logits(load_hf_model(peaked.path), ids + job.generated_ids)[len(ids) - 1:len(ids) + 7]
+    vocab = peaked.tokenizer.vocab_size
+    rel = (ours[:, :vocab] - hf[:, :vocab]).abs().max() / hf[:, :vocab].abs().max()
+    assert rel <= 1e-4
+    streaming = [r for r in res if r.stage == Stage.STREAMING and r.token_ids]
+    for r in streaming:
+        assert len(r.token_probs) == len(r.token_ids)
+        for tokens, token in zip(r.top_k_tokens, r.token_ids):
+            assert tokens[0] == token  # greedy: the chosen token is the most probable
+        assert all(p == pytest.approx(1.0) for p in r.token_probs)  # top-k 1 leaves one candidate
+
+
+# --- capacity ---
+
+def test_cache_smaller_than_worst_case_still_runs_every_job(peaked):
+    token_lists = prompts(peaked.tokenizer, 8)
+    worst_case_pages = sum(-(-(len(ids) + 60) // 16) for ids in token_lists)
+    gen = peaked.generator(num_tokens=16 * 16)
+    assert worst_case_pages > 2 * gen.cache.num_pages
+    got = outputs(gen, token_lists, max_new_tokens=60)
+    assert [len(o) for o in got] == [60] * 8
+    assert gen.pool.num_in_use == 0
+
+
+def test_more_jobs_run_concurrently_than_reservation_allows(peaked):
+    # Worst-case reservation (prompt + max_new_tokens up front) would fit two of these jobs in 24 pages; on-demand
+    # allocation runs all ten at once while their sequences are short.
+    token_lists = prompts(peaked.tokenizer, 10)
+    gen = peaked.generator(num_tokens=24 * 16, max_q_size=16)
+    per_job_worst = max(-(-(len(ids) + 150) // 16) for ids in token_lists)
+    reservation_limit = gen.cache.num_pages // per_job_worst
+    jobs = make_jobs(token_lists, max_new_tokens=150)
+    for job in jobs:
+        gen.enqueue(job)
+    peak_decoding = 0
+    for _ in range(6):
+        gen.iterate()
+        peak_decoding = max(peak_decoding, sum(1 for s in gen.scheduler.active if s.is_decoding))
+    assert reservation_limit <= 2
+    assert peak_decoding == 10
+    gen.clear_queue()
+    gen.pool.check()
+
+
+# --- stop conditions and text ---
+
+def test_stop_string_split_across_tokens(peaked):
+    ids = peaked.tokenizer.encode("Once upon a time")
+    free = make_jobs([ids], max_new_tokens=30)[0]
+    run_to_end(peaked.generator(), [free])
+    pieces = [peaked.tokenizer.decode([t]) for t in free.generated_ids]
+    # A stop string that starts inside token 3 and ends inside token 5.
+    boundary = len("".join(pieces[:3]))
+    text = "".join(pieces)
+    assert len(pieces[2]) >= 1 and len(pieces[4]) >= 1
+    stop = text[boundary - 1:boundary + len(pieces[3]) + 1]
+    assert stop and text.find(stop) == boundary - 1
+    job = make_jobs([ids], max_new_tokens=30)[0]
+    job.stop_strings = (stop,)
+    job2 = folio.DynamicJob(input_ids=ids, max_new_tokens=30, gen_settings=GREEDY, stop_conditions=[stop])
+    res = run_to_end(peaked.generator(), [job2])[job2.serial]
+    final = res[-1]
+    assert final.eos_reason == EosReason.STOP_STRING
+    assert final.eos_triggering_string == stop
+    assert final.full_completion == text[:boundary - 1]
+    assert "".join(r.text for r in res if r.stage == Stage.STREAMING) == text[:boundary - 1]
+    assert final.new_tokens == 5
+
+
+def test_stop_token_and_min_new_tokens(peaked):
+    ids = peaked.tokenizer.encode("Once upon a time")
+    free = make_jobs([ids], max_new_tokens=12)[0]
+    run_to_end(peaked.generator(), [free])
+    first = free.generated_ids[0]
+    stopped = folio.DynamicJob(input_ids=ids, max_new_tokens=12, gen_settings=GREEDY, stop_conditions=[first])
+    final = run_to_end(peaked.generator(), [stopped])[stopped.serial][-1]
+    assert final.eos_reason == EosReason.STOP_TOKEN and final.eos_triggering_token_id == first
+    assert final.new_tokens == 1 and final.full_completion == ""
+    held_back = folio.DynamicJob(input_ids=ids, max_new_tokens=12, gen_settings=GREEDY, stop_conditions=[first],
+                                 min_new_tokens=5)
+    res = run_to_end(peaked.generator(), [held_back])[held_back.serial]
+    assert first not in held_back.generated_ids[:5]
+    assert held_back.new_tokens >= 5
+    assert res[-1].full_completion == "".join(r.text for r in res if r.stage == Stage.STREAMING)
+
+
+def test_streamed_text_equals_decoded_tokens(demo):
+    # The demo model's random weights emit arbitrary byte tokens, so multi-byte characters get split; whatever
+    # arrives in pieces must add up to the decode of all tokens, and no chunk may end inside a character.
+    gen = demo.generator()
+    jobs = [folio.DynamicJob(input_ids=demo.tokenizer.encode(p), max_new_tokens=80, stop_conditions=[], seed=i,
+                             gen_settings=folio.SamplerSettings(temperature=1.5, top_k=0, top_p=0))
+            for i, p in enumerate(["Héllo wörld ☃", "日本語のテキスト", "emoji 🎉 time"])]
+    res = run_to_end(gen, jobs)
+    for job in jobs:
+        streamed = "".join(r.text for r in res[job.serial] if r.stage == Stage.STREAMING)
+        assert streamed == demo.tokenizer.decode(job.generated_ids)
+
+
+# --- admission ---
+
+def test_max_skips_bounds_overtaking(peaked):
+    gen = peaked.generator(num_tokens=12 * 16)
+    # The hog holds 6 pages and grows; the big job needs 7 + 1, so it cannot start while the hog runs, but the
+    # small ones (1 + 1 pages) can — at most max_skips of them may go first.
+    hog = folio.DynamicJob(input_ids=list(range(10, 106)), max_new_tokens=80, gen_settings=GREEDY,
+                           stop_conditions=[])
+    big = folio.DynamicJob(input_ids=list(range(200, 300)), max_new_tokens=8, gen_settings=GREEDY,
+                           stop_conditions=[], max_skips=2)
+    smalls = [folio.DynamicJob(input_ids=[300 + i, 301 + i], max_new_tokens=2, gen_settings=GREEDY,
+                               stop_conditions=[]) for i in range(5)]
+    gen.max_q_size = 16
+    gen.enqueue(hog)
+    gen.iterate()
+    gen.enqueue(big)
+    gen.enqueue(smalls)
+    started_order = []
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.stage == Stage.STARTED:
+                started_order.append(r.job)
+        gen.pool.check()
+    assert started_order.index(big) <= 2  # at most max_skips small jobs went first
+    assert big.skips == 2
+    assert all(j.state == JobState.FINISHED for j in [hog, big, *smalls])
+
+
+# --- cancellation ---
+
+def test_cancel_in_every_state(peaked):
+    tok = peaked.tokenizer
+    gen = peaked.generator(max_chunk_size=16)
+    long_ids = tok.encode("cancel me while I am still reading my very long prompt " * 3)
+
+    pending = make_jobs([long_ids])[0]
+    gen.enqueue(pending)
+    gen.cancel(pending)
+    assert gen.num_remaining_jobs() == 0 and pending.state == JobState.CANCELLED
+
+    prefilling = make_jobs([long_ids])[0]
+    gen.enqueue(prefilling)
+    gen.iterate()
+    assert gen.pool.num_in_use > 0 and not gen.scheduler.active[0].is_decoding
+    gen.cancel(prefilling)
+    assert gen.pool.num_in_use == 0
+
+    decoding = make_jobs([tok.encode("short")], max_new_tokens=50)[0]
+    gen.enqueue(decoding)
+    for _ in range(5):
+        gen.iterate()
+    assert decoding.new_tokens > 0
+    gen.cancel(decoding)
+    assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
+
+    finished = make_jobs([tok.encode("done")], max_new_tokens=2)[0]
+    run_to_end(gen, [finished])
+    gen.cancel(finished)  # no-op
+    assert finished.state == JobState.FINISHED
+    gen.pool.check()
+
+
+# --- errors users see ---
+
+def test_queue_full(peaked):
+    gen = peaked.generator(max_q_size=2)
+    jobs = make_jobs(prompts(peaked.tokenizer, 3))
+    gen.enqueue(jobs[0])
+    gen.enqueue(jobs[1])
+    with pytest.raises(QueueFull, match="queue is full"):
+        gen.enqueue(jobs[2])
+
+
+def test_over_long_prompt_rejected(peaked):
+    gen = peaked.generator(num_tokens=1024, max_seq_len=200)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 200"):
+        gen.enqueue(folio.DynamicJob(input_ids=list(range(3, 190)), max_new_tokens=20))
+    small = peaked.generator(num_tokens=64)
+    with pytest.raises(ValueError, match="pages"):
+        small.enqueue(folio.DynamicJob(input_ids=list(range(3, 60)), max_new_tokens=20))
+
+
+def test_bad_job_arguments():
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        folio.DynamicJob(input_ids=[], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        folio.DynamicJob(input_ids=[1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop condition"):
+        folio.DynamicJob(input_ids=[1], max_new_tokens=4, stop_conditions=[1.5])
+    with pytest.raises(ValueError, match="must not be empty"):
+        folio.DynamicJob(input_ids=[1], max_new_tokens=4, stop_conditions=[""])
+
+
+def test_generate_runs_alongside_other_jobs(peaked):
+    gen = peaked.generator()
+    other = make_jobs([peaked.tokenizer.encode("background job")], max_new_tokens=30)[0]
+    gen.enqueue(other)
+    gen.iterate()
+    text = gen.generate(["One", "Two"], max_new_tokens=6, gen_settings=GREEDY, stop_conditions=[],
+                        completion_only=True)
+    assert len(text) == 2
+    results = []
+    while gen.num_remaining_jobs():
+        results += gen.iterate()
+    results_other = [r for r in results if r.job is other]
+    assert results_other[-1].eos and other.new_tokens == 30
+
+
+def test_unpaged_runs_one_job_at_a_time_and_reuses_prefix(peaked):
+    gen = peaked.generator(paged=False)
+    assert gen.max_batch_size == 1
+    shared = peaked.tokenizer.encode("The same long opening line, again and again, for every job. " * 2)
+    jobs = make_jobs([shared + [5], shared + [6]], max_new_tokens=4)
+    for job in jobs:
+        gen.enqueue(job)
+    peak_active, finals = 0, {}
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.eos:
+                finals[r.serial] = r
+        peak_active = max(peak_active, len(gen.scheduler.active))
+    assert peak_active == 1
+    assert finals[jobs[1].serial].cached_tokens >= (len(shared) // 16) * 16

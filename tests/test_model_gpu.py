@@ -1,0 +1,51 @@
+"""The model and cache on a CUDA device (reference ops on the GPU) against transformers on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model
+
+from folio.kv_cache import Cache
+from folio.model.batch import ForwardBatch, SeqChunk
+from folio.model.model import Model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPT = list(range(5, 60))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {"rope_parameters": LLAMA3_ROPE}), ("qwen2", {}),
+                                             ("qwen3", {"tie": True})])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_cuda_prefill_and_decode_match_transformers(tmp_path, arch, overrides, dtype, tolerance) -> None:
+    path = make_hf_model(tmp_path, arch, **overrides)
+    want = hf_logits(load_hf_model(path), PROMPT)
+    model = Model.from_pretrained(path, device="cuda", dtype=dtype, progress=False)
+    assert model.device == torch.device("cuda", torch.cuda.current_device())
+    assert model.weights.layers[0].qkv.device == model.device and model.weights.layers[0].qkv.dtype == dtype
+    cache = Cache(model, num_tokens=8 * 16, page_size=16)
+    table = [6, 1, 7, 3]
+    split = 37
+    prefill = model.forward(ForwardBatch.build([SeqChunk(PROMPT[:split], 0, table, "all")], 16, model.device), cache)
+    decode = [
+        model.forward(ForwardBatch.build([SeqChunk([PROMPT[pos]], pos, table, "last")], 16, model.device), cache)
+        for pos in range(split, len(PROMPT))
+    ]
+    got = torch.cat([prefill, *decode])
+    assert got.device == model.device and got.dtype == torch.float32
+    assert rel_err(got, want) <= tolerance
+
+
+def test_cache_sized_from_free_memory(tmp_path) -> None:
+    model = Model.from_pretrained(make_hf_model(tmp_path, "llama"), device="cuda", progress=False)
+    free_bytes, _ = torch.cuda.mem_get_info(model.device)
+    cache = Cache(model, page_size=256, max_memory_fraction=0.01)
+    assert cache.num_pages == int(free_bytes * 0.01) // cache.bytes_per_page
+    assert cache.bytes == cache.k.numel() * 4 * 2
+    with pytest.raises(ValueError, match=r"max_memory_fraction=1.5 must be in \(0, 1\]"):
+        Cache(model, max_memory_fraction=1.5)

@@ -1,0 +1,405 @@
+"""Native kernels (folio._native_cpu, folio._native_cuda) against the torch references.
+
+Oracles: folio.reference_ops for the model ops, tests/native_reference.py for the sampling ops. Every check draws
+fresh random inputs; outputs are poisoned with NaN first where the test can reach them (in-place ops, and fresh
+outputs on CUDA through the caching allocator), and every compared output must be free of NaN.
+CUDA cases carry the `gpu` marker; every case skips when its module was not built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from folio import reference_ops as ref
+import native_reference as sref
+
+
+def _import_native(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        raise
+
+
+NATIVE = {"cpu": _import_native("folio._native_cpu"), "cuda": _import_native("folio._native_cuda")}
+# max|a - b| / max|b| allowed per dtype (fp32: summation order only)
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def _marks(device: str) -> list:
+    marks = [pytest.mark.skipif(NATIVE[device] is None, reason=f"folio._native_{device} is not built")]
+    if device == "cuda":
+        marks += [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+    return marks
+
+
+def cases(cpu_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+          cuda_dtypes=(torch.bfloat16, torch.float16, torch.float32)):
+    out = []
+    for device, dtypes in (("cpu", cpu_dtypes), ("cuda", cuda_dtypes)):
+        for dtype in dtypes:
+            out.append(pytest.param(device, dtype, marks=_marks(device), id=f"{device}-{str(dtype)[6:]}"))
+    return out
+
+
+DEVICES = [pytest.param(d, marks=_marks(d), id=d) for d in ("cpu", "cuda")]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert not actual.isnan().any(), "output holds NaN: an element was not written"
+    a, b = actual.double().cpu(), expected.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    err = rel_err(actual, expected)
+    assert err <= TOLERANCE[dtype], f"rel err {err:.3g} > {TOLERANCE[dtype]} ({dtype})"
+
+
+def poison_next_alloc(shape, dtype, device) -> None:
+    """Leave a freed NaN block of this size in the CUDA caching allocator: the op's fresh output lands on it."""
+    if device == "cuda":
+        block = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        del block
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, dtype, device, g, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------- norms, MLP
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (33, 1000), (3, 4096), (2, 13)])
+def test_rms_norm(device, dtype, rows, hidden):
+    g = gen(rows * 7 + hidden)
+    x = randn(rows, hidden, dtype=dtype, device=device, g=g, scale=3.0)
+    weight = randn(hidden, dtype=dtype, device=device, g=g)
+    poison_next_alloc((rows, hidden), dtype, device)
+    out = NATIVE[device].rms_norm(x, weight, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, ref.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.bfloat16,), cuda_dtypes=(torch.bfloat16,)))
+def test_rms_norm_strided_rows_and_fp32_weight(device, dtype):
+    g = gen(1)
+    wide = randn(9, 300, dtype=dtype, device=device, g=g)
+    x = wide[:, 20:276]  # a view: row stride 300
+    weight = randn(256, dtype=torch.float32, device=device, g=g)
+    assert_close(NATIVE[device].rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 96), (17, 2048), (4, 7)])
+def test_fused_add_rms_norm(device, dtype, rows, hidden):
+    g = gen(rows + hidden)
+    x = randn(rows, hidden, dtype=dtype, device=device, g=g)
+    residual = randn(rows, hidden, dtype=dtype, device=device, g=g, scale=4.0)
+    weight = randn(hidden, dtype=dtype, device=device, g=g)
+    x_ref, residual_ref = x.clone(), residual.clone()
+    ref.fused_add_rms_norm(x_ref, residual_ref, weight, 1e-6)
+    assert NATIVE[device].fused_add_rms_norm(x, residual, weight, 1e-6) is None
+    assert_close(residual, residual_ref, dtype)
+    assert_close(x, x_ref, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("rows,width", [(1, 1), (6, 352), (3, 1377), (64, 2048)])
+def test_silu_and_mul(device, dtype, rows, width):
+    g = gen(rows * width)
+    x = randn(rows, 2 * width, dtype=dtype, device=device, g=g, scale=3.0)
+    poison_next_alloc((rows, width), dtype, device)
+    out = NATIVE[device].silu_and_mul(x)
+    assert out.shape == (rows, width)
+    assert_close(out, ref.silu_and_mul(x), dtype)
+
+
+# ---------------------------------------------------------------------------------------------- rotary + cache
+
+
+def _inv_freq(head_dim: int, theta: float, llama3: bool) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if llama3:  # Llama-3 style: long wavelengths divided by a factor, short ones kept, a smooth band between
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((8192 / wavelen) - 1.0) / (4.0 - 1.0)
+        scaled = torch.where(wavelen > 8192 / 1.0, inv_freq / 8.0, inv_freq)
+        band = (wavelen <= 8192 / 1.0) & (wavelen >= 8192 / 4.0)
+        inv_freq = torch.where(band, (1 - smooth) * inv_freq / 8.0 + smooth * inv_freq, scaled)
+    return inv_freq
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize(
+    "num_tokens,q_heads,kv_heads,head_dim,page_size,llama3",
+    [(1, 4, 4, 64, 16, False), (13, 8, 2, 128, 16, True), (40, 6, 2, 80, 256, False), (7, 12, 4, 64, 256, True)],
+)
+def test_rotary_cache_write(device, dtype, num_tokens, q_heads, kv_heads, head_dim, page_size, llama3):
+    g = gen(num_tokens * head_dim + page_size)
+    num_pages = 4 + (num_tokens // page_size)
+    # q, k, v as views of one fused projection, the way the model hands them over
+    qkv = randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device, g=g)
+    q = qkv[:, : q_heads * head_dim].view(num_tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 40000, (num_tokens,), generator=g).to(device)
+    slots = torch.randperm(num_pages * page_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.2] = -1  # tokens whose K/V are not written
+    slots = slots.to(device)
+    inv_freq = _inv_freq(head_dim, 500000.0 if llama3 else 10000.0, llama3).to(device)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
+    ref.rotary_cache_write(q_ref, k_ref, v_ref, positions, inv_freq, k_cache_ref, v_cache_ref, slots)
+    NATIVE[device].rotary_cache_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    written = slots[slots >= 0]
+    for cache, cache_ref in ((k_cache, k_cache_ref), (v_cache, v_cache_ref)):
+        flat, flat_ref = cache.view(-1, kv_heads, head_dim), cache_ref.view(-1, kv_heads, head_dim)
+        assert_close(flat[written], flat_ref[written], dtype)
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+        untouched[written] = False
+        assert flat[untouched].isnan().all(), "a slot outside slot_mapping was written"
+
+
+# ---------------------------------------------------------------------------------------------- paged attention
+
+
+def make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, device, g):
+    """Random K/V caches and shuffled block tables holding each sequence's pages (padding: valid random pages)."""
+    blocks = [-(-c // page_size) for c in context_lens]
+    max_blocks = max(blocks) + 1
+    num_pages = sum(blocks) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    block_tables = torch.randint(0, num_pages, (len(context_lens), max_blocks), generator=g, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        block_tables[b, :n] = perm[start : start + n].to(torch.int32)
+        start += n
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_cache = randn(*shape, dtype=dtype, device=device, g=g)
+    v_cache = randn(*shape, dtype=dtype, device=device, g=g)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_tables.to(device), lens
+
+
+DECODE_SHAPES = [
+    # context_lens, group (Hq/Hkv), kv_heads, head_dim, page_size
+    ([1, 15, 16, 17, 100, 33], 4, 2, 128, 16),
+    ([255, 256, 257, 3], 1, 4, 64, 256),
+    ([1, 47, 513], 3, 2, 80, 16),
+    ([700, 5], 3, 2, 128, 256),
+    ([31, 64, 65], 4, 1, 64, 16),
+]
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("context_lens,group,kv_heads,head_dim,page_size", DECODE_SHAPES)
+def test_paged_attention_decode(device, dtype, context_lens, group, kv_heads, head_dim, page_size):
+    g = gen(sum(context_lens) + head_dim)
+    k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, device, g)
+    q = randn(len(context_lens), group * kv_heads, head_dim, dtype=dtype, device=device, g=g)
+    scale = head_dim**-0.5
+    poison_next_alloc(q.shape, dtype, device)
+    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
+    assert_close(out, ref.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16,)))
+def test_paged_attention_decode_strided_q(device, dtype):
+    g = gen(5)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([40, 9], 16, 2, 64, dtype, device, g)
+    fused = randn(2, 16 * 64, dtype=dtype, device=device, g=g)
+    q = fused[:, : 8 * 64].view(2, 8, 64)  # token stride 1024, as a slice of a fused QKV output
+    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125)
+    assert_close(out, ref.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125), dtype)
+
+
+PREFILL_SHAPES = [
+    # (q_len, context_len) per sequence, group, kv_heads, head_dim, page_size
+    ([(5, 5), (1, 17), (16, 40), (33, 33)], 4, 2, 128, 16),
+    ([(7, 300), (1, 1), (20, 256)], 1, 3, 64, 256),
+    ([(9, 9), (3, 50)], 3, 2, 80, 16),
+    ([(0, 12), (64, 100), (2, 2)], 4, 1, 64, 256),
+]
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("runs,group,kv_heads,head_dim,page_size", PREFILL_SHAPES)
+def test_paged_attention_prefill(device, dtype, runs, group, kv_heads, head_dim, page_size):
+    g = gen(sum(c for _, c in runs) + head_dim)
+    context_lens = [c for _, c in runs]
+    k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, device, g)
+    q_lens = [n for n, _ in runs]
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    q = randn(sum(q_lens), group * kv_heads, head_dim, dtype=dtype, device=device, g=g)
+    scale = head_dim**-0.5
+    args = (q, k_cache, v_cache, block_tables, cu, lens, scale, max(q_lens))
+    poison_next_alloc(q.shape, dtype, device)
+    out = NATIVE[device].paged_attention(*args)
+    assert_close(out, ref.paged_attention(*args), dtype)
+
+
+# ---------------------------------------------------------------------------------------------- page copy
+
+
+@pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("src,dst,num_slots", [(1, 3, 5), (2, 0, 16), (4, 4, 7), (0, 2, 0)])
+def test_copy_page_slots(device, dtype, src, dst, num_slots):
+    g = gen(src * 10 + dst + num_slots)
+    shape = (3, 5, 16, 2, 64)
+    k_cache = randn(*shape, dtype=dtype, device=device, g=g)
+    v_cache = randn(*shape, dtype=dtype, device=device, g=g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.copy_page_slots(k_ref, v_ref, src, dst, num_slots)
+    NATIVE[device].copy_page_slots(k_cache, v_cache, src, dst, num_slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _sampling_batch(rows: int, vocab: int, device: str, g: torch.Generator):
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, ::97] = float("-inf")  # blocked tokens
+    logits[::5, 10:20] = logits[::5, 10:11]  # exact ties
+    temperature = torch.tensor([0.0, 0.005, 0.5, 1.0, 1.7, 0.8])[torch.randint(0, 6, (rows,), generator=g)]
+    top_k = torch.tensor([0, 1, 5, 50, vocab + 5, 0], dtype=torch.int32)[torch.randint(0, 6, (rows,), generator=g)]
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.0, 1.0])[torch.randint(0, 5, (rows,), generator=g)]
+    min_p = torch.tensor([0.0, 0.05, 0.2, 0.0])[torch.randint(0, 4, (rows,), generator=g)]
+    u = torch.rand(rows, generator=g)
+    return [t.to(device) for t in (logits, temperature, top_k, top_p, min_p, u)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,vocab", [(64, 1003), (8, 32000), (3, 7)])
+def test_sample_rows_matches_reference(device, rows, vocab):
+    batch = _sampling_batch(rows, vocab, device, gen(rows + vocab))
+    poison_next_alloc((rows,), torch.int64, device)
+    tokens = NATIVE[device].sample_rows(*batch).cpu()
+    expected = sref.sample_rows_reference(*batch).cpu()
+    logits, *params = [t.cpu() for t in batch]
+    compared = 0
+    for b in range(rows):
+        row_params = [p[b].item() for p in params]
+        if sref.sample_row_margin(logits[b], *row_params) < 1e-4:
+            continue  # a decision this close to a boundary may flip with exp()'s rounding
+        compared += 1
+        assert tokens[b] == expected[b], f"row {b} params {row_params}: {tokens[b]} != {expected[b]}"
+    assert compared >= rows * 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_rows_follows_the_filtered_distribution(device):
+    """Independent of the reference: u on a fine grid must reproduce softmax/top-k/top-p/min-p frequencies."""
+    vocab, num_draws = 40, 4000
+    logits_row = torch.randn(vocab, generator=gen(3)) * 2
+    temperature, top_k, top_p, min_p = 0.7, 12, 0.8, 0.03
+    probs = torch.softmax(logits_row.double() / temperature, dim=0)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[order[:top_k]] = True
+    kept_sorted = probs[order[:top_k]] / probs[order[:top_k]].sum()
+    n_top_p = int((kept_sorted.cumsum(0) < top_p).sum()) + 1  # smallest head whose mass reaches top_p
+    keep[:] = False
+    keep[order[:n_top_p]] = True
+    keep &= probs >= min_p * probs.max()
+    expected = torch.where(keep, probs, 0.0)
+    expected /= expected.sum()
+
+    full = lambda value, dtype=torch.float32: torch.full((num_draws,), value, dtype=dtype, device=device)  # noqa: E731
+    u = ((torch.arange(num_draws, dtype=torch.float64) + 0.5) / num_draws).float().to(device)
+    tokens = NATIVE[device].sample_rows(
+        logits_row.to(device).expand(num_draws, vocab), full(temperature), full(top_k, torch.int32), full(top_p),
+        full(min_p), u,
+    )
+    freq = torch.bincount(tokens.cpu(), minlength=vocab).double() / num_draws
+    assert float((freq - expected).abs().max()) <= 1.5 / num_draws
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,vocab,history_len", [(8, 500, 64), (3, 32000, 1000), (2, 10, 0)])
+def test_apply_penalties(device, rows, vocab, history_len):
+    g = gen(rows + vocab + history_len)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(device)
+    history = torch.randint(0, min(vocab, 40), (rows, history_len), generator=g)  # many repeats
+    if history_len:
+        history[:, -5:] = -1  # padding
+        history[0, 0], history[-1, 1] = vocab + 3, -7  # out of range: ignored
+    history = history.to(device)
+    rep = (1.0 + torch.rand(rows, generator=g)).to(device)
+    freq = (torch.rand(rows, generator=g) * 0.5).to(device)
+    pres = (torch.rand(rows, generator=g) * 0.5).to(device)
+    expected = logits.clone()
+    sref.apply_penalties_reference(expected, history, rep, freq, pres)
+    NATIVE[device].apply_penalties(logits, history, rep, freq, pres)
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_tokens(device):
+    g = gen(11)
+    logits = torch.randn(4, 300, generator=g).to(device)
+    token_ids = torch.randint(-1, 310, (4, 9), generator=g).to(device)
+    expected = logits.clone()
+    sref.mask_tokens_reference(expected, token_ids)
+    NATIVE[device].mask_tokens(logits, token_ids)
+    assert torch.equal(logits, expected)
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_name_the_argument(device):
+    native = NATIVE[device]
+    g = gen(2)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([20], 16, 2, 64, torch.float32, device, g)
+    q = randn(1, 4, 64, dtype=torch.float32, device=device, g=g)
+    with pytest.raises(TypeError, match="'k_cache'"):
+        native.paged_attention_decode(q, k_cache.half(), v_cache, block_tables, lens, 1.0)
+    with pytest.raises(TypeError, match="'block_tables'"):
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="'context_lens'"):
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens[:0], 1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        native.paged_attention_decode(q[:, :3], k_cache, v_cache, block_tables, lens, 1.0)
+    with pytest.raises(ValueError, match="'weight'"):
+        native.rms_norm(q[0], torch.ones(65, device=device), 1e-6)
+    with pytest.raises(ValueError, match="'num_slots'"):
+        native.copy_page_slots(k_cache[None], v_cache[None], 0, 1, 17)
+    with pytest.raises(ValueError, match="'u'"):
+        native.sample_rows(torch.zeros(2, 5, device=device), *[torch.zeros(2, device=device)] * 1,
+                           torch.zeros(2, dtype=torch.int32, device=device),
+                           *[torch.zeros(2, device=device)] * 2, torch.zeros(3, device=device))
+
+
+@pytest.mark.skipif(NATIVE["cpu"] is None, reason="folio._native_cpu is not built")
+def test_cpu_checks_index_tensors():
+    g = gen(4)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([20], 16, 2, 64, torch.float32, "cpu", g)
+    q = randn(1, 4, 64, dtype=torch.float32, device="cpu", g=g)
+    block_tables[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
+        NATIVE["cpu"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 1.0)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_q_len"):
+        NATIVE["cpu"].paged_attention(q, k_cache, v_cache, block_tables, cu, torch.tensor([0], dtype=torch.int32),
+                                      1.0, 1)
