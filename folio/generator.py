@@ -226,6 +226,10 @@ class DynamicGenerator:
                 top_k_probs=top_probs[i][:k] if k else None,
                 logits=output.logits[i].to("cpu", torch.float32) if job.return_logits else None,
             )
+            if token_ids[i] < 0:
+                results.append(self._fail(seq, RuntimeError(
+                    "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
+                continue
             try:
                 self.scheduler.append_token(seq, token_ids[i])
                 result = job.receive_token(token_ids[i], extras)

@@ -7,6 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+
+# The CI machine has two cores and some tests run servers beside the test process: one intra-op thread is both
+# faster there and deterministic.
+torch.set_num_threads(1)
 
 DEMO_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -1,72 +1,79 @@
 """Pure-torch references for the native sampling ops (sample_rows, apply_penalties, mask_tokens).
 
-folio/reference_ops.py holds the references of the model ops; these three belong to the sampler's hot path and
-live here until the sampler's owner adopts them (move freely: nothing outside tests imports this module).
-The exact semantics are written in native/cpu/kernels.h; this file restates them with torch, row by row.
+folio/reference_ops.py holds the references of the model ops; these three serve the sampler's hot path and live
+here until the sampler's owner adopts them (move freely: nothing outside tests imports this module).
+The semantics are folio.sampling's (see native/cpu/kernels.h), restated with integer masses so that they are
+exact: a kernel may only differ where exp()'s rounding moves a decision across a boundary.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# float32(0.01), as the kernels compare float32 temperatures with it
+# float32(0.01): the kernels compare float32 temperatures with it
 GREEDY_TEMPERATURE = float(torch.tensor(0.01, dtype=torch.float32))
 WEIGHT_SCALE = 2.0**40  # fixed-point scale of sampling weights (kSampleWeightScale)
+TOP_P_SLACK = 1e-6
 
 
-def _keys_and_mass(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weights [V] fp32 in [0, 1] -> (keys: their bit patterns as int64, mass: floor(w * 2^40) int64)."""
-    keys = weights.view(torch.int32).long()  # w >= 0, so the bit pattern orders like the value
-    mass = torch.floor(weights.double() * WEIGHT_SCALE).long()
-    return keys, mass
+@dataclass(frozen=True)
+class RowDraw:
+    token_id: int
+    prob: float
+    margin: float  # distance of the closest decision from its boundary, relative to the mass involved (1.0: far)
 
 
-def _top_p_threshold(keys: torch.Tensor, mass: torch.Tensor, threshold: int, top_p: float) -> int:
-    """Largest key t such that the kept mass with key >= t reaches max(1, floor(top_p * kept mass))."""
-    kept = keys >= threshold
-    kept_keys, kept_mass = keys[kept], mass[kept]
-    target = max(1, int(max(0.0, top_p) * float(kept_mass.sum().item())))
-    unique_keys, inverse = torch.unique(kept_keys, return_inverse=True)  # ascending
-    mass_per_key = torch.zeros_like(unique_keys).scatter_add_(0, inverse, kept_mass)
-    cumulative = mass_per_key.flip(0).cumsum(0)  # from the largest key down
-    idx = int(torch.nonzero(cumulative >= target)[0].item()) if bool((cumulative >= target).any()) else -1
-    return int(unique_keys.flip(0)[idx].item())
+def _ranks_to_reach(ranked_mass: torch.Tensor, kept: int, target: int) -> tuple[int, float]:
+    """(number of leading ranks whose inclusive mass first reaches target, relative distance from the boundary)."""
+    cumulative = ranked_mass[:kept].cumsum(0)
+    reached = cumulative >= target
+    count = int(torch.nonzero(reached)[0].item()) + 1 if bool(reached.any()) else kept
+    total = max(int(cumulative[-1].item()), 1)
+    margin = float((cumulative.double() - target).abs().min().item()) / total
+    return count, margin
 
 
 def sample_row_reference(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float
-) -> int:
-    """One row: logits [V] fp32 -> token id (see native/cpu/kernels.h for the definition)."""
+) -> RowDraw:
+    """One row: logits [V] fp32 -> the drawn token, its probability, and how close the draw came to a boundary."""
     row = logits.float().cpu()
     vocab = row.numel()
-    argmax = int(torch.argmax(torch.where(row.isnan(), float("-inf"), row)).item())
-    if not temperature >= GREEDY_TEMPERATURE:
-        return argmax
-    inv_temperature = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
-    z = row * inv_temperature
-    max_z = z[argmax]
-    if not bool(torch.isfinite(max_z)):
-        return argmax
-    weights = torch.exp(z - max_z)
-    weights = torch.where(weights.isnan(), 0.0, weights)
-    keys, mass = _keys_and_mass(weights)
+    finite = torch.where(row.isnan(), float("-inf"), row)
+    if not bool((finite > float("-inf")).any()):
+        return RowDraw(-1, 0.0, 1.0)
+    argmax = int(torch.argmax(finite).item())  # the first maximal index
+    if not temperature >= GREEDY_TEMPERATURE or top_k == 1 or bool(torch.isinf(row[argmax])):
+        return RowDraw(argmax, 1.0, 1.0)
+    t = torch.tensor(temperature, dtype=torch.float32)
+    weight = torch.exp(row / t - row[argmax] / t)
+    weight = torch.where(weight.isnan(), 0.0, weight)
+    order = torch.sort(weight, descending=True, stable=True).indices
+    ranked_weight = weight[order]
+    ranked_mass = torch.floor(ranked_weight.double() * WEIGHT_SCALE).long()
 
-    threshold = 0
+    margin = 1.0
+    kept = vocab
     if 0 < top_k < vocab:
-        threshold = int(torch.topk(keys, top_k).values[-1].item())
+        kept = top_k
+        if ranked_weight[top_k - 1] != ranked_weight[top_k]:
+            margin = min(margin, float((ranked_weight[top_k - 1] - ranked_weight[top_k]).item()))
     if top_p < 1.0:
-        threshold = _top_p_threshold(keys, mass, threshold, top_p)
+        kept_mass = int(ranked_mass[:kept].sum().item())
+        target = -(-((float(top_p) - TOP_P_SLACK) * kept_mass) // 1)  # ceil
+        kept, m = _ranks_to_reach(ranked_mass, kept, max(1, int(target)))
+        margin = min(margin, m)
     if min_p > 0.0:
-        min_p_key = int(torch.tensor([min_p], dtype=torch.float32).view(torch.int32).item())
-        threshold = max(threshold, min_p_key)
-
-    kept_mass = torch.where(keys >= threshold, mass, 0)
-    total = int(kept_mass.sum().item())
-    if total == 0:
-        return argmax
-    target = int(float(u) * float(total))
-    cumulative = kept_mass.cumsum(0)
-    return int(torch.nonzero(cumulative > target)[0].item())
+        above = int((ranked_weight[:kept] >= min_p).sum().item())
+        margin = min(margin, float((ranked_weight[:kept].double() - min_p).abs().min().item()))
+        kept = max(above, 1)
+    total = int(ranked_mass[:kept].sum().item())
+    target = min(total, int(float(u) * float(total)) + 1)
+    count, m = _ranks_to_reach(ranked_mass, kept, target)
+    rank = count - 1
+    return RowDraw(int(order[rank].item()), float(ranked_mass[rank].item()) / total, min(margin, m))
 
 
 def sample_rows_reference(
@@ -76,27 +83,42 @@ def sample_rows_reference(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     u: torch.Tensor,
-) -> torch.Tensor:
-    """logits [B, V] fp32; per-row temperature/top_p/min_p/u [B] fp32, top_k [B] int32 -> token ids [B] int64."""
+) -> list[RowDraw]:
+    """logits [B, V] fp32; temperature/top_p/min_p/u [B] fp32, top_k [B] int32 -> one RowDraw per row."""
     params = [t.cpu().tolist() for t in (temperature, top_k, top_p, min_p, u)]
-    ids = [sample_row_reference(logits[b], *(p[b] for p in params)) for b in range(logits.shape[0])]
-    return torch.tensor(ids, dtype=torch.int64, device=logits.device)
+    return [sample_row_reference(logits[b], *(p[b] for p in params)) for b in range(logits.shape[0])]
+
+
+def _strength(distance: torch.Tensor, sustain: int, decay: int) -> torch.Tensor:
+    fade = 1.0 - (distance - sustain).clamp(min=0).float() / max(decay, 1)
+    return torch.where(distance < sustain + decay, fade, 0.0)
 
 
 def apply_penalties_reference(
-    logits: torch.Tensor, history: torch.Tensor, rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    rep: torch.Tensor,
+    freq: torch.Tensor,
+    pres: torch.Tensor,
+    sustain: torch.Tensor,
+    decay: torch.Tensor,
 ) -> None:
-    """In place on logits [B, V] fp32; history [B, H] int64 padded with -1; rep/freq/pres [B] fp32."""
-    vocab = logits.shape[1]
+    """In place on logits [B, V] fp32; history [B, H] int64, newest last, ids outside [0, V) ignored;
+    rep/freq/pres [B] fp32; sustain/decay [B] int32 (strength fade, see native/common/params.h)."""
+    vocab, width = logits.shape[1], history.shape[1]
+    distance = torch.arange(width - 1, -1, -1)
     for b in range(logits.shape[0]):
-        ids = history[b]
-        ids = ids[(ids >= 0) & (ids < vocab)]
-        if ids.numel() == 0:
-            continue
-        unique_ids, counts = torch.unique(ids, return_counts=True)
-        values = logits[b, unique_ids]
-        values = torch.where(values > 0, values / rep[b], values * rep[b])
-        logits[b, unique_ids] = values - (freq[b] * counts.float() + pres[b])
+        ids = history[b].cpu()
+        valid = (ids >= 0) & (ids < vocab)
+        strength = _strength(distance, int(sustain[b]), int(decay[b]))
+        for token_id in torch.unique(ids[valid]).tolist():
+            mine = valid & (ids == token_id)
+            newest = strength[mine].max()  # strength never grows with distance
+            total = strength[mine].sum()
+            factor = 1.0 + (rep[b].cpu() - 1.0) * newest
+            value = logits[b, token_id].cpu()
+            value = value / factor if value > 0 else value * factor
+            logits[b, token_id] = value - pres[b].cpu() * newest - freq[b].cpu() * total
 
 
 def mask_tokens_reference(logits: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -105,48 +127,3 @@ def mask_tokens_reference(logits: torch.Tensor, token_ids: torch.Tensor) -> None
     for b in range(logits.shape[0]):
         ids = token_ids[b]
         logits[b, ids[(ids >= 0) & (ids < vocab)]] = float("-inf")
-
-
-def sample_row_margin(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float
-) -> float:
-    """How close row's sampling decisions come to a boundary, as a fraction of the kept mass (1.0 = far).
-
-    Kernels compute exp() with different rounding than torch (a few ulps), which moves weights by ~1e-7
-    relative; a row whose top-k, top-p or final draw sits closer than that to a boundary may legitimately
-    pick a neighbouring token. Tests skip exact comparison for rows whose margin is tiny.
-    """
-    row = logits.float().cpu()
-    vocab = row.numel()
-    argmax = int(torch.argmax(torch.where(row.isnan(), float("-inf"), row)).item())
-    if not temperature >= GREEDY_TEMPERATURE:
-        return 1.0
-    inv_temperature = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
-    z = row * inv_temperature
-    weights = torch.exp(z - z[argmax])
-    weights = torch.where(weights.isnan(), 0.0, weights)
-    keys, mass = _keys_and_mass(weights)
-    margin = 1.0
-    threshold = 0
-    if 0 < top_k < vocab:
-        top = torch.topk(weights.double(), min(top_k + 1, vocab)).values
-        if top_k < vocab and top[top_k - 1] != top[top_k]:
-            margin = min(margin, float((top[top_k - 1] - top[top_k]) / top[0]))
-        threshold = int(torch.topk(keys, top_k).values[-1].item())
-    if top_p < 1.0:
-        kept = keys >= threshold
-        total = float(mass[kept].sum().item())
-        target = max(1.0, max(0.0, top_p) * total)
-        sorted_mass = torch.sort(weights[kept].double(), descending=True).values.cumsum(0) * WEIGHT_SCALE
-        margin = min(margin, float((sorted_mass - target).abs().min() / total))
-        threshold = _top_p_threshold(keys, mass, threshold, top_p)
-    if min_p > 0.0:
-        margin = min(margin, float((weights.double() - min_p).abs().min()))
-        min_p_key = int(torch.tensor([min_p], dtype=torch.float32).view(torch.int32).item())
-        threshold = max(threshold, min_p_key)
-    kept_mass = torch.where(keys >= threshold, mass, 0)
-    total = float(kept_mass.sum().item())
-    if total > 0:
-        target = float(u) * total
-        margin = min(margin, float((kept_mass.cumsum(0).double() - target).abs().min() / total))
-    return margin

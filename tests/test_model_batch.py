@@ -46,6 +46,7 @@ def test_build_decode_batch() -> None:
     ([SeqChunk([1], 0, [0]), SeqChunk([1], -1, [0])], "chunk 1: start_pos=-1 is negative"),
     ([SeqChunk([1], 0, [0], "first")], "chunk 0: logits='first'"),
     ([SeqChunk([1, 2], 15, [0])], "chunk 0: positions up to 16 need 2 pages of 16 but block_table has 1"),
+    ([SeqChunk([1, 2], 15, [3, -1])], r"chunk 0: negative page id in block_table \[3, -1\]"),
 ])
 def test_build_errors(chunks, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -91,12 +91,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     def release(self, page_ids: list[int]) -> None:
         self.pool.release(page_ids)
+        self.model_release(page_ids)
+
+    def model_release(self, page_ids: list[int]) -> None:
         for page_id in page_ids:
             self.refcount[page_id] -= 1
             if self.refcount[page_id] == 0:
-                for page_hash, holder in list(self.pending.items()):
-                    if holder == page_id:
-                        del self.pending[page_hash]
+                self.drop_claims_of(page_id)
 
     def set_ready(self, job: Job, page_idx: int) -> None:
         page_id = job.pages[page_idx]
@@ -252,7 +253,7 @@ class PoolMachine(RuleBasedStateMachine):
     def unpin(self):
         page_id = self.pins.pop(0)
         self.pool.unpin(page_id)
-        self.refcount[page_id] -= 1
+        self.model_release([page_id])
 
     @precondition(lambda self: not self.jobs and not self.pins and self.content)
     @rule(roll=st.integers(0, 3))

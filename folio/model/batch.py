@@ -106,4 +106,7 @@ def _check_chunk(i: int, chunk: SeqChunk, page_size: int) -> int:
             f"chunk {i}: positions up to {chunk.start_pos + q_len - 1} need {needed} pages of {page_size} "
             f"but block_table has {len(chunk.block_table)}"
         )
+    if min(chunk.block_table[:needed]) < 0:
+        # a negative page id would silently index pages from the end of the cache
+        raise ValueError(f"chunk {i}: negative page id in block_table {list(chunk.block_table[:needed])}")
     return q_len

@@ -272,7 +272,7 @@ def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...
 
     # top-p: keep a token while the mass of the tokens before it has not reached p (the smallest set reaching p).
     mass_before = probs.cumsum(dim=1) - probs
-    keep = (mass_before + probs <= p.top_p + _TOP_P_SLACK) | (rank == 0)
+    keep = (mass_before < p.top_p - _TOP_P_SLACK) | (rank == 0)
     keep &= probs >= p.min_p * probs[:, 0:1]
     probs = probs * keep
     probs = probs / probs.sum(dim=1, keepdim=True)

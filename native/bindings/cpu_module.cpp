@@ -143,28 +143,33 @@ void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float, con
   run_items(p.num_layers, 2 * p.num_slots * p.slot_elems, [&](int64_t b, int64_t e) { cpu::copy_page_slots(p, b, e); });
 }
 
-at::Tensor sample_rows(const at::Tensor& logits,       // [B, V] float32
-                       const at::Tensor& temperature,  // [B] float32; < 0.01 = greedy
-                       const at::Tensor& top_k,        // [B] int32; <= 0 = off
-                       const at::Tensor& top_p,        // [B] float32; >= 1 = off
-                       const at::Tensor& min_p,        // [B] float32; <= 0 = off
-                       const at::Tensor& u) {          // [B] float32 uniform draws in [0, 1)
+std::tuple<at::Tensor, at::Tensor> sample_rows(
+    const at::Tensor& logits,       // [B, V] float32 (penalties, bias and masks already applied)
+    const at::Tensor& temperature,  // [B] float32; < 0.01 = greedy
+    const at::Tensor& top_k,        // [B] int32; 1 = greedy, <= 0 = off
+    const at::Tensor& top_p,        // [B] float32; >= 1 = off
+    const at::Tensor& min_p,        // [B] float32; <= 0 = off
+    const at::Tensor& u) {          // [B] float32 uniform draws in [0, 1)
   check_all_on(kCpu, {{&logits, "logits"}, {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"},
                       {&min_p, "min_p"}, {&u, "u"}});
   logits_args(logits);
-  const auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));  // [B] int64
-  const SampleParams p = sample_rows_args(out, logits, temperature, top_k, top_p, min_p, u);
-  run_items(p.num_rows, 4 * p.vocab_size, [&](int64_t b, int64_t e) { cpu::sample_rows(p, b, e); });
-  return out;
+  const auto token_ids = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));  // [B] int64
+  const auto probs = at::empty({logits.size(0)}, logits.options());                      // [B] float32
+  const SampleParams p = sample_rows_args(token_ids, probs, logits, temperature, top_k, top_p, min_p, u);
+  run_items(p.num_rows, 8 * p.vocab_size, [&](int64_t b, int64_t e) { cpu::sample_rows(p, b, e); });
+  return {token_ids, probs};
 }
 
-void apply_penalties(const at::Tensor& logits,   // [B, V] float32, modified in place
-                     const at::Tensor& history,  // [B, H] int64 token ids, -1 = padding
-                     const at::Tensor& rep,      // [B] float32 repetition penalty (1 = off)
-                     const at::Tensor& freq,     // [B] float32 frequency penalty (0 = off)
-                     const at::Tensor& pres) {   // [B] float32 presence penalty (0 = off)
-  check_all_on(kCpu, {{&logits, "logits"}, {&history, "history"}, {&rep, "rep"}, {&freq, "freq"}, {&pres, "pres"}});
-  const PenaltyParams p = apply_penalties_args(logits, history, rep, freq, pres);
+void apply_penalties(const at::Tensor& logits,    // [B, V] float32, modified in place
+                     const at::Tensor& history,   // [B, H] int64 token ids, newest last, -1 = padding
+                     const at::Tensor& rep,       // [B] float32 repetition penalty (1 = off)
+                     const at::Tensor& freq,      // [B] float32 frequency penalty (0 = off)
+                     const at::Tensor& pres,      // [B] float32 presence penalty (0 = off)
+                     const at::Tensor& sustain,   // [B] int32 newest tokens at full strength
+                     const at::Tensor& decay) {   // [B] int32 tokens over which the strength fades after those
+  check_all_on(kCpu, {{&logits, "logits"}, {&history, "history"}, {&rep, "rep"}, {&freq, "freq"}, {&pres, "pres"},
+                      {&sustain, "sustain"}, {&decay, "decay"}});
+  const PenaltyParams p = apply_penalties_args(logits, history, rep, freq, pres, sustain, decay);
   run_items(p.num_rows, p.history_len, [&](int64_t b, int64_t e) { cpu::apply_penalties(p, b, e); });
 }
 
@@ -198,6 +203,6 @@ PYBIND11_MODULE(_native_cpu, m) {
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("min_p"), py::arg("u"));
   m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
-        py::arg("pres"));
+        py::arg("pres"), py::arg("sustain"), py::arg("decay"));
   m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
 }

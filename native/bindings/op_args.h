@@ -246,7 +246,8 @@ inline int64_t logits_args(const at::Tensor& logits) {
   return logits.size(0);
 }
 
-inline SampleParams sample_rows_args(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature,
+inline SampleParams sample_rows_args(const at::Tensor& out_ids, const at::Tensor& out_probs, const at::Tensor& logits,
+                                     const at::Tensor& temperature,
                                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
                                      const at::Tensor& u) {
   const int64_t rows = logits_args(logits);
@@ -263,7 +264,8 @@ inline SampleParams sample_rows_args(const at::Tensor& out, const at::Tensor& lo
   p.top_p = top_p.data_ptr<float>();
   p.min_p = min_p.data_ptr<float>();
   p.uniform = u.data_ptr<float>();
-  p.out_token_ids = out.data_ptr<int64_t>();
+  p.out_token_ids = out_ids.data_ptr<int64_t>();
+  p.out_probs = out_probs.data_ptr<float>();
   p.num_rows = rows;
   p.vocab_size = logits.size(1);
   return p;
@@ -278,12 +280,15 @@ inline void id_table_args(const at::Tensor& ids, const char* name, int64_t rows)
 }
 
 inline PenaltyParams apply_penalties_args(const at::Tensor& logits, const at::Tensor& history, const at::Tensor& rep,
-                                          const at::Tensor& freq, const at::Tensor& pres) {
+                                          const at::Tensor& freq, const at::Tensor& pres, const at::Tensor& sustain,
+                                          const at::Tensor& decay) {
   const int64_t rows = logits_args(logits);
   id_table_args(history, "history", rows);
   check_row_param(rep, "rep", at::kFloat, rows);
   check_row_param(freq, "freq", at::kFloat, rows);
   check_row_param(pres, "pres", at::kFloat, rows);
+  check_row_param(sustain, "sustain", at::kInt, rows);
+  check_row_param(decay, "decay", at::kInt, rows);
   PenaltyParams p{};
   p.logits = logits.data_ptr<float>();
   p.logits_row_stride = logits.stride(0);
@@ -292,6 +297,8 @@ inline PenaltyParams apply_penalties_args(const at::Tensor& logits, const at::Te
   p.repetition = rep.data_ptr<float>();
   p.frequency = freq.data_ptr<float>();
   p.presence = pres.data_ptr<float>();
+  p.sustain = sustain.data_ptr<int32_t>();
+  p.decay = decay.data_ptr<int32_t>();
   p.num_rows = rows;
   p.vocab_size = logits.size(1);
   p.history_len = history.size(1);

@@ -95,28 +95,33 @@ struct PageCopyParams {
   int64_t elem_size;              // bytes per element
 };
 
-// Batched sampling, one row per sequence. See native/cpu/sampling.h for the exact definition.
+// Batched sampling, one row per sequence. See native/cpu/kernels.h for the exact definition.
 struct SampleParams {
   const float* logits;            // [B, V]
   int64_t logits_row_stride;
-  const float* temperature;       // [B]
-  const int32_t* top_k;           // [B]   <= 0 or >= V: off
+  const float* temperature;       // [B]   < kGreedyTemperature: greedy
+  const int32_t* top_k;           // [B]   1: greedy; <= 0 or >= V: off
   const float* top_p;             // [B]   >= 1: off
   const float* min_p;             // [B]   <= 0: off
   const float* uniform;           // [B]   draws in [0, 1)
-  int64_t* out_token_ids;         // [B]
+  int64_t* out_token_ids;         // [B]   -1 where every logit is -inf
+  float* out_probs;               // [B]   probability of the picked token in the final distribution
   int64_t num_rows, vocab_size;
 };
 
-// In-place repetition / frequency / presence penalties over each row's token history.
+// In-place repetition / presence / frequency penalties over each row's recent history, with the linear fade of
+// folio.sampling: the token at distance j from the newest (j = 0: the last column) has strength
+// w(j) = 1 for j < sustain, 1 - (j - sustain) / max(decay, 1) for sustain <= j < sustain + decay, else 0.
 struct PenaltyParams {
   float* logits;                  // [B, V]
   int64_t logits_row_stride;
-  const int64_t* history;         // [B, H] token ids, padded with -1 (any id outside [0, V) is ignored)
+  const int64_t* history;         // [B, H] token ids, newest in the last column; ids outside [0, V) ignored
   int64_t history_row_stride;
   const float* repetition;        // [B]   1: off
   const float* frequency;         // [B]   0: off
   const float* presence;          // [B]   0: off
+  const int32_t* sustain;         // [B]   tokens at full strength (>= H: all)
+  const int32_t* decay;           // [B]   tokens over which the strength fades to 0 after those
   int64_t num_rows, vocab_size, history_len;
 };
 

@@ -30,22 +30,24 @@ void paged_attention_decode(const PagedAttentionParams& p, int64_t begin, int64_
 // Items: layers.
 void copy_page_slots(const PageCopyParams& p, int64_t begin, int64_t end);
 
-// Items: rows. Sampling semantics, per row b (the CUDA kernel and the torch reference implement the same):
-//  1. temperature[b] < kGreedyTemperature: the first index of the largest logit (NaN logits never win).
-//  2. z = logits / temperature; weight w_i = exp(z_i - max z) in [0, 1] (-inf logits get 0);
-//     key_i = the bit pattern of w_i (monotone in w_i since w_i >= 0); mass_i = floor(w_i * 2^40).
-//  3. top-k (0 < k < V): keep key_i >= the k-th largest key (ties at the boundary are all kept).
-//  4. top-p (top_p < 1): among the kept, keep key_i >= t, where t is the largest key such that the kept mass
-//     with key >= t reaches max(1, floor(top_p * kept mass)): the smallest head of the sorted distribution
-//     whose mass reaches p (ties kept; p <= 0 keeps the top token and its ties).
-//  5. min-p (min_p > 0): keep w_i >= min_p (w is already relative to the most likely token).
-//  6. target = floor(u * M) with M the kept mass; the token is the first kept index i whose inclusive prefix
-//     sum of kept mass exceeds target (u in [0, 1), so one always does when M > 0; M == 0 cannot happen
-//     unless every logit is -inf or NaN, and then the result is index 0).
+// Items: rows. Sampling, per row (the CUDA kernel and tests/native_reference.py implement the same; it is
+// folio.sampling's definition with exact integer masses):
+//  * greedy (temperature < kGreedyTemperature or top_k == 1): the first index of the largest logit, prob 1.
+//    Every logit -inf (or NaN): token -1, prob 0.
+//  * z_i = logit_i / temperature; weight w_i = exp(z_i - max z) in [0, 1]; mass_i = floor(w_i * 2^40).
+//    Candidates are ranked by w descending, ties by index ascending (a stable sort). Each filter keeps a prefix
+//    of that ranking:
+//      top-k (0 < k < V): the first k ranks;
+//      top-p (top_p < 1): ranks 0..r where r is the first rank whose inclusive kept mass reaches
+//        max(1, ceil((top_p - 1e-6) * kept mass)) (the smallest head reaching p; 1e-6 is folio.sampling's slack);
+//      min-p (min_p > 0): ranks with w >= min_p (w is already relative to the most likely token).
+//  * The token is the first kept rank whose inclusive mass exceeds floor(u * M), M the kept mass (inverse CDF
+//    over the ranking); prob = its mass / M.
 void sample_rows(const SampleParams& p, int64_t begin, int64_t end);
 
-// Items: rows. For every distinct id t in history[b] (ids outside [0, V) ignored) occurring c_t times:
-//   l = logits[b, t]; l = (l > 0 ? l / rep : l * rep); l -= freq * c_t + pres; logits[b, t] = l.
+// Items: rows. For every distinct id t in history[b] (ids outside [0, V) ignored), with s = the strength of its
+// newest occurrence and S = the sum of the strengths of all its occurrences (PenaltyParams):
+//   f = 1 + (rep - 1) * s;  l = logits[b, t];  l = (l > 0 ? l / f : l * f);  logits[b, t] = l - pres * s - freq * S.
 void apply_penalties(const PenaltyParams& p, int64_t begin, int64_t end);
 
 // Items: rows. logits[b, id] = -inf for every id in token_ids[b] inside [0, V).

@@ -2,8 +2,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "kernels.h"
@@ -11,17 +11,13 @@
 namespace folio::cpu {
 namespace {
 
-uint32_t key_of(float weight) {
-  uint32_t key;
-  std::memcpy(&key, &weight, 4);
-  return key;
-}
+constexpr double kTopPSlack = 1e-6;
 
 int64_t argmax_row(const float* logits, int64_t vocab_size) {
-  int64_t best = 0;
+  int64_t best = -1;
   float best_value = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < vocab_size; ++i) {
-    if (logits[i] > best_value) {  // strict: the first of equal maxima wins, NaN never does
+    if (logits[i] > best_value) {  // strict: the first of equal maxima wins; NaN and -inf never do
       best_value = logits[i];
       best = i;
     }
@@ -29,107 +25,103 @@ int64_t argmax_row(const float* logits, int64_t vocab_size) {
   return best;
 }
 
-// The k-th largest key (k >= 1), counting ties.
-uint32_t kth_largest_key(std::vector<uint32_t> keys, int64_t k) {
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
-  return keys[k - 1];
+uint64_t mass_of(float weight) { return static_cast<uint64_t>(static_cast<double>(weight) * kSampleWeightScale); }
+
+// Number of leading ranks whose inclusive mass first reaches `target` (>= 1), within the first `kept` ranks.
+size_t ranks_to_reach(const std::vector<uint64_t>& ranked_mass, size_t kept, uint64_t target) {
+  uint64_t cumulative = 0;
+  for (size_t r = 0; r < kept; ++r) {
+    cumulative += ranked_mass[r];
+    if (cumulative >= target) return r + 1;
+  }
+  return kept;
 }
 
-int64_t sample_row(const SampleParams& p, int64_t row) {
+void sample_row(const SampleParams& p, int64_t row) {
   const float* logits = p.logits + row * p.logits_row_stride;
   const int64_t vocab = p.vocab_size;
   const int64_t argmax = argmax_row(logits, vocab);
-  if (!(p.temperature[row] >= kGreedyTemperature)) return argmax;
-
-  const float inv_temperature = 1.0f / p.temperature[row];
-  const float max_z = logits[argmax] * inv_temperature;
-  if (!std::isfinite(max_z)) return argmax;  // every logit -inf or NaN, or the max is +inf: nothing to weigh
-  std::vector<uint32_t> keys(vocab);
-  std::vector<uint64_t> mass(vocab);
-  for (int64_t i = 0; i < vocab; ++i) {
-    const float z = logits[i] * inv_temperature;
-    const float w = std::isnan(z) ? 0.0f : std::exp(z - max_z);
-    keys[i] = key_of(w);
-    mass[i] = static_cast<uint64_t>(static_cast<double>(w) * kSampleWeightScale);
-  }
-
-  uint32_t threshold = 0;  // keep key >= threshold
+  const float temperature = p.temperature[row];
   const int32_t top_k = p.top_k[row];
-  if (top_k > 0 && top_k < vocab) threshold = kth_largest_key(keys, top_k);
-
-  if (p.top_p[row] < 1.0f) {
-    std::vector<uint32_t> kept;
-    uint64_t kept_mass = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (keys[i] >= threshold) {
-        kept.push_back(keys[i]);
-        kept_mass += mass[i];
-      }
-    }
-    const double p_target = std::max(0.0, static_cast<double>(p.top_p[row])) * static_cast<double>(kept_mass);
-    const uint64_t target = std::max<uint64_t>(1, static_cast<uint64_t>(p_target));
-    // Walk the kept keys from the largest down; a key's mass counts all its ties (mass is a function of the key).
-    std::sort(kept.begin(), kept.end(), std::greater<uint32_t>());
-    uint64_t cumulative = 0;
-    size_t i = 0;
-    while (i < kept.size()) {
-      const uint32_t key = kept[i];
-      float w;
-      std::memcpy(&w, &key, 4);
-      const uint64_t unit = static_cast<uint64_t>(static_cast<double>(w) * kSampleWeightScale);
-      size_t j = i;
-      while (j < kept.size() && kept[j] == key) ++j;
-      cumulative += unit * (j - i);
-      threshold = key;
-      if (cumulative >= target) break;
-      i = j;
-    }
+  if (argmax < 0 || !(temperature >= kGreedyTemperature) || top_k == 1 || std::isinf(logits[argmax])) {
+    // greedy, nothing pickable, or a +inf logit that takes all the mass
+    p.out_token_ids[row] = argmax;
+    p.out_probs[row] = argmax < 0 ? 0.0f : 1.0f;
+    return;
   }
+  const float max_z = logits[argmax] / temperature;
+  std::vector<float> weight(vocab);
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float w = std::exp(logits[i] / temperature - max_z);
+    weight[i] = std::isnan(w) ? 0.0f : w;
+  }
+  std::vector<int64_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return weight[a] > weight[b]; });
+  std::vector<uint64_t> ranked_mass(vocab);
+  for (int64_t r = 0; r < vocab; ++r) ranked_mass[r] = mass_of(weight[order[r]]);
 
+  size_t kept = static_cast<size_t>(vocab);
+  if (top_k > 0 && top_k < vocab) kept = static_cast<size_t>(top_k);
+  const float top_p = p.top_p[row];
+  if (top_p < 1.0f) {
+    const uint64_t kept_mass = std::accumulate(ranked_mass.begin(), ranked_mass.begin() + kept, uint64_t{0});
+    const double target = std::ceil((static_cast<double>(top_p) - kTopPSlack) * static_cast<double>(kept_mass));
+    kept = ranks_to_reach(ranked_mass, kept, target < 1.0 ? 1 : static_cast<uint64_t>(target));
+  }
   const float min_p = p.min_p[row];
-  if (min_p > 0.0f) threshold = std::max(threshold, key_of(min_p));
+  if (min_p > 0.0f) {
+    size_t above = 0;
+    while (above < kept && weight[order[above]] >= min_p) ++above;
+    kept = std::max<size_t>(above, 1);  // rank 0 has w == 1 >= min_p unless min_p > 1
+  }
+  const uint64_t total = std::accumulate(ranked_mass.begin(), ranked_mass.begin() + kept, uint64_t{0});
+  const double scaled = static_cast<double>(p.uniform[row]) * static_cast<double>(total);
+  const uint64_t target = std::min(total, static_cast<uint64_t>(scaled) + 1);
+  const size_t rank = ranks_to_reach(ranked_mass, kept, target) - 1;
+  p.out_token_ids[row] = order[rank];
+  p.out_probs[row] = static_cast<float>(static_cast<double>(ranked_mass[rank]) / static_cast<double>(total));
+}
 
-  uint64_t total = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (keys[i] >= threshold) total += mass[i];
-  }
-  if (total == 0) return argmax;
-  const uint64_t target = static_cast<uint64_t>(static_cast<double>(p.uniform[row]) * static_cast<double>(total));
-  uint64_t cumulative = 0;
-  int64_t last_kept = argmax;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (keys[i] < threshold || mass[i] == 0) continue;
-    cumulative += mass[i];
-    last_kept = i;
-    if (cumulative > target) return i;
-  }
-  return last_kept;  // only when u >= 1 (out of contract) pushes the target past the total
+// Strength of the history entry at distance `distance` from the newest (PenaltyParams).
+float strength(int64_t distance, int64_t sustain, int64_t decay) {
+  if (distance < sustain) return 1.0f;
+  if (distance >= sustain + decay) return 0.0f;
+  return 1.0f - static_cast<float>(distance - sustain) / static_cast<float>(std::max<int64_t>(decay, 1));
 }
 
 }  // namespace
 
 void sample_rows(const SampleParams& p, int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) p.out_token_ids[row] = sample_row(p, row);
+  for (int64_t row = begin; row < end; ++row) sample_row(p, row);
 }
 
 void apply_penalties(const PenaltyParams& p, int64_t begin, int64_t end) {
-  std::vector<int64_t> ids;
+  struct Entry { int64_t id; int64_t distance; };
+  std::vector<Entry> entries;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t* history = p.history + row * p.history_row_stride;
-    ids.clear();
+    entries.clear();
     for (int64_t j = 0; j < p.history_len; ++j) {
-      if (history[j] >= 0 && history[j] < p.vocab_size) ids.push_back(history[j]);
+      if (history[j] >= 0 && history[j] < p.vocab_size) entries.push_back({history[j], p.history_len - 1 - j});
     }
-    std::sort(ids.begin(), ids.end());
+    // by id, newest occurrence (smallest distance) first within an id
+    std::sort(entries.begin(), entries.end(),
+              [](const Entry& a, const Entry& b) { return a.id != b.id ? a.id < b.id : a.distance < b.distance; });
     float* logits = p.logits + row * p.logits_row_stride;
     const float rep = p.repetition[row], freq = p.frequency[row], pres = p.presence[row];
-    for (size_t i = 0; i < ids.size();) {
+    const int64_t sustain = p.sustain[row], decay = p.decay[row];
+    for (size_t i = 0; i < entries.size();) {
+      const float newest = strength(entries[i].distance, sustain, decay);
+      float total = 0.0f;
       size_t j = i;
-      while (j < ids.size() && ids[j] == ids[i]) ++j;
-      const float count = static_cast<float>(j - i);
-      float l = logits[ids[i]];
-      l = l > 0.0f ? l / rep : l * rep;
-      logits[ids[i]] = l - (freq * count + pres);
+      for (; j < entries.size() && entries[j].id == entries[i].id; ++j) {
+        total += strength(entries[j].distance, sustain, decay);
+      }
+      const float factor = 1.0f + (rep - 1.0f) * newest;
+      float l = logits[entries[i].id];
+      l = l > 0.0f ? l / factor : l * factor;
+      logits[entries[i].id] = l - pres * newest - freq * total;
       i = j;
     }
   }
