@@ -240,7 +240,10 @@ class Scheduler:
             return
         src_page, num_slots = found
         num_slots = min(num_slots, end - start)
-        self.pool.pin(src_page)  # allocating the destination must not evict the source
+        # Allocating the destination must not evict the source. Unpinning right after is safe: copies run before
+        # the step's forward pass, in plan order, and nothing writes a page before the forward pass — so even if a
+        # later allocation of this step recycles the source page, the copy has read it by then.
+        self.pool.pin(src_page)
         try:
             (dst_page,) = self.pool.allocate(1)
         except OutOfPages:

@@ -59,7 +59,8 @@ def sample_row_reference(
     if 0 < top_k < vocab:
         kept = top_k
         if ranked_weight[top_k - 1] != ranked_weight[top_k]:
-            margin = min(margin, float((ranked_weight[top_k - 1] - ranked_weight[top_k]).item()))
+            gap = (ranked_weight[top_k - 1] - ranked_weight[top_k]) / ranked_weight[top_k - 1]
+            margin = min(margin, float(gap.item()))
     if top_p < 1.0:
         kept_mass = int(ranked_mass[:kept].sum().item())
         target = -(-((float(top_p) - TOP_P_SLACK) * kept_mass) // 1)  # ceil
@@ -67,7 +68,7 @@ def sample_row_reference(
         margin = min(margin, m)
     if min_p > 0.0:
         above = int((ranked_weight[:kept] >= min_p).sum().item())
-        margin = min(margin, float((ranked_weight[:kept].double() - min_p).abs().min().item()))
+        margin = min(margin, float(((ranked_weight[:kept].double() - min_p).abs() / min_p).min().item()))
         kept = max(above, 1)
     total = int(ranked_mass[:kept].sum().item())
     target = min(total, int(float(u) * float(total)) + 1)

@@ -280,9 +280,11 @@ def _sampling_batch(rows: int, vocab: int, device: str, g: torch.Generator):
     logits = torch.randn(rows, vocab, generator=g) * 3
     logits[:, ::97] = float("-inf")  # blocked tokens
     logits[::5, 10:20] = logits[::5, 10:11]  # exact ties
+    if rows > 2:
+        logits[2] = float("-inf")  # nothing pickable
     temperature = torch.tensor([0.0, 0.005, 0.5, 1.0, 1.7, 0.8])[torch.randint(0, 6, (rows,), generator=g)]
     top_k = torch.tensor([0, 1, 5, 50, vocab + 5, 0], dtype=torch.int32)[torch.randint(0, 6, (rows,), generator=g)]
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.0, 1.0])[torch.randint(0, 5, (rows,), generator=g)]
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.0, 2.0])[torch.randint(0, 5, (rows,), generator=g)]
     min_p = torch.tensor([0.0, 0.05, 0.2, 0.0])[torch.randint(0, 4, (rows,), generator=g)]
     u = torch.rand(rows, generator=g)
     return [t.to(device) for t in (logits, temperature, top_k, top_p, min_p, u)]
@@ -293,16 +295,16 @@ def _sampling_batch(rows: int, vocab: int, device: str, g: torch.Generator):
 def test_sample_rows_matches_reference(device, rows, vocab):
     batch = _sampling_batch(rows, vocab, device, gen(rows + vocab))
     poison_next_alloc((rows,), torch.int64, device)
-    tokens = NATIVE[device].sample_rows(*batch).cpu()
-    expected = sref.sample_rows_reference(*batch).cpu()
-    logits, *params = [t.cpu() for t in batch]
+    token_ids, probs = NATIVE[device].sample_rows(*batch)
+    assert token_ids.dtype == torch.int64 and probs.dtype == torch.float32
+    expected = sref.sample_rows_reference(*batch)
     compared = 0
-    for b in range(rows):
-        row_params = [p[b].item() for p in params]
-        if sref.sample_row_margin(logits[b], *row_params) < 1e-4:
+    for b, draw in enumerate(expected):
+        if draw.margin < 1e-5:
             continue  # a decision this close to a boundary may flip with exp()'s rounding
         compared += 1
-        assert tokens[b] == expected[b], f"row {b} params {row_params}: {tokens[b]} != {expected[b]}"
+        assert int(token_ids[b]) == draw.token_id, f"row {b}: {int(token_ids[b])} != {draw.token_id}"
+        assert abs(float(probs[b]) - draw.prob) <= 1e-5 * max(draw.prob, 1e-3), f"row {b}"
     assert compared >= rows * 0.9
 
 
@@ -314,43 +316,112 @@ def test_sample_rows_follows_the_filtered_distribution(device):
     temperature, top_k, top_p, min_p = 0.7, 12, 0.8, 0.03
     probs = torch.softmax(logits_row.double() / temperature, dim=0)
     order = torch.argsort(probs, descending=True)
+    head = probs[order[:top_k]] / probs[order[:top_k]].sum()
+    n_top_p = int((head.cumsum(0) < top_p).sum()) + 1  # smallest head whose mass reaches top_p
     keep = torch.zeros(vocab, dtype=torch.bool)
-    keep[order[:top_k]] = True
-    kept_sorted = probs[order[:top_k]] / probs[order[:top_k]].sum()
-    n_top_p = int((kept_sorted.cumsum(0) < top_p).sum()) + 1  # smallest head whose mass reaches top_p
-    keep[:] = False
     keep[order[:n_top_p]] = True
     keep &= probs >= min_p * probs.max()
     expected = torch.where(keep, probs, 0.0)
     expected /= expected.sum()
 
-    full = lambda value, dtype=torch.float32: torch.full((num_draws,), value, dtype=dtype, device=device)  # noqa: E731
+    def full(value, dtype=torch.float32):
+        return torch.full((num_draws,), value, dtype=dtype, device=device)
+
     u = ((torch.arange(num_draws, dtype=torch.float64) + 0.5) / num_draws).float().to(device)
-    tokens = NATIVE[device].sample_rows(
+    token_ids, token_probs = NATIVE[device].sample_rows(
         logits_row.to(device).expand(num_draws, vocab), full(temperature), full(top_k, torch.int32), full(top_p),
         full(min_p), u,
     )
-    freq = torch.bincount(tokens.cpu(), minlength=vocab).double() / num_draws
+    freq = torch.bincount(token_ids.cpu(), minlength=vocab).double() / num_draws
     assert float((freq - expected).abs().max()) <= 1.5 / num_draws
+    torch.testing.assert_close(token_probs.cpu().double(), expected[token_ids.cpu()], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows,vocab,history_len", [(8, 500, 64), (3, 32000, 1000), (2, 10, 0)])
-def test_apply_penalties(device, rows, vocab, history_len):
-    g = gen(rows + vocab + history_len)
+def test_sample_rows_agrees_with_folio_sampler(device):
+    """The kernel implements folio.sampling's definition; only decisions at a boundary may differ."""
+    from folio.sampling import RowParams, SamplerSettings, sample
+
+    g = gen(17)
+    rows, vocab = 48, 500
+    logits = (torch.randn(rows, vocab, generator=g) * 2.5).to(device)
+    settings = [SamplerSettings(temperature=t, top_k=k, top_p=p, min_p=m, token_repetition_penalty=1.0)
+                for t, k, p, m in [(0.8, 50, 0.8, 0.0), (1.2, 0, 0.95, 0.05), (0.0, 0, 0.0, 0.0), (0.6, 5, 1.0, 0.2)]]
+    row_settings = [settings[b % len(settings)] for b in range(rows)]
+    u = torch.rand(rows, generator=g)
+    params = [RowParams(settings=s, u=float(u[b])) for b, s in enumerate(row_settings)]
+    theirs = sample(logits, params)
+
+    def column(fn, dtype=torch.float32):
+        return torch.tensor([fn(s) for s in row_settings], dtype=dtype, device=device)
+
+    top_p = column(lambda s: s.top_p if s.top_p_active else 2.0)
+    args = (logits, column(lambda s: s.temperature), column(lambda s: s.top_k, torch.int32), top_p,
+            column(lambda s: s.min_p), u.to(device))
+    token_ids, probs = NATIVE[device].sample_rows(*args)
+    reference = sref.sample_rows_reference(*args)
+    compared = 0
+    for b, draw in enumerate(reference):
+        if draw.margin < 1e-5:
+            continue
+        compared += 1
+        assert int(token_ids[b]) == int(theirs.token_ids[b]), f"row {b} ({row_settings[b]})"
+        assert abs(float(probs[b]) - float(theirs.token_probs[b])) <= 1e-4, f"row {b}"
+    assert compared >= rows * 0.9
+
+
+def _penalty_batch(rows, vocab, history_len, device, g):
     logits = (torch.randn(rows, vocab, generator=g) * 4).to(device)
     history = torch.randint(0, min(vocab, 40), (rows, history_len), generator=g)  # many repeats
     if history_len:
-        history[:, -5:] = -1  # padding
-        history[0, 0], history[-1, 1] = vocab + 3, -7  # out of range: ignored
-    history = history.to(device)
-    rep = (1.0 + torch.rand(rows, generator=g)).to(device)
-    freq = (torch.rand(rows, generator=g) * 0.5).to(device)
-    pres = (torch.rand(rows, generator=g) * 0.5).to(device)
+        history[:, :5] = -1  # left padding
+        history[0, -1], history[-1, -2] = vocab + 3, -7  # out of range: ignored
+    rep = 1.0 + torch.rand(rows, generator=g)
+    freq = torch.rand(rows, generator=g) * 0.5
+    pres = torch.rand(rows, generator=g) * 0.5
+    sustain = torch.randint(0, history_len + 2, (rows,), generator=g, dtype=torch.int32)
+    decay = torch.randint(0, history_len + 2, (rows,), generator=g, dtype=torch.int32)
+    return logits, *[t.to(device) for t in (history, rep, freq, pres, sustain, decay)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,vocab,history_len", [(8, 500, 64), (3, 32000, 1000), (2, 10, 0), (2, 300, 3000)])
+def test_apply_penalties(device, rows, vocab, history_len):
+    logits, *rest = _penalty_batch(rows, vocab, history_len, device, gen(rows + vocab + history_len))
     expected = logits.clone()
-    sref.apply_penalties_reference(expected, history, rep, freq, pres)
-    NATIVE[device].apply_penalties(logits, history, rep, freq, pres)
-    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    sref.apply_penalties_reference(expected, *rest)
+    NATIVE[device].apply_penalties(logits, *rest)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_penalties_agrees_with_folio_sampler(device):
+    from folio.sampling import RowParams, SamplerSettings, sample
+
+    g = gen(23)
+    rows, vocab = 6, 200
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
+    histories = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (0, 1, 30, 100, 7, 64)]
+    settings = [SamplerSettings(token_repetition_penalty=1.3, token_repetition_range=r, token_repetition_decay=d,
+                                token_frequency_penalty=0.2, token_presence_penalty=0.3)
+                for r, d in [(-1, 0), (5, 0), (10, 8), (-1, 0), (0, 4), (20, 30)]]
+    params = [RowParams(settings=s, u=0.5, history_ids=h, return_logits=True) for s, h in zip(settings, histories)]
+    theirs = sample(logits, params).logits
+
+    width = max(len(h) for h in histories)
+    history = torch.tensor([[-1] * (width - len(h)) + h for h in histories], dtype=torch.int64, device=device)
+
+    def column(fn, dtype=torch.float32):
+        return torch.tensor([fn(s) for s in settings], dtype=dtype, device=device)
+
+    mine = logits.clone()
+    NATIVE[device].apply_penalties(
+        mine, history, column(lambda s: s.token_repetition_penalty), column(lambda s: s.token_frequency_penalty),
+        column(lambda s: s.token_presence_penalty),
+        column(lambda s: width if s.token_repetition_range < 0 else s.token_repetition_range, torch.int32),
+        column(lambda s: s.token_repetition_decay, torch.int32),
+    )
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -385,10 +456,9 @@ def test_bad_arguments_name_the_argument(device):
         native.rms_norm(q[0], torch.ones(65, device=device), 1e-6)
     with pytest.raises(ValueError, match="'num_slots'"):
         native.copy_page_slots(k_cache[None], v_cache[None], 0, 1, 17)
+    row = torch.zeros(2, device=device)
     with pytest.raises(ValueError, match="'u'"):
-        native.sample_rows(torch.zeros(2, 5, device=device), *[torch.zeros(2, device=device)] * 1,
-                           torch.zeros(2, dtype=torch.int32, device=device),
-                           *[torch.zeros(2, device=device)] * 2, torch.zeros(3, device=device))
+        native.sample_rows(torch.zeros(2, 5, device=device), row, row.int(), row, row, torch.zeros(3, device=device))
 
 
 @pytest.mark.skipif(NATIVE["cpu"] is None, reason="folio._native_cpu is not built")

@@ -292,5 +292,5 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPagePoolStateful = PoolMachine.TestCase
-TestPagePoolStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+TestPagePoolStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])

@@ -301,10 +301,11 @@ def penalised(logits: list[float], history: list[int], s: SamplerSettings) -> li
     return out
 
 
-def penalty_logits(rows_spec):
+def penalty_logits(rows_spec, tensor_history=False):
     """Run one call with penalties only; return the processed logits per row."""
     logits = torch.tensor([row[0] for row in rows_spec], dtype=torch.float32)
-    rows = [RowParams(s, 0.5, history_ids=h, return_logits=True) for _, h, s in rows_spec]
+    rows = [RowParams(s, 0.5, history_ids=torch.tensor(h, dtype=torch.int64) if tensor_history else h,
+                      return_logits=True) for _, h, s in rows_spec]
     return sample(logits, rows).logits
 
 
@@ -345,6 +346,8 @@ def test_penalties_random_rows_in_one_batch():
     got = penalty_logits(spec)
     for b, (logits, history, s) in enumerate(spec):
         assert got[b].tolist() == pytest.approx(penalised(logits, history, s), abs=1e-5), b
+    # A history given as a CPU int64 tensor is the same history.
+    assert torch.equal(penalty_logits(spec, tensor_history=True), got)
 
 
 def test_penalties_then_bias_then_block_order():
@@ -393,6 +396,8 @@ def test_call_validation():
     s = settings()
     with pytest.raises(ValueError, match="u must be"):
         RowParams(s, 1.0)
+    with pytest.raises(ValueError, match="history_ids"):
+        RowParams(s, 0.5, history_ids=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="blocked token id 8"):
         sample(logits, [RowParams(s, 0.5, blocked_ids=[8])])
     with pytest.raises(ValueError, match="token_bias id 9"):

@@ -52,6 +52,17 @@ class PartialMatch(NamedTuple):
 
 
 class PagePool:
+    """Page bookkeeping for one KV cache. How a scheduler drives it, per job:
+
+        found = pool.lookup(hashes)                 # prompt_page_hashes(); maybe wait while found.num_pending
+        block_table = pool.acquire(hashes[:found.num_ready])
+        block_table += pool.allocate(n)             # on demand; OutOfPages: wait or preempt someone
+        pool.claim(page_id, hashes[i], parent)      # prompt pages about to be prefilled
+        pool.set_ready(page_id, page_hash, parent, token_ids)  # each page whose K/V just became complete
+        pool.record_tokens(page_id, parent, token_ids)        # the partial last page, before release
+        pool.release(block_table)                   # finished, cancelled or preempted
+    """
+
     def __init__(self, num_pages: int, page_size: int, *, record_events: bool = True) -> None:
         """record_events=False skips the event log, for engines whose caller never drains it."""
         if num_pages <= 0:
@@ -151,8 +162,8 @@ class PagePool:
         return page_ids
 
     def pin(self, page_id: int) -> None:
-        """Take a reference on a page with content (cached or in use), e.g. the source of a partial-page copy, so
-        that no allocation can evict it. Undo with unpin() (or release())."""
+        """Take a reference on a cached or in-use page, e.g. the source of a partial-page copy, so that no
+        allocation can evict it. Undo with unpin() (or release())."""
         page = self._page(page_id)
         if page.state is PageState.FREE:
             raise PageStateError(f"pin: {page.describe()} has no content")

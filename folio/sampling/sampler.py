@@ -12,13 +12,14 @@ does that when it reads `token_ids`.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from folio.sampling.host import to_device
+from folio.sampling.penalties import History, apply_penalties
 from folio.sampling.settings import SamplerSettings
 
 # Mass within this distance of top_p counts as reaching it: fp32 sums of probabilities that are exactly p in
@@ -32,7 +33,8 @@ class RowParams:
 
     settings: the job's SamplerSettings.
     u: the job's uniform draw for this token, in [0, 1) (see folio.sampling.rng).
-    history_ids: prompt + generated token ids, oldest first, for the penalties (ids outside the logits are ignored).
+    history_ids: prompt + generated token ids, oldest first, for the penalties (ids outside the logits are ignored):
+        a sequence of ints, or a 1-D int64 CPU tensor (cheaper to window than a long Python list).
     blocked_ids: token ids that must not be picked (e.g. stop tokens below min_new_tokens).
     vocab_size: number of real vocabulary entries; logits at and beyond it are masked (None: all columns are real).
     return_top_tokens: how many of the most probable final candidates to report.
@@ -41,7 +43,7 @@ class RowParams:
 
     settings: SamplerSettings
     u: float
-    history_ids: Sequence[int] = ()
+    history_ids: History = ()
     blocked_ids: Sequence[int] = ()
     vocab_size: int | None = None
     return_top_tokens: int = 0
@@ -52,6 +54,10 @@ class RowParams:
             raise TypeError(f"RowParams.settings must be a SamplerSettings, got {type(self.settings).__name__}")
         if not isinstance(self.u, float | int) or not 0.0 <= self.u < 1.0:
             raise ValueError(f"RowParams.u must be a number in [0, 1), got {self.u!r}")
+        if isinstance(self.history_ids, torch.Tensor) and (
+                self.history_ids.dim() != 1 or self.history_ids.dtype != torch.int64 or self.history_ids.device.type != "cpu"):
+            raise ValueError("RowParams.history_ids as a tensor must be 1-D int64 on the CPU, got "
+                             f"{tuple(self.history_ids.shape)} {self.history_ids.dtype} on {self.history_ids.device}")
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
             raise ValueError(f"RowParams.vocab_size must be None or an int >= 1, got {self.vocab_size!r}")
         if not isinstance(self.return_top_tokens, int) or self.return_top_tokens < 0:
@@ -75,14 +81,6 @@ class SampleOutput:
     top_k_tokens: torch.Tensor | None = None
     top_k_probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        # Pinned + non_blocking: the copy is queued on the stream instead of waiting for the GPU to drain.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def _check_call(logits: torch.Tensor, rows: Sequence[RowParams]) -> None:
@@ -110,11 +108,11 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
     num_columns = logits.shape[1]
     # Working copy with one extra column: scatters aim the entries they must skip at it.
     work = torch.nn.functional.pad(logits, (0, 1))
-    _apply_penalties(work, rows)
+    apply_penalties(work, [row.settings for row in rows], [row.history_ids for row in rows])
     _apply_bias_and_blocks(work, rows)
     x = work[:, :num_columns]
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
-        vocab_sizes = _to_device([row.vocab_size or num_columns for row in rows], torch.int64, x.device)
+        vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, x.device)
         x.masked_fill_(torch.arange(num_columns, device=x.device) >= vocab_sizes[:, None], -math.inf)
     token_ids, token_probs, candidate_ids, final_probs = _pick(x, rows)
 
@@ -123,65 +121,6 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
     top_k_probs = final_probs[:, :num_top] if num_top else None
     logits_out = x if any(row.return_logits for row in rows) else None
     return SampleOutput(token_ids, token_probs, top_k_tokens, top_k_probs, logits_out)
-
-
-def _penalty_window(row: RowParams) -> int:
-    window = row.settings.penalty_window
-    return len(row.history_ids) if window is None else min(window, len(row.history_ids))
-
-
-def _apply_penalties(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
-    """Repetition (CTRL), presence and frequency penalties over each row's recent history, in place.
-
-    Token at distance j from the newest (j = 0 newest) has strength w(j) = 1 up to j = range, then
-    1 - (j - range) / decay, and 0 from range + decay on (the reference's linear fade). The repetition and presence
-    penalties use the strength at a token's newest occurrence (the largest), the frequency penalty sums over all."""
-    windows = [_penalty_window(row) for row in rows]
-    width = max(windows)
-    if width == 0:
-        return
-    device = work.device
-    batch, dump_column = work.shape[0], work.shape[1] - 1
-    flat_ids: list[int] = []
-    for row, window in zip(rows, windows):
-        flat_ids.extend(itertools.repeat(dump_column, width - window))
-        if window:
-            history = row.history_ids
-            flat_ids.extend(history[len(history) - window:])
-    ids = _to_device(flat_ids, torch.int64, device).view(batch, width)
-    ids = torch.where((ids >= 0) & (ids < dump_column), ids, dump_column)
-
-    s = [row.settings for row in rows]
-    sustain = _to_device([x.token_repetition_range if x.token_repetition_range >= 0 else width for x in s],
-                         torch.int64, device)[:, None]
-    decay = _to_device([x.token_repetition_decay for x in s], torch.int64, device)[:, None]
-    strengths = _to_device([[x.token_repetition_penalty, x.token_presence_penalty, x.token_frequency_penalty]
-                            for x in s], torch.float32, device)
-    distance = torch.arange(width - 1, -1, -1, device=device)[None, :]
-    weight = 1.0 - (distance - sustain).clamp(min=0) / decay.clamp(min=1)
-    weight = torch.where(distance < sustain + decay, weight, 0.0).to(torch.float32)
-
-    # Group equal ids per row. The stable sort keeps each group oldest-first, so its last entry is the newest
-    # occurrence; the group's weight sum comes from a cumulative sum (deterministic, unlike atomic scatter-adds).
-    sorted_ids, order = ids.sort(dim=1, stable=True)
-    sorted_weight = weight.gather(1, order)
-    boundary = sorted_ids[:, 1:] != sorted_ids[:, :-1]
-    ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
-    is_first = torch.cat([ones, boundary], dim=1)
-    is_last = torch.cat([boundary, ones], dim=1)
-    positions = torch.arange(width, device=device).expand(batch, width)
-    group_start = torch.where(is_first, positions, 0).cummax(dim=1).values
-    cumulative = sorted_weight.to(torch.float64).cumsum(dim=1)
-    before_group = cumulative.gather(1, group_start) - sorted_weight.gather(1, group_start).to(torch.float64)
-    weight_sum = (cumulative - before_group).to(torch.float32)
-
-    columns = torch.where(is_last, sorted_ids, dump_column)
-    values = work.gather(1, columns)
-    repetition, presence, frequency = strengths[:, 0:1], strengths[:, 1:2], strengths[:, 2:3]
-    factor = 1.0 + (repetition - 1.0) * sorted_weight
-    values = torch.where(values > 0, values / factor, values * factor)
-    values = values - presence * sorted_weight - frequency * weight_sum
-    work.scatter_(1, columns, values)
 
 
 def _apply_bias_and_blocks(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
@@ -196,11 +135,11 @@ def _apply_bias_and_blocks(work: torch.Tensor, rows: Sequence[RowParams]) -> Non
             bias_values.append(bias)
     if bias_index:
         # Indices are unique (token_bias is a mapping), so the add is deterministic.
-        flat.index_add_(0, _to_device(bias_index, torch.int64, work.device),
-                        _to_device(bias_values, torch.float32, work.device))
+        flat.index_add_(0, to_device(bias_index, torch.int64, work.device),
+                        to_device(bias_values, torch.float32, work.device))
     blocked_index = [b * stride + token_id for b, row in enumerate(rows) for token_id in row.blocked_ids]
     if blocked_index:
-        flat.index_fill_(0, _to_device(blocked_index, torch.int64, work.device), -math.inf)
+        flat.index_fill_(0, to_device(blocked_index, torch.int64, work.device), -math.inf)
 
 
 _GREEDY = (1.0, 2.0, 0.0, 1)
@@ -240,7 +179,7 @@ def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.devi
             table.append(_truncation(row.settings))
         row_index.append(table_index[key])
     flat = [v for t in table for v in (t[0], t[1], t[2], t[3] or num_columns)]
-    packed = _to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
+    packed = to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
     num_rows, table_size = len(rows), 4 * len(table)
     per_row = packed[:table_size].view(len(table), 4)[packed[table_size + num_rows:].long()]
     columns = per_row.float().split(1, dim=1)

@@ -1,0 +1,44 @@
+// CUDA launchers: host functions over raw device pointers (no torch, no pybind11). Every launcher enqueues its
+// kernels on `stream`, never synchronizes with the host, and returns the launch status (cudaGetLastError()).
+// Safe to call while a CUDA graph is being captured on `stream`.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../common/params.h"
+
+namespace folio::cuda {
+
+cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream);
+
+cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+
+cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, cudaStream_t stream);
+
+// Paged attention for decode (p.cu_seqlens_q == nullptr: one query row per sequence) and prefill (one row per
+// token of cu_seqlens_q). num_rows = B or T. The context of each row may be split over several thread blocks
+// (flash-decoding); their partial results go to `workspace` and a second kernel merges them.
+struct AttentionPlan {
+  int num_splits;                // thread blocks per (row, kv head group)
+  int64_t workspace_floats;      // floats of workspace needed (0 when num_splits == 1)
+};
+// Head-dim / alignment support of the CUDA kernels; returns nullptr when supported, else the reason.
+const char* attention_unsupported_reason(const PagedAttentionParams& p);
+AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms);
+cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
+                            float* workspace, cudaStream_t stream);
+
+cudaError_t copy_page_slots(const PageCopyParams& p, cudaStream_t stream);
+
+cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream);
+
+// The CUDA penalty kernel sorts each row's history in shared memory; rows longer than this are refused by the
+// binding (callers cap the penalty window).
+constexpr int64_t kMaxPenaltyHistory = 16384;
+cudaError_t apply_penalties(const PenaltyParams& p, cudaStream_t stream);
+
+cudaError_t mask_tokens(const MaskTokensParams& p, cudaStream_t stream);
+
+}  // namespace folio::cuda
