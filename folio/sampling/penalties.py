@@ -4,7 +4,8 @@ The token at distance j from the newest (j = 0 newest) has strength w(j) = 1 up 
 1 - (j - range) / decay, and 0 from range + decay on (the reference's linear fade; range -1 = the whole history at
 full strength). For each distinct token in the window the repetition and presence penalties use the strength at its
 newest occurrence (the largest) and the frequency penalty sums the strengths of all occurrences:
-    logit' = (logit / r if logit > 0 else logit * r) - presence * w_newest - frequency * sum(w),  r = 1 + (p - 1) w_newest
+    logit' = (logit / r if logit > 0 else logit * r) - presence * w_newest - frequency * sum(w)
+    with r = 1 + (repetition_penalty - 1) * w_newest
 """
 
 from __future__ import annotations

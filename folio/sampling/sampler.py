@@ -54,10 +54,11 @@ class RowParams:
             raise TypeError(f"RowParams.settings must be a SamplerSettings, got {type(self.settings).__name__}")
         if not isinstance(self.u, float | int) or not 0.0 <= self.u < 1.0:
             raise ValueError(f"RowParams.u must be a number in [0, 1), got {self.u!r}")
-        if isinstance(self.history_ids, torch.Tensor) and (
-                self.history_ids.dim() != 1 or self.history_ids.dtype != torch.int64 or self.history_ids.device.type != "cpu"):
+        history = self.history_ids
+        if isinstance(history, torch.Tensor) and (
+                history.dim() != 1 or history.dtype != torch.int64 or history.device.type != "cpu"):
             raise ValueError("RowParams.history_ids as a tensor must be 1-D int64 on the CPU, got "
-                             f"{tuple(self.history_ids.shape)} {self.history_ids.dtype} on {self.history_ids.device}")
+                             f"{tuple(history.shape)} {history.dtype} on {history.device}")
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
             raise ValueError(f"RowParams.vocab_size must be None or an int >= 1, got {self.vocab_size!r}")
         if not isinstance(self.return_top_tokens, int) or self.return_top_tokens < 0:

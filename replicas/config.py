@@ -1,0 +1,301 @@
+"""ServeConfig: everything a folio deployment is configured by, in one frozen dataclass validated at the edge.
+
+Load it from a dict (`serve run replicas.app:build_app key=value ...` passes strings, YAML passes typed values),
+a YAML file, or command-line flags (`add_arguments` / `from_args`). Values known only at run time (the number of
+cache pages a GPU's free memory holds, the derived batch size) are not here: each replica reports them (ModelInfo).
+This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+MIN_PAGE_SIZE = 16
+# On a CPU (tests, the demo) the cache is sized in tokens; this many when neither size is given.
+DEFAULT_CPU_CACHE_TOKENS = 16384
+# On a GPU, the share of free memory the cache takes when neither size is given.
+DEFAULT_GPU_MEMORY_FRACTION = 0.85
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the option."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A folio deployment: the model, each generator replica's engine, the Serve deployments, the ports.
+
+    model_path: Hugging Face model directory (config.json, safetensors, tokenizer.json), readable on every node.
+    device: "auto" (cuda when num_gpus > 0, else cpu), "cpu" or "cuda".
+    dtype: float32 / float16 / bfloat16; None keeps the checkpoint's.
+    cache_tokens / cache_memory_fraction: KV-cache size per replica, in tokens (a multiple of page_size) or as a
+        share of the GPU's free memory; at most one. Neither: 0.85 of free memory on a GPU, 16384 tokens on a CPU.
+    page_size: tokens per KV-cache page (a power of two >= 16); also the prefix-sharing granularity.
+    max_batch_size: sequences one replica runs at once.
+    max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
+    max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
+    max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
+    max_queued_requests: requests waiting at callers for a free replica slot (-1: no limit) before
+        RESOURCE_EXHAUSTED. A replica takes max_batch_size + max_queue_size requests at once.
+    num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
+        num_gpus 0 runs on the CPU).
+    ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
+    grpc_port / http_port / http_host: Ray Serve's proxies (the gRPC proxy binds every interface).
+    app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
+    stall_timeout_s: a replica whose engine made no progress for this long while it had work fails its health check.
+    health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
+    request_timeout_s: end-to-end limit the gRPC proxy puts on a request (None: none).
+    routing_digest_max_hashes: most cached page hashes a replica reports to routers (the most recent ones).
+    warmup: run a short generation when a replica starts.
+    """
+
+    model_path: str = "demo-model"
+    device: str = "auto"
+    dtype: str | None = None
+    cache_tokens: int | None = None
+    cache_memory_fraction: float | None = None
+    page_size: int = 256
+    max_batch_size: int = 64
+    max_chunk_size: int | None = None
+    max_seq_len: int | None = None
+    max_queue_size: int = 64
+    max_queued_requests: int = -1
+    num_replicas: int = 1
+    num_gpus: float = 1.0
+    num_cpus: float = 1.0
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.25
+    grpc_port: int = 50051
+    http_port: int = 8000
+    http_host: str = "127.0.0.1"
+    app_name: str = "folio"
+    stall_timeout_s: float = 60.0
+    health_check_period_s: float = 10.0
+    graceful_shutdown_timeout_s: float = 60.0
+    request_timeout_s: float | None = None
+    routing_digest_max_hashes: int = 1024
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), _field_types()[field.name])
+        self._check_model()
+        self._check_engine()
+        self._check_deployment()
+
+    # --- validation ---
+
+    def _check_model(self) -> None:
+        if not self.model_path:
+            raise ConfigError("model_path: must name a model directory")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)} (or unset), got {self.dtype!r}")
+        if self.device == "cpu" and self.num_gpus > 0:
+            raise ConfigError("device: cpu with num_gpus > 0 would hold GPUs the replica never uses; set num_gpus 0")
+        if self.device.startswith("cuda") and self.num_gpus == 0:
+            raise ConfigError(f"device: {self.device} needs num_gpus > 0")
+
+    def _check_engine(self) -> None:
+        if self.page_size < MIN_PAGE_SIZE or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size: must be a power of two >= {MIN_PAGE_SIZE}, got {self.page_size}")
+        if self.cache_tokens is not None and self.cache_memory_fraction is not None:
+            raise ConfigError("cache_tokens / cache_memory_fraction: give at most one")
+        if self.cache_tokens is not None and (self.cache_tokens <= 0 or self.cache_tokens % self.page_size):
+            raise ConfigError(f"cache_tokens: must be a positive multiple of page_size ({self.page_size}), "
+                              f"got {self.cache_tokens}")
+        if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:
+            raise ConfigError(f"cache_memory_fraction: must be in (0, 1], got {self.cache_memory_fraction}")
+        if self.cache_memory_fraction is not None and self.resolved_device == "cpu":
+            raise ConfigError("cache_memory_fraction: only for GPU replicas; give cache_tokens on a CPU")
+        _positive("max_batch_size", self.max_batch_size)
+        if self.max_chunk_size is not None and (self.max_chunk_size <= 0 or self.max_chunk_size % self.page_size):
+            raise ConfigError(f"max_chunk_size: must be a positive multiple of page_size ({self.page_size}), "
+                              f"got {self.max_chunk_size}")
+        if self.max_seq_len is not None:
+            _positive("max_seq_len", self.max_seq_len)
+        _positive("max_queue_size", self.max_queue_size)
+        if self.max_queued_requests != -1 and self.max_queued_requests < 1:
+            raise ConfigError(f"max_queued_requests: must be -1 (no limit) or >= 1, got {self.max_queued_requests}")
+        _positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
+
+    def _check_deployment(self) -> None:
+        _positive("num_replicas", self.num_replicas)
+        _positive("ingress_replicas", self.ingress_replicas)
+        for name in ("num_gpus", "num_cpus", "ingress_num_cpus"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ConfigError(f"num_gpus: above 1 it must be a whole number, got {self.num_gpus}")
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise ConfigError(f"{name}: must be in [1, 65535], got {port}")
+        if self.grpc_port == self.http_port:
+            raise ConfigError(f"grpc_port / http_port: both are {self.grpc_port}")
+        if not self.app_name or "/" in self.app_name:
+            raise ConfigError(f"app_name: must be a non-empty name without '/', got {self.app_name!r}")
+        for name in ("stall_timeout_s", "health_check_period_s", "graceful_shutdown_timeout_s"):
+            _positive(name, getattr(self, name))
+        if self.request_timeout_s is not None:
+            _positive("request_timeout_s", self.request_timeout_s)
+
+    # --- derived values ---
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if self.num_gpus > 0 else "cpu"
+        return self.device
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Requests one generator replica takes at once: a full batch plus a full engine queue."""
+        return self.max_batch_size + self.max_queue_size
+
+    def cache_size(self) -> dict[str, Any]:
+        """folio.Cache's sizing keyword: num_tokens or max_memory_fraction."""
+        if self.cache_tokens is not None:
+            return {"num_tokens": self.cache_tokens}
+        if self.cache_memory_fraction is not None:
+            return {"max_memory_fraction": self.cache_memory_fraction}
+        if self.resolved_device == "cpu":
+            return {"num_tokens": max(self.page_size, DEFAULT_CPU_CACHE_TOKENS // self.page_size * self.page_size)}
+        return {"max_memory_fraction": DEFAULT_GPU_MEMORY_FRACTION}
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --- loading ---
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ServeConfig:
+        """Build from a mapping; strings are converted to each option's type ("4096", "true", "none")."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"a folio config is a mapping of options, got {type(values).__name__}")
+        types_ = _field_types()
+        unknown = sorted(set(values) - set(types_))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(types_)}")
+        return cls(**{name: _convert(name, value, types_[name]) for name, value in values.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        import yaml
+
+        try:
+            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        try:
+            return cls.from_dict(values or {})
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """One flag per option (--model-path, --cache-tokens, ...) plus --config FILE; unset flags keep the file's
+        or the default value."""
+        group = parser.add_argument_group("deployment options (also settable in a --config YAML file)")
+        group.add_argument("--config", type=Path, default=None, metavar="FILE", help="YAML file of options")
+        for field in dataclasses.fields(ServeConfig):
+            flag = "--" + field.name.replace("_", "-")
+            group.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
+                               help=f"(default: {field.default})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **defaults: Any) -> ServeConfig:
+        """Defaults (the caller's), then the --config file, then the flags given."""
+        values: dict[str, Any] = dict(defaults)
+        if getattr(args, "config", None) is not None:
+            values.update(cls.from_yaml(args.config).explicit_values())
+        values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                       if getattr(args, f.name, None) is not None})
+        return cls.from_dict(values)
+
+    def explicit_values(self) -> dict[str, Any]:
+        """Options that differ from the defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(ServeConfig)
+
+
+def _optional_inner(kind: Any) -> tuple[Any, bool]:
+    """(T, True) for `T | None`, (kind, False) otherwise."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        return inner[0], True
+    return kind, False
+
+
+def _convert(name: str, value: Any, kind: Any) -> Any:
+    if not isinstance(value, str):
+        if isinstance(value, int) and not isinstance(value, bool) and _optional_inner(kind)[0] is float:
+            return float(value)
+        return value
+    inner, optional = _optional_inner(kind)
+    text = value.strip()
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    try:
+        if inner is bool:
+            lowered = text.lower()
+            if lowered in ("true", "yes", "1", "on"):
+                return True
+            if lowered in ("false", "no", "0", "off"):
+                return False
+            raise ValueError
+        if inner is int:
+            return int(text)
+        if inner is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}") from None
+    return text
+
+
+def _check_type(name: str, value: Any, kind: Any) -> None:
+    inner, optional = _optional_inner(kind)
+    if value is None:
+        if not optional:
+            raise ConfigError(f"{name}: must be set (expected {_type_name(kind)})")
+        return
+    if inner is bool:
+        ok = isinstance(value, bool)
+    elif inner is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif inner is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, inner)
+    if not ok:
+        raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}")
+
+
+def _type_name(kind: Any) -> str:
+    inner, optional = _optional_inner(kind)
+    name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(inner, str(inner))
+    return f"{name} or none" if optional else name
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")

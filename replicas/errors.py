@@ -1,0 +1,54 @@
+"""Errors a caller can act on, each with the gRPC status it maps to (by name: this module imports no gRPC).
+
+Raised by the ingress (validation) and by generator replicas; they cross Ray as the cause of a RayTaskError, so
+they keep all their state in `args` (pickling re-creates them from it).
+"""
+
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """Base: `status` is a grpc.StatusCode name; `str(error)` is what the client reads."""
+
+    status = "INTERNAL"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(RequestError):
+    """A request field is invalid; `field` names it (the gRPC / Python field name) and the message starts with it."""
+
+    status = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.args = (field, problem)
+        self.field = field
+        self.problem = problem
+
+
+class Overloaded(RequestError):
+    """Queues are full; retry later."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+class ReplicaUnavailable(RequestError):
+    """The replica serving the request was lost or is shutting down; retrying goes to a healthy one."""
+
+    status = "UNAVAILABLE"
+
+
+class Cancelled(RequestError):
+    status = "CANCELLED"
+
+
+class InternalError(RequestError):
+    """A bug; the server log has the details, keyed by the request id in the message."""
+
+    status = "INTERNAL"

@@ -1,0 +1,184 @@
+"""The serving layer's request and result types: plain dataclasses, pickled across Ray, free of protobuf.
+
+    GenerationRequest  what a client asks for (the gRPC GenerateRequest, or replicas.client.Client's arguments)
+    EngineRequest      what the ingress sends a generator replica: validated and tokenized (a router reads
+                       `input_ids` to find the replica holding the prompt's pages)
+    Chunk              one streamed piece of a completion; the last one carries `finish`
+    Completion         a whole completion
+    ModelInfo          the served model and the limits requests must respect
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from folio.results import EosReason
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# Sampling field -> folio.SamplerSettings keyword.
+SAMPLER_FIELDS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "token_repetition_penalty",
+    "frequency_penalty": "token_frequency_penalty",
+    "presence_penalty": "token_presence_penalty",
+    "repetition_range": "token_repetition_range",
+    "repetition_decay": "token_repetition_decay",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampler settings; None leaves the engine's default (folio.SamplerSettings)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_range: int | None = None
+    repetition_decay: int | None = None
+    token_bias: Mapping[int, float] = field(default_factory=dict)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """folio.SamplerSettings keyword arguments for the fields that are set."""
+        kwargs = {engine: getattr(self, name) for name, engine in SAMPLER_FIELDS.items()
+                  if getattr(self, name) is not None}
+        if self.token_bias:
+            kwargs["token_bias"] = dict(self.token_bias)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A completion request: exactly one of `text` and `token_ids`."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_strings: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    stop_on_eos: bool = True
+    seed: int | None = None
+    add_bos: bool | None = None  # None: the tokenizer's convention
+    encode_special_tokens: bool = False
+    decode_special_tokens: bool = False
+    return_probs: bool = False
+    return_top_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated, tokenized request for one generator replica."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    sampler: Mapping[str, Any] = field(default_factory=dict)  # folio.SamplerSettings keyword arguments
+    stop_conditions: tuple[int | str, ...] | None = None  # None: the model's EOS tokens (folio.DynamicJob's rule)
+    seed: int | None = None
+    decode_special_tokens: bool = False
+    return_probs: bool = False
+    return_top_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass
+class TopTokens:
+    token_ids: list[int]
+    probs: list[float]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    completion_tokens: int = 0  # tokens sampled, a final stop token included
+
+
+@dataclass
+class Timings:
+    queued_s: float = 0.0  # in the engine's queue
+    prefill_s: float = 0.0  # first prompt chunk to first token
+    generate_s: float = 0.0  # first token to last token
+    time_to_first_token_s: float = 0.0  # the request reached the server (ingress) to its first token
+    total_s: float = 0.0  # the request reached the server to its end
+
+
+@dataclass
+class Finish:
+    reason: EosReason
+    stop_token_id: int | None = None
+    stop_string: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class Chunk:
+    """Text and tokens released by one engine step (several steps' worth when the consumer fell behind)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_probs: list[float] | None = None
+    top_tokens: list[TopTokens] | None = None
+    finish: Finish | None = None
+
+    def extend(self, other: Chunk) -> None:
+        self.text += other.text
+        self.token_ids.extend(other.token_ids)
+        if other.token_probs is not None:
+            self.token_probs = (self.token_probs or []) + other.token_probs
+        if other.top_tokens is not None:
+            self.top_tokens = (self.top_tokens or []) + other.top_tokens
+        if other.finish is not None:
+            self.finish = other.finish
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish: Finish
+    token_probs: list[float] | None = None
+    top_tokens: list[TopTokens] | None = None
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
+        whole = Chunk()
+        for chunk in chunks:
+            whole.extend(chunk)
+        if whole.finish is None:
+            raise RuntimeError("the stream ended without its final chunk")
+        return cls(text=whole.text, token_ids=whole.token_ids, finish=whole.finish,
+                   token_probs=whole.token_probs, top_tokens=whole.top_tokens)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    dtype: str
+    vocab_size: int  # token ids a request may use: the tokenizer's and the model's, whichever is smaller
+    max_seq_len: int  # prompt + max_new_tokens of one request, at most
+    page_size: int
+    num_pages: int  # per replica
+    max_batch_size: int
+    num_replicas: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    add_bos_token: bool
+
+    @property
+    def max_request_tokens(self) -> int:
+        """prompt + max_new_tokens must not exceed this: the context, and what one replica's cache holds."""
+        return min(self.max_seq_len, self.num_pages * self.page_size)
