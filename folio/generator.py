@@ -20,6 +20,7 @@ from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
 from folio.results import Result
 from folio.sampling import RowParams, SamplerSettings, sample
+from folio.sampling.history import TokenHistory
 from folio.sampling.rng import uniform
 from folio.scheduler import Chunk, Scheduler, SeqState, StepPlan, validate_fits
 from folio.tokenizer import Tokenizer
@@ -61,6 +62,7 @@ class DynamicGenerator:
         self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size, prefix_cache)
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
+        self._histories: dict[int, TokenHistory] = {}  # id(job) -> prompt + sampled ids, for the penalties
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
 
     # --- construction steps ---
@@ -121,6 +123,7 @@ class DynamicGenerator:
         job.bind(next(self._serials), self.tokenizer)
         seq = SeqState(job=job, token_ids=list(job.input_ids))
         self._seqs[id(job)] = seq
+        self._histories[id(job)] = TokenHistory(job.input_ids)
         self.scheduler.add(seq)
         return job.serial
 
@@ -133,6 +136,7 @@ class DynamicGenerator:
     def cancel(self, job: DynamicJob) -> None:
         """Drop a job in any state; its pages are released now. No result is emitted."""
         seq = self._seqs.pop(id(job), None)
+        self._histories.pop(id(job), None)
         if seq is None:
             return
         self.scheduler.remove(seq)
@@ -232,6 +236,7 @@ class DynamicGenerator:
                 continue
             try:
                 self.scheduler.append_token(seq, token_ids[i])
+                self._histories[id(job)].append(token_ids[i])
                 result = job.receive_token(token_ids[i], extras)
             except Exception as error:  # noqa: BLE001 — one job's failure must not take down the batch
                 results.append(self._fail(seq, error))
@@ -239,6 +244,7 @@ class DynamicGenerator:
             results.append(result)
             if result.eos:
                 self._seqs.pop(id(job), None)
+                self._histories.pop(id(job), None)
                 self.scheduler.remove(seq)
         return results
 
@@ -247,7 +253,7 @@ class DynamicGenerator:
         return RowParams(
             settings=job.gen_settings,
             u=uniform(job.seed, job.new_tokens),
-            history_ids=seq.token_ids,
+            history_ids=self._histories[id(job)].view(),
             blocked_ids=tuple(job.blocked_tokens),
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             return_top_tokens=job.return_top_tokens,
@@ -256,6 +262,7 @@ class DynamicGenerator:
 
     def _fail(self, seq: SeqState, error: BaseException) -> Result:
         self._seqs.pop(id(seq.job), None)
+        self._histories.pop(id(seq.job), None)
         self.scheduler.remove(seq)
         return seq.job.error_result(error)
 

@@ -1,0 +1,347 @@
+// Paged attention over [P, S, Hkv, D] caches, for decode (one query row per sequence) and prefill / chunked
+// prefill (one row per new token, causal), with GQA.
+//
+// One thread block handles one query row, one kv head and up to G_TILE of the query heads that share it (so
+// K/V are read once for the group), over one split of the row's keys. Inside the block, "workers" of
+// LANES_PER_TOKEN lanes each own one key at a time: a worker's lanes hold 8 consecutive dims each, load the
+// key's K and V rows with 16-byte loads (coalesced: a K row is contiguous), reduce the q.k dot products with
+// xor-shuffles, and keep an online softmax (running max, sum, accumulator) of their own keys. Workers never
+// talk inside the main loop; at the end they merge through shuffles and shared memory.
+//
+// Long contexts are split over several blocks (flash-decoding). Each split writes an unnormalized partial
+// (accumulator, max, sum) to the workspace and `combine_kernel` merges them. The split sizes come from each
+// row's own context length, read on the device, so no host synchronization is needed; the number of splits
+// is fixed on the host from the block-table width (an upper bound of the context).
+#include <algorithm>
+
+#include "device_utils.cuh"
+#include "kernels.cuh"
+
+namespace folio::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxGroupTile = 8;
+constexpr int kMinSplitKeys = 256;  // below this, a split's fixed costs outweigh the parallelism it adds
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct KernelArgs {
+  PagedAttentionParams p;
+  int num_splits;
+  int group;         // Hq / Hkv
+  int head_chunks;   // blocks along the query heads of one kv head: ceil(group / G_TILE)
+  int page_shift;    // log2(page_size)
+  float* partial_acc;  // [rows, Hq, num_splits, D] fp32
+  float* partial_ml;   // [rows, Hq, num_splits, 2] fp32: max (log2 units), sum of exp2
+};
+
+// The sequence a query row belongs to and the number of keys it attends to (causal for prefill rows).
+__device__ __forceinline__ void row_extent(const PagedAttentionParams& p, int64_t row, int64_t& seq,
+                                           int64_t& num_keys) {
+  if (p.cu_seqlens_q == nullptr) {
+    seq = row;
+    num_keys = p.context_lens[row];
+    return;
+  }
+  int64_t lo = 0, hi = p.num_seqs;  // invariant: cu[lo] <= row < cu[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (p.cu_seqlens_q[mid] <= row) lo = mid; else hi = mid;
+  }
+  seq = lo;
+  const int64_t q_begin = p.cu_seqlens_q[lo], q_len = p.cu_seqlens_q[lo + 1] - q_begin;
+  num_keys = p.context_lens[lo] - q_len + (row - q_begin) + 1;
+}
+
+// Merges online-softmax state (m2, l2, acc2) into (m, l, acc); m in log2 units, -inf = empty.
+template <int N>
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N], float m2, float l2,
+                                            const float (&acc2)[N]) {
+  const float mx = fmaxf(m, m2);
+  const float base = mx == -INFINITY ? 0.0f : mx;
+  const float a1 = exp2f(m - base), a2 = exp2f(m2 - base);
+  l = l * a1 + l2 * a2;
+#pragma unroll
+  for (int e = 0; e < N; ++e) acc[e] = acc[e] * a1 + acc2[e] * a2;
+  m = mx;
+}
+
+template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL>
+__global__ void __launch_bounds__(kThreads) attention_kernel(KernelArgs a) {
+  constexpr int kWorkersPerWarp = 32 / LANES_PER_TOKEN;
+  constexpr int kWorkers = kWarps * kWorkersPerWarp;
+  constexpr int kKeysPerIter = kWorkers * UNROLL;
+  constexpr int kDimPad = LANES_PER_TOKEN * 8;
+  __shared__ float sm_acc[kWarps][G_TILE][kDimPad];
+  __shared__ float sm_m[kWarps][G_TILE], sm_l[kWarps][G_TILE];
+
+  const PagedAttentionParams& p = a.p;
+  const int64_t row = blockIdx.x;
+  const int kv_head = blockIdx.y / a.head_chunks;
+  const int head0 = kv_head * a.group + (blockIdx.y % a.head_chunks) * G_TILE;  // first query head here
+  const int heads_here = min(G_TILE, a.group - static_cast<int>(blockIdx.y % a.head_chunks) * G_TILE);
+  const int split = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int worker = warp * kWorkersPerWarp + lane / LANES_PER_TOKEN;
+  const int dim0 = (lane % LANES_PER_TOKEN) * 8;
+  const bool lane_active = EXACT_D || dim0 < p.head_dim;
+
+  int64_t seq, num_keys;
+  row_extent(p, row, seq, num_keys);
+  num_keys = max(num_keys, int64_t{0});
+  const int64_t per_split = (num_keys + a.num_splits - 1) / a.num_splits;
+  const int64_t split_len = (per_split + kKeysPerIter - 1) / kKeysPerIter * kKeysPerIter;
+  const int64_t key_begin = split * split_len;
+  const int64_t key_end = min(num_keys, key_begin + split_len);
+
+  // q, pre-scaled so that scores come out in log2 units (exp2f below).
+  float q[G_TILE][8];
+  const T* q_row = static_cast<const T*>(p.q) + row * p.q_stride_token;
+#pragma unroll
+  for (int g = 0; g < G_TILE; ++g) {
+    if (g < heads_here && lane_active) {
+      Vec8<T> v;
+      v.load(q_row + (head0 + g) * p.q_stride_head + dim0);
+      v.to_floats(q[g]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[g][e] *= p.scale * kLog2e;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[g][e] = 0.0f;
+    }
+  }
+
+  float m[G_TILE], l[G_TILE], acc[G_TILE][8];
+#pragma unroll
+  for (int g = 0; g < G_TILE; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
+  }
+
+  const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
+  const int64_t slot_mask = (int64_t{1} << a.page_shift) - 1;
+  const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * p.cache_stride_head + dim0;
+  const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * p.cache_stride_head + dim0;
+
+  for (int64_t iter_begin = key_begin; iter_begin < key_end; iter_begin += kKeysPerIter) {
+    // Issue every K and V load of this iteration before using any, to keep many bytes in flight.
+    Vec8<T> k_vec[UNROLL], v_vec[UNROLL];
+    bool valid[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const int64_t pos = iter_begin + j * kWorkers + worker;
+      valid[j] = pos < key_end;
+      if (valid[j] && lane_active) {
+        const int64_t page = block_table[pos >> a.page_shift];
+        const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
+        k_vec[j].load(k_base + offset);
+        v_vec[j].load(v_base + offset);
+      } else {
+        k_vec[j].zero();
+        v_vec[j].zero();
+      }
+    }
+    float s[UNROLL][G_TILE];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      float k[8];
+      k_vec[j].to_floats(k);
+#pragma unroll
+      for (int g = 0; g < G_TILE; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[g][e], k[e], dot);
+#pragma unroll
+        for (int offset = LANES_PER_TOKEN / 2; offset > 0; offset >>= 1) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        }
+        s[j][g] = valid[j] ? dot : -INFINITY;
+      }
+    }
+    // Online softmax: rescale each head's state to the new running max, turn scores into weights in place,
+    // then accumulate V one key at a time (keeps only one converted V row live).
+#pragma unroll
+    for (int g = 0; g < G_TILE; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) mx = fmaxf(mx, s[j][g]);
+      const float base = mx == -INFINITY ? 0.0f : mx;
+      const float alpha = exp2f(m[g] - base);
+      m[g] = mx;
+      l[g] *= alpha;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        s[j][g] = exp2f(s[j][g] - base);
+        l[g] += s[j][g];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      float v[8];
+      v_vec[j].to_floats(v);
+#pragma unroll
+      for (int g = 0; g < G_TILE; ++g) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(s[j][g], v[e], acc[g][e]);
+      }
+    }
+  }
+
+  // Merge the workers of a warp (lanes holding the same dims are LANES_PER_TOKEN apart)...
+#pragma unroll
+  for (int offset = LANES_PER_TOKEN; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int g = 0; g < G_TILE; ++g) {
+      float other[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) other[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], offset);
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float l2 = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      merge_state(m[g], l[g], acc[g], m2, l2, other);
+    }
+  }
+  // ...then the warps, through shared memory.
+  if (lane < LANES_PER_TOKEN) {
+#pragma unroll
+    for (int g = 0; g < G_TILE; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sm_acc[warp][g][dim0 + e] = acc[g][e];
+      if (lane == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G_TILE * kDimPad; idx += kThreads) {
+    const int g = idx / kDimPad, d = idx % kDimPad;
+    if (g >= heads_here || d >= p.head_dim) continue;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    float sum = 0.0f, value = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float scale = exp2f(sm_m[w][g] - base);
+      sum += sm_l[w][g] * scale;
+      value += sm_acc[w][g][d] * scale;
+    }
+    const int64_t row_head = row * p.num_q_heads + head0 + g;
+    if (a.num_splits == 1) {
+      static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(sum > 0.0f ? value / sum : 0.0f);
+    } else {
+      const int64_t part = row_head * a.num_splits + split;
+      a.partial_acc[part * p.head_dim + d] = value;
+      if (d == 0) {
+        a.partial_ml[2 * part] = mx;
+        a.partial_ml[2 * part + 1] = sum;
+      }
+    }
+  }
+}
+
+// grid (rows, Hq); merges the splits of one (row, head). Every split wrote its partial (empty ones: max -inf,
+// sum 0, accumulator 0), so nothing uninitialized is read.
+template <typename T>
+__global__ void combine_kernel(KernelArgs a) {
+  const PagedAttentionParams& p = a.p;
+  const int64_t row_head = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
+  const float* ml = a.partial_ml + 2 * row_head * a.num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < a.num_splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  const float base = mx == -INFINITY ? 0.0f : mx;
+  float sum = 0.0f;
+  for (int s = 0; s < a.num_splits; ++s) sum += ml[2 * s + 1] * exp2f(ml[2 * s] - base);
+  const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float* acc = a.partial_acc + row_head * a.num_splits * p.head_dim;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float value = 0.0f;
+    for (int s = 0; s < a.num_splits; ++s) value += acc[s * p.head_dim + d] * exp2f(ml[2 * s] - base);
+    static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(value * inv_sum);
+  }
+}
+
+int group_tile(int group) {
+  const int g = std::min(group, kMaxGroupTile);
+  return g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : 8;
+}
+
+template <typename T, int LANES, bool EXACT>
+void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, cudaStream_t stream) {
+  switch (g_tile) {
+    case 1: attention_kernel<T, LANES, EXACT, 1, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: attention_kernel<T, LANES, EXACT, 2, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 4: attention_kernel<T, LANES, EXACT, 4, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    default: attention_kernel<T, LANES, EXACT, 8, 2><<<grid, kThreads, 0, stream>>>(a); break;
+  }
+}
+
+}  // namespace
+
+const char* attention_unsupported_reason(const PagedAttentionParams& p) {
+  if (p.head_dim % 8 != 0 || p.head_dim > 256) return "CUDA paged attention needs head_dim a multiple of 8, <= 256";
+  if (p.page_size & (p.page_size - 1)) return "CUDA paged attention needs a power-of-two page_size";
+  const bool aligned = aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache) && aligned16(p.out) &&
+                       p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && p.cache_stride_page % 8 == 0 &&
+                       p.cache_stride_slot % 8 == 0 && p.cache_stride_head % 8 == 0;
+  if (!aligned) return "CUDA paged attention needs 16-byte aligned q/k_cache/v_cache rows (strides multiples of 8)";
+  return nullptr;
+}
+
+AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms) {
+  const int group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
+  const int64_t head_chunks = (group + group_tile(group) - 1) / group_tile(group);
+  const int64_t base_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads * head_chunks);
+  const int64_t max_keys = p.max_blocks * p.page_size;
+  const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
+  const int64_t by_length = (max_keys + kMinSplitKeys - 1) / kMinSplitKeys;
+  const int splits = static_cast<int>(std::max<int64_t>(1, std::min({wanted, by_length, int64_t{kMaxSplits}})));
+  AttentionPlan plan{splits, 0};
+  if (splits > 1) plan.workspace_floats = num_rows * p.num_q_heads * splits * (p.head_dim + 2);
+  return plan;
+}
+
+cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
+                            float* workspace, cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  if (attention_unsupported_reason(p) != nullptr) return cudaErrorInvalidValue;
+  KernelArgs a{};
+  a.p = p;
+  a.num_splits = plan.num_splits;
+  a.group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
+  const int g_tile = group_tile(a.group);
+  a.head_chunks = (a.group + g_tile - 1) / g_tile;
+  a.page_shift = 0;
+  while ((int64_t{1} << a.page_shift) < p.page_size) ++a.page_shift;
+  if (plan.num_splits > 1) {
+    a.partial_acc = workspace;
+    a.partial_ml = workspace + num_rows * p.num_q_heads * plan.num_splits * p.head_dim;
+  }
+  const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_kv_heads * a.head_chunks),
+                  static_cast<unsigned>(plan.num_splits));
+  dispatch_scalar(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.head_dim == 64) {
+      launch_with_dims<T, 8, true>(a, grid, g_tile, stream);
+    } else if (p.head_dim == 128) {
+      launch_with_dims<T, 16, true>(a, grid, g_tile, stream);
+    } else {
+      launch_with_dims<T, 32, false>(a, grid, g_tile, stream);
+    }
+    if (plan.num_splits > 1) {
+      const dim3 combine_grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_q_heads));
+      const int threads = static_cast<int>(std::min<int64_t>(256, (p.head_dim + 31) / 32 * 32));
+      combine_kernel<T><<<combine_grid, threads, 0, stream>>>(a);
+    }
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace folio::cuda
