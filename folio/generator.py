@@ -17,6 +17,7 @@ from folio.cache import PagePool
 from folio.job import DynamicJob, JobState, _TokenExtras
 from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
+from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
 from folio.results import Result
 from folio.sampling import RowParams, SamplerSettings, sample
@@ -42,11 +43,12 @@ class DynamicGenerator:
     max_q_size: most jobs waiting in the queue; `enqueue` raises QueueFull beyond it.
     paged: False runs one job at a time (batch size 1); the page pool still reuses the previous job's prefix.
     prefix_cache: False never shares or keeps pages between jobs (to measure what the prefix cache is worth).
+    cuda_graphs: capture decode steps in CUDA graphs (None: whenever the model is on a CUDA device).
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
-                 paged: bool = True, prefix_cache: bool = True):
+                 paged: bool = True, prefix_cache: bool = True, cuda_graphs: bool | None = None):
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -60,6 +62,7 @@ class DynamicGenerator:
         self.max_q_size = max_q_size
         self.pool = PagePool(cache.num_pages, cache.page_size)
         self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size, prefix_cache)
+        self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
         self._histories: dict[int, TokenHistory] = {}  # id(job) -> prompt + sampled ids, for the penalties
@@ -93,6 +96,14 @@ class DynamicGenerator:
             raise ValueError(f"max_chunk_size must be a positive multiple of the page size ({self.page_size}), "
                              f"got {max_chunk_size!r}")
         return max_chunk_size
+
+    def _capture_decode_graphs(self, cuda_graphs: bool | None) -> DecodeGraphs | None:
+        on_cuda = self.model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a model on a CUDA device")
+        if cuda_graphs is False or not on_cuda:
+            return None
+        return DecodeGraphs(self.model, self.cache, self.max_batch_size, self.max_seq_len)
 
     # --- queue ---
 
@@ -192,6 +203,10 @@ class DynamicGenerator:
             ops.copy_page_slots(self.cache.k, self.cache.v, copy.src_page, copy.dst_page, copy.num_slots)
         if not plan.chunks:
             return None
+        if self.decode_graphs is not None and all(c.end - c.start == 1 for c in plan.chunks):
+            return self.decode_graphs.run([c.seq.token_ids[c.start] for c in plan.chunks],
+                                          [c.start for c in plan.chunks],
+                                          [c.seq.block_table for c in plan.chunks])
         chunks = [SeqChunk(token_ids=c.seq.token_ids[c.start:c.end], start_pos=c.start,
                            block_table=c.seq.block_table, logits="last" if c.wants_logits else "none")
                   for c in plan.chunks]

@@ -63,6 +63,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert err <= TOLERANCE[dtype], f"rel err {err:.3g} > {TOLERANCE[dtype]} ({dtype})"
 
 
+def on_cpu(*args):
+    """CPU copies of the tensor arguments (others unchanged): references always run on the CPU, in fp32 without
+    TF32, so a CUDA result is compared with an oracle that shares none of its device's code paths."""
+    return [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def poison_next_alloc(shape, dtype, device) -> None:
     """Leave a freed NaN block of this size in the CUDA caching allocator: the op's fresh output lands on it."""
     if device == "cuda":
@@ -90,7 +96,7 @@ def test_rms_norm(device, dtype, rows, hidden):
     poison_next_alloc((rows, hidden), dtype, device)
     out = NATIVE[device].rms_norm(x, weight, 1e-5)
     assert out.dtype == dtype and out.shape == x.shape
-    assert_close(out, ref.rms_norm(x, weight, 1e-5), dtype)
+    assert_close(out, ref.rms_norm(*on_cpu(x, weight), 1e-5), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.bfloat16,), cuda_dtypes=(torch.bfloat16,)))
@@ -99,7 +105,7 @@ def test_rms_norm_strided_rows_and_fp32_weight(device, dtype):
     wide = randn(9, 300, dtype=dtype, device=device, g=g)
     x = wide[:, 20:276]  # a view: row stride 300
     weight = randn(256, dtype=torch.float32, device=device, g=g)
-    assert_close(NATIVE[device].rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), dtype)
+    assert_close(NATIVE[device].rms_norm(x, weight, 1e-6), ref.rms_norm(*on_cpu(x, weight), 1e-6), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", cases())
@@ -109,8 +115,8 @@ def test_fused_add_rms_norm(device, dtype, rows, hidden):
     x = randn(rows, hidden, dtype=dtype, device=device, g=g)
     residual = randn(rows, hidden, dtype=dtype, device=device, g=g, scale=4.0)
     weight = randn(hidden, dtype=dtype, device=device, g=g)
-    x_ref, residual_ref = x.clone(), residual.clone()
-    ref.fused_add_rms_norm(x_ref, residual_ref, weight, 1e-6)
+    x_ref, residual_ref, weight_ref = on_cpu(x, residual, weight)
+    ref.fused_add_rms_norm(x_ref, residual_ref, weight_ref, 1e-6)
     assert NATIVE[device].fused_add_rms_norm(x, residual, weight, 1e-6) is None
     assert_close(residual, residual_ref, dtype)
     assert_close(x, x_ref, dtype)
@@ -124,7 +130,7 @@ def test_silu_and_mul(device, dtype, rows, width):
     poison_next_alloc((rows, width), dtype, device)
     out = NATIVE[device].silu_and_mul(x)
     assert out.shape == (rows, width)
-    assert_close(out, ref.silu_and_mul(x), dtype)
+    assert_close(out, ref.silu_and_mul(x.cpu()), dtype)
 
 
 # ---------------------------------------------------------------------------------------------- rotary + cache
@@ -163,18 +169,18 @@ def test_rotary_cache_write(device, dtype, num_tokens, q_heads, kv_heads, head_d
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
-    k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
-    ref.rotary_cache_write(q_ref, k_ref, v_ref, positions, inv_freq, k_cache_ref, v_cache_ref, slots)
+    q_ref, k_ref, v_ref, positions_ref, inv_freq_ref, k_cache_ref, v_cache_ref, slots_ref = on_cpu(
+        q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+    ref.rotary_cache_write(q_ref, k_ref, v_ref, positions_ref, inv_freq_ref, k_cache_ref, v_cache_ref, slots_ref)
     NATIVE[device].rotary_cache_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
 
     assert_close(q, q_ref, dtype)
     assert_close(k, k_ref, dtype)
-    written = slots[slots >= 0]
-    for cache, cache_ref in ((k_cache, k_cache_ref), (v_cache, v_cache_ref)):
+    written = slots_ref[slots_ref >= 0]
+    for cache, cache_ref in ((k_cache.cpu(), k_cache_ref), (v_cache.cpu(), v_cache_ref)):
         flat, flat_ref = cache.view(-1, kv_heads, head_dim), cache_ref.view(-1, kv_heads, head_dim)
         assert_close(flat[written], flat_ref[written], dtype)
-        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
         untouched[written] = False
         assert flat[untouched].isnan().all(), "a slot outside slot_mapping was written"
 
@@ -219,7 +225,7 @@ def test_paged_attention_decode(device, dtype, context_lens, group, kv_heads, he
     scale = head_dim**-0.5
     poison_next_alloc(q.shape, dtype, device)
     out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
-    assert_close(out, ref.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale), dtype)
+    assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16,)))
@@ -229,7 +235,7 @@ def test_paged_attention_decode_strided_q(device, dtype):
     fused = randn(2, 16 * 64, dtype=dtype, device=device, g=g)
     q = fused[:, : 8 * 64].view(2, 8, 64)  # token stride 1024, as a slice of a fused QKV output
     out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125)
-    assert_close(out, ref.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125), dtype)
+    assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.125), dtype)
 
 
 PREFILL_SHAPES = [
@@ -254,7 +260,7 @@ def test_paged_attention_prefill(device, dtype, runs, group, kv_heads, head_dim,
     args = (q, k_cache, v_cache, block_tables, cu, lens, scale, max(q_lens))
     poison_next_alloc(q.shape, dtype, device)
     out = NATIVE[device].paged_attention(*args)
-    assert_close(out, ref.paged_attention(*args), dtype)
+    assert_close(out, ref.paged_attention(*on_cpu(*args)), dtype)
 
 
 # ---------------------------------------------------------------------------------------------- page copy
@@ -267,10 +273,10 @@ def test_copy_page_slots(device, dtype, src, dst, num_slots):
     shape = (3, 5, 16, 2, 64)
     k_cache = randn(*shape, dtype=dtype, device=device, g=g)
     v_cache = randn(*shape, dtype=dtype, device=device, g=g)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref, v_ref = on_cpu(k_cache, v_cache)
     ref.copy_page_slots(k_ref, v_ref, src, dst, num_slots)
     NATIVE[device].copy_page_slots(k_cache, v_cache, src, dst, num_slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -385,7 +391,9 @@ def _penalty_batch(rows, vocab, history_len, device, g):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows,vocab,history_len", [(8, 500, 64), (3, 32000, 1000), (2, 10, 0), (2, 300, 3000)])
+@pytest.mark.parametrize(
+    "rows,vocab,history_len", [(8, 500, 64), (3, 32000, 1000), (2, 10, 0), (2, 300, 3000), (2, 50, 10000)]
+)
 def test_apply_penalties(device, rows, vocab, history_len):
     logits, *rest = _penalty_batch(rows, vocab, history_len, device, gen(rows + vocab + history_len))
     expected = logits.clone()
@@ -473,3 +481,81 @@ def test_cpu_checks_index_tensors():
     with pytest.raises(ValueError, match="max_q_len"):
         NATIVE["cpu"].paged_attention(q, k_cache, v_cache, block_tables, cu, torch.tensor([0], dtype=torch.int32),
                                       1.0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA only
+
+CUDA = _marks("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "context_lens,q_heads,kv_heads,head_dim,page_size",
+    [
+        ([4000, 1, 2500, 700], 32, 8, 128, 16),  # splits over the context (flash-decoding path)
+        ([16384, 3], 32, 8, 128, 256),
+        ([3000, 17], 16, 2, 64, 32),  # group 8
+        ([1200, 45], 14, 2, 128, 64),  # group 7: padded head tile
+        ([900, 300], 32, 2, 96, 16),  # group 16: two head chunks, generic head dim
+        ([513], 8, 8, 256, 128),  # group 1, largest generic head dim
+    ],
+)
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_decode_long_contexts_and_wide_groups(_, dtype, context_lens, q_heads, kv_heads, head_dim, page_size):
+    g = gen(sum(context_lens) + q_heads)
+    k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, "cuda", g)
+    q = randn(len(context_lens), q_heads, head_dim, dtype=dtype, device="cuda", g=g)
+    poison_next_alloc(q.shape, dtype, "cuda")
+    out = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
+    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), head_dim**-0.5)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_prefill_chunk_over_long_context(_):
+    """Few query rows over a long cached prefix: the prefill path splits the context too."""
+    dtype = torch.bfloat16
+    g = gen(99)
+    runs = [(64, 3000), (5, 2049)]
+    k_cache, v_cache, block_tables, lens = make_paged_kv([c for _, c in runs], 16, 2, 128, dtype, "cuda", g)
+    cu = torch.tensor([0, 64, 69], dtype=torch.int32, device="cuda")
+    q = randn(69, 8, 128, dtype=dtype, device="cuda", g=g)
+    args = (q, k_cache, v_cache, block_tables, cu, lens, 128**-0.5, 64)
+    assert_close(NATIVE["cuda"].paged_attention(*args), ref.paged_attention(*on_cpu(*args)), dtype)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_decode_replays_in_a_cuda_graph(_):
+    """No host synchronization inside: the op captures into a graph, and replays follow new inputs."""
+    dtype = torch.bfloat16
+    g = gen(7)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([3000, 40, 700], 16, 8, 128, dtype, "cuda", g)
+    q = randn(3, 32, 128, dtype=dtype, device="cuda", g=g)
+    native = NATIVE["cuda"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+    for step in range(3):
+        q.copy_(randn(3, 32, 128, dtype=dtype, device="cuda", g=g))
+        lens.copy_(torch.tensor([3000 - step, 40 + step, 700], dtype=torch.int32))
+        graph.replay()
+        assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1), dtype)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_sampling_large_vocab_matches_cpu_kernel(_):
+    """CUDA and CPU kernels share the integer-mass definition: same tokens except at exp() rounding boundaries."""
+    if NATIVE["cpu"] is None:
+        pytest.skip("folio._native_cpu is not built")
+    batch = _sampling_batch(256, 128256, "cpu", gen(5))
+    ids_cpu, probs_cpu = NATIVE["cpu"].sample_rows(*batch)
+    ids_gpu, probs_gpu = NATIVE["cuda"].sample_rows(*[t.cuda() for t in batch])
+    mismatches = int((ids_cpu != ids_gpu.cpu()).sum())
+    assert mismatches <= 2, f"{mismatches} of 256 rows differ"
+    same = ids_cpu == ids_gpu.cpu()
+    torch.testing.assert_close(probs_gpu.cpu()[same], probs_cpu[same], rtol=1e-5, atol=1e-7)

@@ -75,8 +75,12 @@ class ForwardBatch:
         slot_mapping = pages * page_size + positions % page_size
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
 
+        on_cuda = torch.device(device).type == "cuda"
+
         def to_device(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return t.to(dtype=dtype).to(device, non_blocking=True)
+            t = t.to(dtype=dtype)
+            # Pinned source: the copy is queued on the stream instead of making the host wait for the GPU.
+            return (t.pin_memory() if on_cuda else t).to(device, non_blocking=True)
 
         return cls(
             input_ids=to_device(input_ids, torch.int64),

@@ -1,0 +1,119 @@
+"""CUDA-graph capture of decode steps.
+
+A decode step (every sequence feeds one token) launches a few hundred small kernels; on a fast GPU their launch
+cost rivals the work. We capture `Model.forward` once per batch-size bucket over static input buffers and replay
+it: the host only fills the buffers (pinned memory, non-blocking copies) and replays.
+
+Padding rows (batch 5 runs in the bucket of 8) write nowhere (slot -1) and attend to one slot of page 0; their
+logits are dropped. The attention kernels size their grid from the block-table width, which is fixed at capture
+(enough pages for `max_seq_len`), so the same graph serves every context length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from folio.kv_cache import Cache
+from folio.model.batch import ForwardBatch
+from folio.model.model import Model
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model: Model, cache: Cache, max_batch_size: int, max_seq_len: int):
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.max_blocks = math.ceil(max_seq_len / self.page_size)
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch_size] + [max_batch_size]
+        self._allocate_buffers(max_batch_size)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    # --- construction steps ---
+
+    def _allocate_buffers(self, n: int) -> None:
+        device = self.model.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits_idx = torch.arange(n, dtype=torch.int64, device=device)
+        # Host staging, pinned so the copies are queued on the stream instead of blocking.
+        self._host_ids = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self._np_ids = self._host_ids.numpy()
+        self._np_lens = self._host_lens.numpy()
+        self._np_tables = self._host_tables.numpy()
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            context_lens=self.context_lens[:b], logits_idx=self.logits_idx[:b],
+            max_q_len=1, max_context_len=self.max_blocks * self.page_size)
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: smaller graphs then fit in the memory the larger one already reserved.
+        for b in sorted(self.buckets, reverse=True):
+            batch = self._batch(b)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model.forward(batch, self.cache)  # warm-up: lazy initialisation stays out of the graph
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[b] = self.model.forward(batch, self.cache)
+            self._graphs[b] = graph
+        torch.cuda.synchronize()
+
+    # --- use ---
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
+            ) -> torch.Tensor:
+        """One decode step: row i feeds token_ids[i] at positions[i] through block_tables[i]. Returns fp32 logits
+        [len(token_ids), vocab] (a view into graph memory, valid until the next run)."""
+        num_seqs = len(token_ids)
+        b = self.bucket_for(num_seqs)
+        if b is None:
+            raise ValueError(f"{num_seqs} sequences exceed the largest captured batch ({self.buckets[-1]})")
+        size = self.page_size
+        ids, lens, tables = self._np_ids, self._np_lens, self._np_tables
+        ids[0, :num_seqs] = token_ids
+        ids[1, :num_seqs] = positions
+        pos = ids[1, :num_seqs]
+        for i, table in enumerate(block_tables):
+            used = int(pos[i]) // size + 1
+            if used > self.max_blocks:
+                raise ValueError(f"position {int(pos[i])} is beyond the captured context "
+                                 f"({self.max_blocks * size} tokens)")
+            tables[i, :used] = table[:used]
+            ids[2, i] = table[used - 1] * size + int(pos[i]) % size
+        lens[:num_seqs] = pos + 1
+        # Padding rows: write nowhere, read one slot of page 0.
+        ids[:, num_seqs:b] = 0
+        ids[2, num_seqs:b] = -1
+        lens[num_seqs:b] = 1
+        self.input_ids[:b].copy_(self._host_ids[0, :b], non_blocking=True)
+        self.positions[:b].copy_(self._host_ids[1, :b], non_blocking=True)
+        self.slot_mapping[:b].copy_(self._host_ids[2, :b], non_blocking=True)
+        self.context_lens[:b].copy_(self._host_lens[:b], non_blocking=True)
+        self.block_tables[:b].copy_(self._host_tables[:b], non_blocking=True)
+        self._graphs[b].replay()
+        return self._logits[b][:num_seqs]

@@ -1,0 +1,295 @@
+"""folio served by Ray Serve on a local cluster (loopback), called by real gRPC clients and the Python handle client.
+
+One cluster for the module: application "folio" (ingress + 2 generator replicas of the demo model, CPU, a 4096-token
+cache of 16-token pages) and application "small" (1 replica that takes 1 running + 1 queued request, 1 more may wait
+at the caller) for the queue-full case. The replica-kill test runs last: it takes a replica of "folio" down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("ray.serve")
+
+LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps and listening to "
+               "the sea below the rocks while the lamp warmed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from folio.demo import write_demo_model
+    from replicas import local
+    from replicas.config import ServeConfig
+
+    model_dir = write_demo_model(tmp_path_factory.mktemp("serving") / "demo-model")
+    main = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
+                       cache_tokens=4096, page_size=16, max_batch_size=32, max_queue_size=32,
+                       grpc_port=_free_port(), http_port=_free_port(), app_name="folio")
+    small = main.replace(app_name="small", num_replicas=1, num_cpus=0.2, ingress_num_cpus=0.1, cache_tokens=1024,
+                         max_batch_size=1, max_queue_size=1, max_queued_requests=1)
+    local.start_cluster(main)
+    try:
+        local.deploy(main)
+        local.deploy(small)
+        channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
+        yield {"main": main, "small": small, "channel": channel}
+        channel.close()
+    finally:
+        local.shutdown()
+
+
+def _stub(served):
+    from protos.folio.v1 import generation_pb2_grpc as pb_grpc
+
+    return pb_grpc.GenerationStub(served["channel"])
+
+
+def _md(app: str = "folio"):
+    return (("application", app),)
+
+
+def _request(text: str | None = None, **fields):
+    from protos.folio.v1 import generation_pb2 as pb
+
+    sampler = fields.pop("sampler", {})
+    message = pb.GenerateRequest(**fields)
+    if text is not None:
+        message.text = text
+    for name, value in sampler.items():
+        setattr(message.sampler, name, value)
+    return message
+
+
+def _greedy(**fields):
+    return {"sampler": {"temperature": 0.0, "top_k": 1}, "stop_on_eos": False, **fields}
+
+
+def _stream(stub, message, app="folio", timeout=120):
+    return list(stub.Generate(message, metadata=_md(app), timeout=timeout))
+
+
+def _wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+# --- calls ----------------------------------------------------------------------------------------------------
+
+
+def test_streaming_generate(served):
+    from protos.folio.v1 import generation_pb2 as pb
+
+    stub = _stub(served)
+    prompt_ids = stub.Tokenize(pb.TokenizeRequest(text="Once upon a time"), metadata=_md()).token_ids
+    messages = _stream(stub, _request("Once upon a time", max_new_tokens=20, **_greedy()))
+    assert len(messages) >= 2, "the completion arrives in several messages"
+    assert all(not m.HasField("finish") for m in messages[:-1])
+    final = messages[-1].finish
+    assert final.reason == pb.FINISH_REASON_MAX_NEW_TOKENS
+    assert sum(len(m.token_ids) for m in messages) == 20
+    assert final.usage.completion_tokens == 20
+    assert final.usage.prompt_tokens == len(prompt_ids)
+    assert 0 < final.timings.time_to_first_token_s <= final.timings.total_s
+
+
+def test_unary_equals_stream_and_token_prompts(served):
+    from protos.folio.v1 import generation_pb2 as pb
+
+    stub = _stub(served)
+    streamed = _stream(stub, _request("The harbour", max_new_tokens=12, **_greedy()))
+    unary = stub.GenerateUnary(_request("The harbour", max_new_tokens=12, **_greedy()), metadata=_md(), timeout=60)
+    assert unary.text == "".join(m.text for m in streamed)
+    assert list(unary.token_ids) == [t for m in streamed for t in m.token_ids]
+    assert unary.finish.usage.completion_tokens == 12
+    ids = stub.Tokenize(pb.TokenizeRequest(text="The harbour"), metadata=_md()).token_ids
+    by_ids = _request(None, max_new_tokens=12, **_greedy())
+    by_ids.token_ids.ids.extend(ids)
+    assert stub.GenerateUnary(by_ids, metadata=_md(), timeout=60).token_ids == unary.token_ids
+
+
+def test_model_info(served):
+    from protos.folio.v1 import generation_pb2 as pb
+
+    info = _stub(served).ModelInfo(pb.ModelInfoRequest(), metadata=_md())
+    assert (info.architecture, info.page_size, info.num_pages, info.num_replicas) == ("LlamaForCausalLM", 16, 256, 2)
+    assert info.max_seq_len == 4096 and info.vocab_size == 1000 and list(info.eos_token_ids)
+
+
+def test_prefix_cache_hits_are_reported(served):
+    stub = _stub(served)
+    cached = []
+    for _ in range(4):  # two replicas: from the third call on, the replica that gets it has seen the prompt
+        final = _stream(stub, _request(LONG_PROMPT, max_new_tokens=2, **_greedy()))[-1].finish
+        cached.append(final.usage.cached_tokens)
+    assert cached[0] < 16, cached  # at most a partial page shared with an earlier test's prompt
+    assert max(cached) >= 32, cached  # whole 16-token pages of this prompt came from the prefix cache
+
+
+def test_32_concurrent_streams_complete_with_exact_lengths(served):
+    stub = _stub(served)
+
+    def one(i: int) -> tuple[int, int, int]:
+        lengths = 8 + i % 9
+        messages = _stream(stub, _request(f"Story {i}: the keeper", max_new_tokens=lengths,
+                                          sampler={"temperature": 0.8, "top_p": 0.9}, stop_on_eos=False, seed=i))
+        return lengths, sum(len(m.token_ids) for m in messages), messages[-1].finish.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert [(want, want) for want, _, _ in results] == [(got, n) for _, got, n in results]
+
+
+def test_cancel_mid_stream_frees_pages(served):
+    from replicas.client import replica_stats
+
+    stub = _stub(served)
+    max_new_tokens = 4000
+    call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=max_new_tokens, **_greedy()), metadata=_md(),
+                         timeout=120)
+    start_s = time.monotonic()
+    received = 0
+    for message in call:
+        received += len(message.token_ids)
+        if received >= 20:
+            break
+    tokens_per_s = received / (time.monotonic() - start_s)
+    busy = _wait_for(lambda: [s for s in replica_stats("folio").values() if s["num_in_use_pages"] > 0], 10)
+    assert busy and busy[0]["num_running"] == 1, "the stream holds pages on one replica while it runs"
+    call.cancel()
+    cancelled_s = time.monotonic()
+
+    def freed():
+        stats = replica_stats("folio")
+        return len(stats) == 2 and all(s["num_in_use_pages"] == 0 and s["num_running"] == 0 for s in stats.values())
+
+    assert _wait_for(freed, 10), replica_stats("folio")
+    freed_after_s = time.monotonic() - cancelled_s
+    # Freed by the cancellation, long before the job could have run to its end.
+    assert freed_after_s < 0.5 * (max_new_tokens - received) / tokens_per_s, (freed_after_s, tokens_per_s)
+    stats = replica_stats("folio")
+    assert any(s["num_cached_pages"] > 0 for s in stats.values()), "released pages stay cached for reuse"
+    one = next(iter(stats.values()))
+    assert len(one["cached_page_hashes"]) % 16 == 0 and one["page_size"] == 16 and one["epoch"] >= 1
+
+
+@pytest.mark.parametrize("text, fields, field", [
+    ("hello", {"max_new_tokens": -5}, "max_new_tokens"),
+    ("hello", {"sampler": {"temperature": -0.5}}, "temperature"),
+    ("hello", {"sampler": {"top_p": 1.5}}, "top_p"),
+    ("hello", {"sampler": {"top_k": -1}}, "top_k"),
+    ("hello", {"sampler": {"repetition_penalty": 0.0}}, "repetition_penalty"),
+    ("", {}, "text"),
+    (None, {}, "prompt"),
+    ("hello", {"max_new_tokens": 5000}, "max_new_tokens"),
+    ("hello", {"stop_strings": [""]}, "stop_strings"),
+    ("hello", {"stop_token_ids": [100000]}, "stop_token_ids"),
+    ("hello", {"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
+    ("hello", {"return_top_tokens": 1000}, "return_top_tokens"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(served, text, fields, field):
+    stub = _stub(served)
+    for call in (lambda m: _stream(stub, m), lambda m: stub.GenerateUnary(m, metadata=_md(), timeout=30)):
+        with pytest.raises(grpc.RpcError) as info:
+            call(_request(text, **fields))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = info.value.details()
+        assert details.startswith(field + ": "), details
+        assert "Traceback" not in details and len(details) < 300
+
+
+def test_prompt_longer_than_the_context_is_invalid_argument(served):
+    message = _request(None, max_new_tokens=4)
+    message.token_ids.ids.extend([42] * 5000)
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(_stub(served), message)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("prompt: 5000 tokens")
+    message = _request(None, max_new_tokens=4)
+    message.token_ids.ids.extend([42, 5000])
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(_stub(served), message)
+    assert info.value.details().startswith("token_ids: [1] = 5000 is outside the vocabulary")
+
+
+def test_queue_full_is_resource_exhausted(served):
+    # "small": 1 running + 1 queued in its replica, 1 waiting at the caller; the rest must be refused.
+    stub = _stub(served)
+    codes: list = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            _stream(stub, _request(f"queue {i}", max_new_tokens=48, **_greedy()), app="small", timeout=120)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "retry" in e.details() and "Traceback" not in e.details()
+        with lock:
+            codes.append(code)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    assert codes.count(grpc.StatusCode.OK) >= 2, codes
+
+
+def test_python_handle_client_streams(served):
+    from replicas.client import Client
+    from replicas.errors import InvalidRequest
+
+    client = Client("folio")
+    chunks = list(client.stream_sync("Once upon a time", max_new_tokens=10, stop_on_eos=False, temperature=0.0))
+    assert sum(len(c.token_ids) for c in chunks) == 10 and chunks[-1].finish.usage.completion_tokens == 10
+
+    async def run():
+        streamed = [c async for c in client.stream([0, 42, 71], max_new_tokens=6, stop_on_eos=False, seed=3)]
+        completion = await client.complete([0, 42, 71], max_new_tokens=6, stop_on_eos=False, seed=3)
+        with pytest.raises(InvalidRequest) as info:
+            await client.complete("x", top_p=2.0)
+        return streamed, completion, info.value
+
+    streamed, completion, error = asyncio.run(run())
+    assert [t for c in streamed for t in c.token_ids] == completion.token_ids and len(completion.token_ids) == 6
+    assert error.field == "top_p"
+    assert (client.complete_sync("hi", max_new_tokens=3, stop_on_eos=False).finish.usage.completion_tokens == 3)
+
+
+def test_replica_killed_mid_stream_is_unavailable(served):
+    """Runs last: it takes one of the two "folio" replicas down (Serve starts a replacement)."""
+    import ray
+
+    from replicas.client import generator_replicas, replica_stats
+
+    stub = _stub(served)
+    call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=3000, **_greedy()), metadata=_md(), timeout=120)
+    iterator = iter(call)
+    next(iterator)
+    busy = _wait_for(lambda: [r for r, s in replica_stats("folio").items() if s["num_running"] > 0], 10)
+    assert len(busy) == 1
+    ray.kill(generator_replicas("folio")[busy[0]], no_restart=True)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in iterator:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert "retry" in info.value.details() and "Traceback" not in info.value.details()

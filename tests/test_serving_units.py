@@ -1,0 +1,295 @@
+"""The serving layer without a cluster: config validation, request validation, protobuf conversion, and the
+replica's engine side (streaming, cancellation, queue full, draining) over the demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from replicas.config import ConfigError, ServeConfig
+from replicas.errors import InvalidRequest, Overloaded
+from replicas.schema import Chunk, Completion, EngineRequest, Finish, GenerationRequest, ModelInfo, Sampling, Usage
+from replicas.validation import to_engine_request
+
+# --- config -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"page_size": 24}, "page_size"),
+    ({"page_size": 8}, "page_size"),
+    ({"cache_tokens": 1000, "page_size": 16}, "cache_tokens"),
+    ({"cache_tokens": 4096, "cache_memory_fraction": 0.5}, "cache_tokens / cache_memory_fraction"),
+    ({"cache_memory_fraction": 1.5}, "cache_memory_fraction"),
+    ({"cache_memory_fraction": 0.5, "num_gpus": 0}, "cache_memory_fraction"),
+    ({"max_batch_size": 0}, "max_batch_size"),
+    ({"max_chunk_size": 100, "page_size": 16}, "max_chunk_size"),
+    ({"max_queue_size": 0}, "max_queue_size"),
+    ({"max_queued_requests": 0}, "max_queued_requests"),
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"num_gpus": -1}, "num_gpus"),
+    ({"num_gpus": 1.5}, "num_gpus"),
+    ({"grpc_port": 70000}, "grpc_port"),
+    ({"grpc_port": 9000, "http_port": 9000}, "grpc_port / http_port"),
+    ({"device": "tpu"}, "device"),
+    ({"device": "cpu", "num_gpus": 1}, "device"),
+    ({"device": "cuda", "num_gpus": 0}, "device"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"model_path": ""}, "model_path"),
+    ({"app_name": "a/b"}, "app_name"),
+    ({"stall_timeout_s": 0}, "stall_timeout_s"),
+    ({"max_batch_size": "many"}, "max_batch_size"),
+    ({"warmup": "maybe"}, "warmup"),
+    ({"max_batch_size": 2.5}, "max_batch_size"),
+    ({"num_gpus": float("nan")}, "num_gpus"),
+])
+def test_config_rejects_invalid_values_naming_the_option(values, field):
+    with pytest.raises(ConfigError) as info:
+        ServeConfig.from_dict(values)
+    assert str(info.value).startswith(field + ":"), str(info.value)
+
+
+def test_config_rejects_unknown_options():
+    with pytest.raises(ConfigError, match="unknown option.*'page_sise'"):
+        ServeConfig.from_dict({"page_sise": 16})
+
+
+def test_config_converts_strings_as_serve_run_passes_them():
+    config = ServeConfig.from_dict({"num_gpus": "0", "cache_tokens": "4096", "page_size": "16", "warmup": "false",
+                                    "dtype": "none", "request_timeout_s": "30", "num_replicas": 3})
+    assert config.num_gpus == 0.0 and config.cache_tokens == 4096 and config.page_size == 16
+    assert config.warmup is False and config.dtype is None and config.request_timeout_s == 30.0
+    assert config.resolved_device == "cpu"
+    assert config.cache_size() == {"num_tokens": 4096}
+    assert config.max_ongoing_requests == config.max_batch_size + config.max_queue_size
+
+
+def test_config_cache_defaults_per_device():
+    assert ServeConfig(num_gpus=0, page_size=16).cache_size() == {"num_tokens": 16384}
+    assert ServeConfig(num_gpus=1).cache_size() == {"max_memory_fraction": 0.85}
+
+
+def test_config_from_yaml_and_flags(tmp_path):
+    import argparse
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model_path: /models/x\nnum_replicas: 4\npage_size: 64\n")
+    parser = argparse.ArgumentParser()
+    ServeConfig.add_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--num-replicas", "2", "--cache-tokens", "8192"])
+    config = ServeConfig.from_args(args, num_gpus=0.0, num_replicas=9)
+    assert (config.model_path, config.num_replicas, config.page_size, config.cache_tokens) == ("/models/x", 2, 64, 8192)
+    assert config.num_gpus == 0.0
+    path.write_text("page_size: 10\n")
+    with pytest.raises(ConfigError, match=r"serve.yaml: page_size:"):
+        ServeConfig.from_yaml(path)
+
+
+def test_app_builder_and_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    from replicas.app import build_app, serve_config
+
+    app = build_app({"num_gpus": "0", "cache_tokens": "4096", "page_size": "16", "num_replicas": "2"})
+    assert app is not None
+    schema = ServeDeploySchema.model_validate(serve_config(ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16)))
+    assert schema.grpc_options.grpc_servicer_functions == [
+        "protos.folio.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+
+
+# --- request validation -------------------------------------------------------------------------------------
+
+INFO = ModelInfo(model_name="demo", architecture="LlamaForCausalLM", dtype="float32", vocab_size=1000,
+                 max_seq_len=4096, page_size=16, num_pages=64, max_batch_size=8, num_replicas=1,
+                 eos_token_ids=(1,), bos_token_id=0, add_bos_token=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    from folio.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(demo_dir)
+
+
+@pytest.mark.parametrize("request_, field", [
+    (GenerationRequest(), "prompt"),
+    (GenerationRequest(text="a", token_ids=[5]), "prompt"),
+    (GenerationRequest(text=""), "text"),
+    (GenerationRequest(token_ids=[]), "token_ids"),
+    (GenerationRequest(token_ids=[5, 1000]), "token_ids"),
+    (GenerationRequest(token_ids=[5, -1]), "token_ids"),
+    (GenerationRequest(text="a", max_new_tokens=0), "max_new_tokens"),
+    (GenerationRequest(text="a", max_new_tokens=-3), "max_new_tokens"),
+    (GenerationRequest(text="a", min_new_tokens=-1), "min_new_tokens"),
+    (GenerationRequest(text="a", max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
+    (GenerationRequest(token_ids=[5] * 1024), "prompt"),  # the cache holds 64 pages of 16 = 1024 tokens
+    (GenerationRequest(token_ids=[5] * 1000, max_new_tokens=100), "max_new_tokens"),
+    (GenerationRequest(text="a", sampling=Sampling(temperature=-0.1)), "temperature"),
+    (GenerationRequest(text="a", sampling=Sampling(temperature=math.inf)), "temperature"),
+    (GenerationRequest(text="a", sampling=Sampling(top_k=-1)), "top_k"),
+    (GenerationRequest(text="a", sampling=Sampling(top_p=1.5)), "top_p"),
+    (GenerationRequest(text="a", sampling=Sampling(min_p=-0.5)), "min_p"),
+    (GenerationRequest(text="a", sampling=Sampling(repetition_penalty=0.0)), "repetition_penalty"),
+    (GenerationRequest(text="a", sampling=Sampling(repetition_range=-2)), "repetition_range"),
+    (GenerationRequest(text="a", sampling=Sampling(repetition_decay=-1)), "repetition_decay"),
+    (GenerationRequest(text="a", sampling=Sampling(token_bias={5000: 1.0})), "token_bias"),
+    (GenerationRequest(text="a", sampling=Sampling(token_bias={5: math.nan})), "token_bias"),
+    (GenerationRequest(text="a", stop_strings=[""]), "stop_strings"),
+    (GenerationRequest(text="a", stop_token_ids=[1000]), "stop_token_ids"),
+    (GenerationRequest(text="a", seed=-1), "seed"),
+    (GenerationRequest(text="a", return_top_tokens=65), "return_top_tokens"),
+    (GenerationRequest(token_ids=[5], add_bos=True), "add_bos"),
+])
+def test_invalid_requests_name_the_field(tokenizer, request_, field):
+    with pytest.raises(InvalidRequest) as info:
+        to_engine_request(request_, tokenizer, INFO)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + ": ")
+
+
+def test_valid_request_becomes_an_engine_request(tokenizer):
+    request = GenerationRequest(text="Once upon a time", max_new_tokens=5, stop_strings=["\n"],
+                                stop_token_ids=[7], sampling=Sampling(temperature=0.5, top_p=0.9, token_bias={3: -1}))
+    engine = to_engine_request(request, tokenizer, INFO, "r1")
+    assert engine.input_ids == tuple(tokenizer.encode("Once upon a time", add_bos=True))
+    assert engine.stop_conditions == (1, 7, "\n")  # EOS first, then the request's own stops
+    assert engine.sampler == {"temperature": 0.5, "top_p": 0.9, "token_bias": {3: -1}}
+    assert engine.request_id == "r1"
+    plain = to_engine_request(GenerationRequest(token_ids=[5, 6]), tokenizer, INFO)
+    assert plain.stop_conditions is None and plain.input_ids == (5, 6)
+    no_eos = to_engine_request(GenerationRequest(token_ids=[5], stop_on_eos=False), tokenizer, INFO)
+    assert no_eos.stop_conditions == ()
+
+
+def test_proto_round_trip():
+    from replicas import grpc_convert
+
+    request = GenerationRequest(text="hi", max_new_tokens=7, min_new_tokens=2, stop_strings=("x",),
+                                stop_token_ids=(3,), stop_on_eos=False, seed=2**63 + 5, add_bos=False,
+                                return_probs=True, return_top_tokens=2,
+                                sampling=Sampling(temperature=0.0, top_k=1, token_bias={4: -2.5}))
+    assert grpc_convert.request_from_proto(grpc_convert.request_to_proto(request)) == request
+    ids_request = GenerationRequest(token_ids=[1, 2, 3])
+    assert grpc_convert.request_from_proto(grpc_convert.request_to_proto(ids_request)) == ids_request
+    from folio.results import EosReason
+
+    chunk = Chunk(text="ab", token_ids=[1, 2], token_probs=[0.5, 0.25],
+                  finish=Finish(EosReason.STOP_STRING, stop_string="x", usage=Usage(3, 1, 2)))
+    assert grpc_convert.chunk_from_proto(grpc_convert.chunk_to_proto(chunk)) == chunk
+
+
+def test_proto_without_prompt_is_invalid():
+    from protos.folio.v1 import generation_pb2 as pb
+    from replicas import grpc_convert
+
+    with pytest.raises(InvalidRequest, match="^prompt: "):
+        grpc_convert.request_from_proto(pb.GenerateRequest(max_new_tokens=3))
+
+
+# --- the replica's engine side ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(demo_dir):
+    from replicas.engine import Engine
+
+    config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=1024, page_size=16, max_batch_size=2,
+                         max_queue_size=1, warmup=False)
+    engine = Engine.build(config)
+    yield engine
+    asyncio.run(engine.close(drain_timeout_s=1))
+
+
+def _request(n: int, prompt=(0, 42, 71, 277, 81), **kw) -> EngineRequest:
+    return EngineRequest(input_ids=tuple(prompt), max_new_tokens=n, stop_conditions=(),
+                         sampler={"temperature": 0.0, "top_k": 1}, **kw)
+
+
+def test_engine_streams_exact_lengths(engine):
+    async def run():
+        job = engine.start_job(_request(12))
+        return [c async for c in engine.stream(job, time.monotonic())]
+
+    chunks = asyncio.run(run())
+    completion = Completion.from_chunks(chunks)
+    assert len(completion.token_ids) == 12
+    assert completion.finish.usage.completion_tokens == 12
+    assert completion.finish.usage.prompt_tokens == 5
+    assert engine.generator.pool.num_in_use == 0
+
+
+def test_engine_stream_closed_early_cancels_the_job(engine):
+    async def run():
+        job = engine.start_job(_request(500))
+        stream = engine.stream(job, time.monotonic())
+        seen = 0
+        async for chunk in stream:
+            seen += len(chunk.token_ids)
+            if seen >= 3:
+                break
+        in_use_while_running = engine.generator.pool.num_in_use
+        await stream.aclose()
+        return in_use_while_running
+
+    assert asyncio.run(run()) > 0
+    assert engine.generator.pool.num_in_use == 0
+    assert engine.num_remaining == 0
+
+
+def test_engine_queue_full_is_overloaded(engine):
+    async def run():
+        jobs = []
+        with pytest.raises(Overloaded, match="queue is full"):
+            for _ in range(10):  # batch of 2 + a queue of 1: the fourth at the latest is refused
+                jobs.append(engine.start_job(_request(200)))
+        assert 1 <= len(jobs) <= 3
+        for job in jobs:
+            await job.cancel()
+
+    asyncio.run(run())
+    assert engine.num_remaining == 0
+
+
+def test_engine_close_lets_running_jobs_finish(demo_dir):
+    from replicas.engine import Engine
+
+    config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=512, page_size=16, warmup=False)
+    engine = Engine.build(config)
+
+    async def run():
+        job = engine.start_job(_request(40))
+        consumer = asyncio.ensure_future(_collect(engine.stream(job, time.monotonic())))
+        await asyncio.sleep(0.01)
+        await engine.close(drain_timeout_s=30)
+        return await consumer
+
+    completion = Completion.from_chunks(asyncio.run(run()))
+    assert completion.finish.usage.completion_tokens == 40
+
+
+async def _collect(stream):
+    return [chunk async for chunk in stream]
+
+
+def test_check_health_detects_a_stalled_engine():
+    from replicas.generator import Generator
+
+    cls = Generator.func_or_class
+    replica = cls.__new__(cls)
+    replica.config = ServeConfig(num_gpus=0, stall_timeout_s=5)
+    generator = SimpleNamespace(last_step_end_s=time.monotonic() - 60)
+    replica.engine = SimpleNamespace(engine_thread_alive=lambda: True, num_remaining=2, generator=generator)
+    replica._last_enqueue_s = time.monotonic() - 60
+    with pytest.raises(RuntimeError, match="no progress"):
+        replica.check_health()
+    replica.engine.num_remaining = 0  # idle is healthy however long ago the last step was
+    replica.check_health()
+    replica.engine.num_remaining = 2
+    replica._last_enqueue_s = time.monotonic()  # work just arrived
+    replica.check_health()
+    replica.engine.engine_thread_alive = lambda: False
+    with pytest.raises(RuntimeError, match="dead"):
+        replica.check_health()
