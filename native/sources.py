@@ -19,8 +19,7 @@ CUDA_SOURCES = [
     "native/bindings/cuda_module.cpp",
     "native/cuda/norm.cu",
     "native/cuda/rotary.cu",
-    "native/cuda/attention_decode.cu",
-    "native/cuda/attention_prefill.cu",
+    "native/cuda/attention.cu",
     "native/cuda/page_copy.cu",
     "native/cuda/sampling.cu",
 ]

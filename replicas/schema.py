@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,3 +183,21 @@ class ModelInfo:
     def max_request_tokens(self) -> int:
         """prompt + max_new_tokens must not exceed this: the context, and what one replica's cache holds."""
         return min(self.max_seq_len, self.num_pages * self.page_size)
+
+
+def make_request(prompt: str | Sequence[int], **options: Any) -> GenerationRequest:
+    """A GenerationRequest from a prompt (text, or token ids) and options: GenerationRequest's fields, Sampling's
+    fields as keywords (temperature=0.7, top_p=0.9, ...), or sampling=Sampling(...)."""
+    request_fields = {f.name for f in dataclasses.fields(GenerationRequest)} - {"text", "token_ids", "sampling"}
+    sampling_fields = {f.name for f in dataclasses.fields(Sampling)}
+    unknown = set(options) - request_fields - sampling_fields - {"sampling"}
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}")
+    sampling = options.pop("sampling", None)
+    flat = {k: options.pop(k) for k in list(options) if k in sampling_fields}
+    if sampling is not None and flat:
+        raise TypeError("give sampler settings either as sampling=Sampling(...) or as keywords, not both")
+    sampling = sampling if sampling is not None else Sampling(**flat)
+    if isinstance(prompt, str):
+        return GenerationRequest(text=prompt, sampling=sampling, **options)
+    return GenerationRequest(token_ids=list(prompt), sampling=sampling, **options)

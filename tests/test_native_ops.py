@@ -70,9 +70,10 @@ def on_cpu(*args):
 
 
 def poison_next_alloc(shape, dtype, device) -> None:
-    """Leave a freed NaN block of this size in the CUDA caching allocator: the op's fresh output lands on it."""
+    """Leave a freed poisoned block of this size in the CUDA caching allocator: the op's fresh output lands on it
+    (NaN for floats, an out-of-range id for integers)."""
     if device == "cuda":
-        block = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        block = torch.full(shape, float("nan") if dtype.is_floating_point else -12345, dtype=dtype, device=device)
         del block
 
 

@@ -97,7 +97,7 @@ def test_app_builder_and_serve_config():
     assert app is not None
     schema = ServeDeploySchema.model_validate(serve_config(ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16)))
     assert schema.grpc_options.grpc_servicer_functions == [
-        "protos.folio.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+        "replicas.grpc_servicer.add_GenerationServicer_to_server"]
 
 
 # --- request validation -------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; ro
                                                            slot_mapping);
   const int64_t num_slots = k_cache.size(0) * p.page_size;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
-    TORCH_CHECK_VALUE(p.slot_mapping[t] < num_slots, "slot_mapping[", t, "] = ", p.slot_mapping[t],
+    FOLIO_CHECK_VALUE(p.slot_mapping[t] < num_slots, "slot_mapping[", t, "] = ", p.slot_mapping[t],
                       " outside the cache's ", num_slots, " slots");
   }
   run_items(p.num_tokens, (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim,
@@ -78,12 +78,12 @@ void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; ro
 void check_sequences(const PagedAttentionParams& p, int64_t num_pages) {
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t context_len = p.context_lens[b];
-    TORCH_CHECK_VALUE(0 <= context_len && context_len <= p.max_blocks * p.page_size, "context_lens[", b, "] = ",
+    FOLIO_CHECK_VALUE(0 <= context_len && context_len <= p.max_blocks * p.page_size, "context_lens[", b, "] = ",
                       context_len, " outside [0, max_blocks * page_size = ", p.max_blocks * p.page_size, "]");
     const int64_t used_blocks = (context_len + p.page_size - 1) / p.page_size;
     for (int64_t j = 0; j < used_blocks; ++j) {
       const int64_t page = p.block_tables[b * p.block_table_stride + j];
-      TORCH_CHECK_VALUE(0 <= page && page < num_pages, "block_tables[", b, ", ", j, "] = ", page,
+      FOLIO_CHECK_VALUE(0 <= page && page < num_pages, "block_tables[", b, ", ", j, "] = ", page,
                         " outside [0, num_pages = ", num_pages, ")");
     }
   }
@@ -103,13 +103,13 @@ at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
       attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
   check_sequences(p, k_cache.size(0));
   const int64_t num_tokens = q.size(0);
-  TORCH_CHECK_VALUE(p.cu_seqlens_q[0] == 0 && p.cu_seqlens_q[p.num_seqs] == num_tokens,
+  FOLIO_CHECK_VALUE(p.cu_seqlens_q[0] == 0 && p.cu_seqlens_q[p.num_seqs] == num_tokens,
                     "cu_seqlens_q must start at 0 and end at num_tokens = ", num_tokens, ", got ",
                     p.cu_seqlens_q[0], " .. ", p.cu_seqlens_q[p.num_seqs]);
   std::vector<int32_t> token_seq(num_tokens);
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t q_len = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    TORCH_CHECK_VALUE(0 <= q_len && q_len <= max_q_len && q_len <= p.context_lens[b], "sequence ", b, ": ", q_len,
+    FOLIO_CHECK_VALUE(0 <= q_len && q_len <= max_q_len && q_len <= p.context_lens[b], "sequence ", b, ": ", q_len,
                       " queries but max_q_len=", max_q_len, ", context_len=", p.context_lens[b]);
     for (int64_t t = p.cu_seqlens_q[b]; t < p.cu_seqlens_q[b + 1]; ++t) token_seq[t] = static_cast<int32_t>(b);
   }

@@ -35,10 +35,10 @@ inline RmsNormParams rms_norm_args(const at::Tensor& out, const at::Tensor& x, c
   check_size(weight, "weight", 0, x.size(1), "hidden_size (x.size(1))");
   check_contiguous(weight, "weight");
   p.weight_dtype = float_type(weight, "weight");
-  TORCH_CHECK_TYPE(p.weight_dtype == p.dtype || p.weight_dtype == ScalarType::kFloat32,
+  FOLIO_CHECK_TYPE(p.weight_dtype == p.dtype || p.weight_dtype == ScalarType::kFloat32,
                    "argument 'weight' must be ", x.scalar_type(), " (the dtype of 'x') or float32, got ",
                    weight.scalar_type());
-  TORCH_CHECK_VALUE(eps >= 0.0, "argument 'eps' must be >= 0, got ", eps);
+  FOLIO_CHECK_VALUE(eps >= 0.0, "argument 'eps' must be >= 0, got ", eps);
   p.out = out.data_ptr();
   p.out_row_stride = out.stride(0);
   p.x = x.data_ptr();
@@ -64,7 +64,7 @@ inline SiluAndMulParams silu_and_mul_args(const at::Tensor& out, const at::Tenso
   SiluAndMulParams p{};
   p.dtype = float_type(x, "x");
   check_dim(x, "x", 2, "[num_rows, 2 * width]");
-  TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "argument 'x' has shape ", shape_str(x), ": dim 1 must be even");
+  FOLIO_CHECK_VALUE(x.size(1) % 2 == 0, "argument 'x' has shape ", shape_str(x), ": dim 1 must be even");
   check_inner_contiguous(x, "x");
   p.out = out.data_ptr();
   p.out_row_stride = out.stride(0);
@@ -82,15 +82,15 @@ void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache,
   check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]");
   check_same_dtype(k_cache, "k_cache", q, "q");
   check_same_dtype(v_cache, "v_cache", q, "q");
-  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
+  FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
                     " but 'k_cache' has ", shape_str(k_cache));
-  TORCH_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "arguments 'k_cache' and 'v_cache' must have equal "
+  FOLIO_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "arguments 'k_cache' and 'v_cache' must have equal "
                     "strides, got ", k_cache.strides(), " and ", v_cache.strides());
   check_size(k_cache, "k_cache", 2, num_kv_heads, "num_kv_heads");
   check_size(k_cache, "k_cache", 3, head_dim, "head_dim (q.size(2))");
   check_inner_contiguous(k_cache, "k_cache");
   const int64_t page_size = k_cache.size(1);
-  TORCH_CHECK_VALUE(page_size > 0, "argument 'k_cache' has page_size 0");
+  FOLIO_CHECK_VALUE(page_size > 0, "argument 'k_cache' has page_size 0");
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.cache_stride_page = k_cache.stride(0);
@@ -111,10 +111,10 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
   check_same_dtype(k, "k", q, "q");
   check_same_dtype(v, "v", q, "q");
   const int64_t num_tokens = q.size(0), head_dim = q.size(2), num_kv_heads = k.size(1);
-  TORCH_CHECK_VALUE(head_dim % 2 == 0, "argument 'q' has shape ", shape_str(q), ": head_dim must be even");
+  FOLIO_CHECK_VALUE(head_dim % 2 == 0, "argument 'q' has shape ", shape_str(q), ": head_dim must be even");
   check_size(k, "k", 0, num_tokens, "num_tokens (q.size(0))");
   check_size(k, "k", 2, head_dim, "head_dim (q.size(2))");
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "argument 'v' has shape ", shape_str(v), " but 'k' has ", shape_str(k));
+  FOLIO_CHECK_VALUE(v.sizes() == k.sizes(), "argument 'v' has shape ", shape_str(v), " but 'k' has ", shape_str(k));
   check_inner_contiguous(q, "q");
   check_inner_contiguous(k, "k");
   check_inner_contiguous(v, "v");
@@ -161,11 +161,11 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
   check_dim(q, "q", 3, cu_seqlens_q ? "[num_tokens, num_q_heads, head_dim]" : "[num_seqs, num_q_heads, head_dim]");
   check_inner_contiguous(q, "q");
   const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
-  TORCH_CHECK_VALUE(head_dim > 0, "argument 'q' has head_dim 0");
-  TORCH_CHECK_VALUE(k_cache.dim() == 4, "argument 'k_cache' must be [num_pages, page_size, num_kv_heads, head_dim]"
+  FOLIO_CHECK_VALUE(head_dim > 0, "argument 'q' has head_dim 0");
+  FOLIO_CHECK_VALUE(k_cache.dim() == 4, "argument 'k_cache' must be [num_pages, page_size, num_kv_heads, head_dim]"
                     " (4 dims), got shape ", shape_str(k_cache));
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (q.size(1) = ", num_q_heads,
+  FOLIO_CHECK_VALUE(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (q.size(1) = ", num_q_heads,
                     ") must be a multiple of num_kv_heads (k_cache.size(2) = ", num_kv_heads, ")");
   cache_args(p, k_cache, v_cache, q, num_kv_heads, head_dim);
 
@@ -182,12 +182,12 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
     check_dim(*cu_seqlens_q, "cu_seqlens_q", 1, "[num_seqs + 1]");
     check_size(*cu_seqlens_q, "cu_seqlens_q", 0, num_seqs + 1, "num_seqs + 1 (block_tables.size(0) + 1)");
     check_contiguous(*cu_seqlens_q, "cu_seqlens_q");
-    TORCH_CHECK_VALUE(max_q_len >= 0, "argument 'max_q_len' must be >= 0, got ", max_q_len);
+    FOLIO_CHECK_VALUE(max_q_len >= 0, "argument 'max_q_len' must be >= 0, got ", max_q_len);
     p.cu_seqlens_q = cu_seqlens_q->data_ptr<int32_t>();
   } else {
     check_size(q, "q", 0, num_seqs, "num_seqs (block_tables.size(0))");
   }
-  TORCH_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
+  FOLIO_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
 
   p.out = out.data_ptr();
   p.q = q.data_ptr();
@@ -212,16 +212,16 @@ inline PageCopyParams copy_page_slots_args(const at::Tensor& k_cache, const at::
   check_dim(k_cache, "k_cache", 5, "[num_layers, num_pages, page_size, num_kv_heads, head_dim]");
   float_type(k_cache, "k_cache");
   check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
-  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
+  FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
                     " but 'k_cache' has ", shape_str(k_cache));
   check_contiguous(k_cache, "k_cache");
   check_contiguous(v_cache, "v_cache");
   const int64_t num_pages = k_cache.size(1), page_size = k_cache.size(2);
-  TORCH_CHECK_VALUE(0 <= src_page && src_page < num_pages, "argument 'src_page' = ", src_page,
+  FOLIO_CHECK_VALUE(0 <= src_page && src_page < num_pages, "argument 'src_page' = ", src_page,
                     " outside [0, num_pages = ", num_pages, ")");
-  TORCH_CHECK_VALUE(0 <= dst_page && dst_page < num_pages, "argument 'dst_page' = ", dst_page,
+  FOLIO_CHECK_VALUE(0 <= dst_page && dst_page < num_pages, "argument 'dst_page' = ", dst_page,
                     " outside [0, num_pages = ", num_pages, ")");
-  TORCH_CHECK_VALUE(0 <= num_slots && num_slots <= page_size, "argument 'num_slots' = ", num_slots,
+  FOLIO_CHECK_VALUE(0 <= num_slots && num_slots <= page_size, "argument 'num_slots' = ", num_slots,
                     " outside [0, page_size = ", page_size, "]");
   PageCopyParams p{};
   p.k_cache = k_cache.data_ptr();
@@ -242,7 +242,7 @@ inline int64_t logits_args(const at::Tensor& logits) {
   check_dtype(logits, "logits", at::kFloat);
   check_dim(logits, "logits", 2, "[num_rows, vocab_size]");
   check_inner_contiguous(logits, "logits");
-  TORCH_CHECK_VALUE(logits.size(1) > 0, "argument 'logits' has vocab_size 0");
+  FOLIO_CHECK_VALUE(logits.size(1) > 0, "argument 'logits' has vocab_size 0");
   return logits.size(0);
 }
 

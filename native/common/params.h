@@ -106,6 +106,7 @@ struct SampleParams {
   const float* uniform;           // [B]   draws in [0, 1)
   int64_t* out_token_ids;         // [B]   -1 where every logit is -inf
   float* out_probs;               // [B]   probability of the picked token in the final distribution
+  uint32_t* key_scratch;          // [B, V] CUDA only: each row's weight keys, computed once, read by every pass
   int64_t num_rows, vocab_size;
 };
 

@@ -23,7 +23,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxGroupTile = 8;
-constexpr int kMinSplitKeys = 256;  // below this, a split's fixed costs outweigh the parallelism it adds
+constexpr int kMinSplitKeys = 64;  // below this, a split's fixed costs outweigh the parallelism it adds
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -55,6 +55,24 @@ __device__ __forceinline__ void row_extent(const PagedAttentionParams& p, int64_
   num_keys = p.context_lens[lo] - q_len + (row - q_begin) + 1;
 }
 
+// cp.async (sm_80+): BYTES (16 or 32) from global to shared, or zeros without reading when !valid.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, bool valid) {
+  const uint32_t dst_shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int src_bytes = valid ? 16 : 0;
+#pragma unroll
+  for (int c = 0; c < BYTES / 16; ++c) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared + 16 * c),
+                 "l"(static_cast<const char*>(src) + 16 * c), "r"(src_bytes)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // Merges online-softmax state (m2, l2, acc2) into (m, l, acc); m in log2 units, -inf = empty.
 template <int N>
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N], float m2, float l2,
@@ -68,14 +86,26 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N],
   m = mx;
 }
 
+// Four resident blocks per SM (16 warps) for up to 4 heads per block: 128 registers, no spills (ptxas -v);
+// eight heads (four in fp32) need more registers and get two.
 template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL>
-__global__ void __launch_bounds__(kThreads) attention_kernel(KernelArgs a) {
+__global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) attention_kernel(KernelArgs a) {
   constexpr int kWorkersPerWarp = 32 / LANES_PER_TOKEN;
   constexpr int kWorkers = kWarps * kWorkersPerWarp;
   constexpr int kKeysPerIter = kWorkers * UNROLL;
   constexpr int kDimPad = LANES_PER_TOKEN * 8;
-  __shared__ float sm_acc[kWarps][G_TILE][kDimPad];
-  __shared__ float sm_m[kWarps][G_TILE], sm_l[kWarps][G_TILE];
+  constexpr int kChunkBytes = 8 * static_cast<int>(sizeof(T));  // one lane's slice of one K or V row
+  constexpr int kPipeBytes = 2 * UNROLL * 2 * kThreads * kChunkBytes;
+  constexpr int kMergeFloats = kWarps * G_TILE * (kDimPad + 2);
+  constexpr int kSmemBytes = kPipeBytes > 4 * kMergeFloats ? kPipeBytes : 4 * kMergeFloats;
+  // The main loop's double buffer and, after it, the merge buffers share this space.
+  __shared__ __align__(16) unsigned char smem[kSmemBytes];
+  auto chunk = [&](int buffer, int j, int kv) {  // this lane's slot: consecutive lanes, consecutive chunks
+    return smem + (((buffer * UNROLL + j) * 2 + kv) * kThreads + threadIdx.x) * kChunkBytes;
+  };
+  float (*sm_acc)[G_TILE][kDimPad] = reinterpret_cast<float (*)[G_TILE][kDimPad]>(smem);
+  float (*sm_m)[G_TILE] = reinterpret_cast<float (*)[G_TILE]>(smem + 4 * kWarps * G_TILE * kDimPad);
+  float (*sm_l)[G_TILE] = sm_m + kWarps;
 
   const PagedAttentionParams& p = a.p;
   const int64_t row = blockIdx.x;
@@ -90,6 +120,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(KernelArgs a) {
 
   int64_t seq, num_keys;
   row_extent(p, row, seq, num_keys);
+  // Clamped so that malformed index tensors (which only the CPU binding can afford to check) cannot make the
+  // kernel read past the block-table row.
+  num_keys = min(num_keys, min(static_cast<int64_t>(p.context_lens[seq]), p.max_blocks << a.page_shift));
   num_keys = max(num_keys, int64_t{0});
   const int64_t per_split = (num_keys + a.num_splits - 1) / a.num_splits;
   const int64_t split_len = (per_split + kKeysPerIter - 1) / kKeysPerIter * kKeysPerIter;
@@ -127,24 +160,46 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(KernelArgs a) {
   const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * p.cache_stride_head + dim0;
   const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * p.cache_stride_head + dim0;
 
+  // Copies one iteration's K and V slices into `buffer` with cp.async: the next iteration's bytes are in
+  // flight while this one computes, without holding them in registers. Each lane reads back only what it copied
+  // itself, so waiting for its own copies (cp.async.wait_group) is all the synchronization the loop needs.
+  auto prefetch = [&](int64_t iter_begin, int buffer) {
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const int64_t pos = iter_begin + j * kWorkers + worker;
+      const bool valid = pos < key_end && lane_active;
+      const T* k_src = static_cast<const T*>(p.k_cache);  // any readable address: zero bytes are read from it
+      const T* v_src = static_cast<const T*>(p.v_cache);
+      if (valid) {
+        const int64_t page = block_table[pos >> a.page_shift];
+        const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
+        k_src = k_base + offset;
+        v_src = v_base + offset;
+      }
+      cp_async_zfill<kChunkBytes>(chunk(buffer, j, 0), k_src, valid);
+      cp_async_zfill<kChunkBytes>(chunk(buffer, j, 1), v_src, valid);
+    }
+    cp_async_commit();
+  };
+
+  int buffer = 0;
+  if (key_begin < key_end) prefetch(key_begin, 0);
   for (int64_t iter_begin = key_begin; iter_begin < key_end; iter_begin += kKeysPerIter) {
-    // Issue every K and V load of this iteration before using any, to keep many bytes in flight.
+    if (iter_begin + kKeysPerIter < key_end) {
+      prefetch(iter_begin + kKeysPerIter, buffer ^ 1);
+    } else {
+      cp_async_commit();  // an empty group keeps "all but the newest group" meaning "this iteration's group"
+    }
+    cp_async_wait_all_but_newest();
     Vec8<T> k_vec[UNROLL], v_vec[UNROLL];
     bool valid[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
-      const int64_t pos = iter_begin + j * kWorkers + worker;
-      valid[j] = pos < key_end;
-      if (valid[j] && lane_active) {
-        const int64_t page = block_table[pos >> a.page_shift];
-        const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
-        k_vec[j].load(k_base + offset);
-        v_vec[j].load(v_base + offset);
-      } else {
-        k_vec[j].zero();
-        v_vec[j].zero();
-      }
+      valid[j] = iter_begin + j * kWorkers + worker < key_end;
+      k_vec[j].load(reinterpret_cast<const T*>(chunk(buffer, j, 0)));
+      v_vec[j].load(reinterpret_cast<const T*>(chunk(buffer, j, 1)));
     }
+    buffer ^= 1;
     float s[UNROLL][G_TILE];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
@@ -206,7 +261,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(KernelArgs a) {
       merge_state(m[g], l[g], acc[g], m2, l2, other);
     }
   }
-  // ...then the warps, through shared memory.
+  // ...then the warps, through shared memory (which the loop's buffers used until every warp is past it).
+  cp_async_wait_all();
+  __syncthreads();
   if (lane < LANES_PER_TOKEN) {
 #pragma unroll
     for (int g = 0; g < G_TILE; ++g) {
@@ -273,12 +330,14 @@ int group_tile(int group) {
   return g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : 8;
 }
 
+// Keys per worker per iteration: 4, or 2 where registers (8 heads) or the 32 KB double buffer (fp32) are tight.
 template <typename T, int LANES, bool EXACT>
 void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, cudaStream_t stream) {
+  constexpr int kUnroll = sizeof(T) == 4 ? 2 : 4;
   switch (g_tile) {
-    case 1: attention_kernel<T, LANES, EXACT, 1, 4><<<grid, kThreads, 0, stream>>>(a); break;
-    case 2: attention_kernel<T, LANES, EXACT, 2, 4><<<grid, kThreads, 0, stream>>>(a); break;
-    case 4: attention_kernel<T, LANES, EXACT, 4, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 1: attention_kernel<T, LANES, EXACT, 1, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: attention_kernel<T, LANES, EXACT, 2, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
+    case 4: attention_kernel<T, LANES, EXACT, 4, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
     default: attention_kernel<T, LANES, EXACT, 8, 2><<<grid, kThreads, 0, stream>>>(a); break;
   }
 }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine: build the native library for Hopper only, run the GPU tests, run the kernel
+# benchmark. Logs and bench JSON go to $OUT (a temp dir when unset); the benchmark table prints last.
+#   bash bench/gpu.sh            # from anywhere; needs python3 with torch (CUDA), nvcc, ninja, pybind11, pytest
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 FOLIO_CUDA_ARCHS="${FOLIO_CUDA_ARCHS:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; nvcc --version | tail -2
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/machine.txt"
+
+start=$(date +%s)
+if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  echo "gpu.sh: build FAILED (log: $OUT/build.log)"
+  exit 1
+fi
+build_s=$(( $(date +%s) - start ))
+"$PY" -c 'import torch, folio._native_cpu, folio._native_cuda; print("native modules import")' || exit 1  # torch first: it loads libc10
+
+# The native kernels' tests first, CPU and GPU cases (they decide whether the benchmark numbers mean anything), in
+# worker processes when pytest-xdist is there, so that a crash fails one test instead of ending the session; then
+# every other gpu-marked test of the repository, bounded in time (OTHER_TESTS_TIMEOUT_S, default 150 s).
+xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4")
+"$PY" -m pytest tests/test_native_ops.py $xdist -q -p no:cacheprovider --tb=short -rfE >"$OUT/pytest-native.log" 2>&1
+native_rc=$?
+if grep -q "crashed" "$OUT/pytest-native.log" && command -v cuda-gdb >/dev/null; then
+  # a native crash: a C++ backtrace of the first crashed test (cuda-gdb also debugs host-only code)
+  crashed=$(grep -o "crashed while running '[^']*'" "$OUT/pytest-native.log" | head -1 | sed "s/.*running '//; s/'$//")
+  timeout 180 cuda-gdb -q -batch -ex run -ex bt --args "$PY" -m pytest "$crashed" -q -p no:cacheprovider \
+    -p no:xdist >"$OUT/crash-backtrace.log" 2>&1
+  grep -E "^#" "$OUT/crash-backtrace.log" | head -25
+fi
+timeout "${OTHER_TESTS_TIMEOUT_S:-150}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+  --deselect tests/test_native_ops.py >"$OUT/pytest-gpu-others.log" 2>&1
+others_rc=$?
+grep -E "^(FAILED|ERROR)|crashed" "$OUT/pytest-native.log" | head -20
+
+"$PY" bench/kernels.py >"$OUT/bench.log" 2>&1
+bench_rc=$?
+cat "$OUT/bench.log" | tail -45
+echo "---"
+echo "build (sm_${FOLIO_CUDA_ARCHS/./}, $MAX_JOBS jobs): ${build_s} s"
+echo "native gpu tests (rc $native_rc): $(tail -1 "$OUT/pytest-native.log")"
+echo "other gpu tests (rc $others_rc): $(tail -1 "$OUT/pytest-gpu-others.log")"
+echo "bench rc $bench_rc; logs in $OUT"

@@ -1,0 +1,200 @@
+// folio._native_cuda: checks the tensors and enqueues the CUDA kernels of native/cuda on the current stream of
+// the tensors' device. Nothing here synchronizes with the device or reads device memory, so every op can be
+// captured in a CUDA graph; scratch space comes from torch's caching allocator (graph-capture safe).
+// Signatures match folio/reference_ops.py exactly (plus the sampling ops).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+#include "../cuda/kernels.cuh"
+#include "op_args.h"
+
+namespace folio::bind {
+namespace {
+
+constexpr c10::DeviceType kCuda = c10::DeviceType::CUDA;
+
+cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.get_device()).stream(); }
+
+int multiprocessor_count(const at::Tensor& t) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device()));
+  return count;
+}
+
+at::Tensor rms_norm(const at::Tensor& x,       // [N, H] float32/float16/bfloat16
+                    const at::Tensor& weight,  // [H] x's dtype or float32
+                    double eps) {
+  check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}});
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto out = at::empty_like(x, at::MemoryFormat::Contiguous);  // [N, H] x's dtype
+  const RmsNormParams p = rms_norm_args(out, x, nullptr, weight, eps);
+  C10_CUDA_CHECK(cuda::rms_norm(p, current_stream(x)));
+  return out;
+}
+
+void fused_add_rms_norm(const at::Tensor& x,         // [N, H] float; in place: rms_norm(residual + x) * weight
+                        const at::Tensor& residual,  // [N, H] x's dtype; in place: residual + x
+                        const at::Tensor& weight,    // [H] x's dtype or float32
+                        double eps) {
+  check_all_on(kCuda, {{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}});
+  const c10::cuda::CUDAGuard guard(x.device());
+  const RmsNormParams p = rms_norm_args(x, x, &residual, weight, eps);
+  C10_CUDA_CHECK(cuda::rms_norm(p, current_stream(x)));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {  // [N, 2F] float
+  check_all_on(kCuda, {{&x, "x"}});
+  check_dim(x, "x", 2, "[num_rows, 2 * width]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());  // [N, F] x's dtype
+  const SiluAndMulParams p = silu_and_mul_args(out, x);
+  C10_CUDA_CHECK(cuda::silu_and_mul(p, current_stream(x)));
+  return out;
+}
+
+void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; rotated in place
+                        const at::Tensor& k,             // [T, Hkv, D] q's dtype; rotated in place
+                        const at::Tensor& v,             // [T, Hkv, D] q's dtype
+                        const at::Tensor& positions,     // [T] int64
+                        const at::Tensor& inv_freq,      // [D/2] float32
+                        const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                        const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                        const at::Tensor& slot_mapping)  // [T] int64, < 0 = do not write; not range-checked here
+{                                                        // (that would need a device-to-host read)
+  check_all_on(kCuda, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"}, {&inv_freq, "inv_freq"},
+                       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const RotaryCacheWriteParams p =
+      rotary_cache_write_args(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping);
+  FOLIO_CHECK_VALUE(p.head_dim <= 1024, "CUDA rotary_cache_write supports head_dim <= 1024, got ", p.head_dim);
+  C10_CUDA_CHECK(cuda::rotary_cache_write(p, current_stream(q)));
+}
+
+// Shared by both attention entry points: plans the context split, takes workspace, launches.
+void run_attention(const PagedAttentionParams& p, const at::Tensor& q, int64_t num_rows) {
+  const char* unsupported = cuda::attention_unsupported_reason(p);
+  FOLIO_CHECK_VALUE(unsupported == nullptr, unsupported, " (head_dim=", p.head_dim, ", page_size=", p.page_size,
+                    ", dtype=", q.scalar_type(), ")");
+  const cuda::AttentionPlan plan = cuda::plan_paged_attention(p, num_rows, multiprocessor_count(q));
+  at::Tensor workspace;  // [workspace_floats] float32: per-split partial results
+  if (plan.workspace_floats > 0) workspace = at::empty({plan.workspace_floats}, q.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::paged_attention(p, num_rows, plan, workspace.defined() ? workspace.data_ptr<float>() : nullptr,
+                                       current_stream(q)));
+}
+
+at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
+                           const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                           const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                           const at::Tensor& block_tables,  // [B, max_blocks] int32
+                           const at::Tensor& cu_seqlens_q,  // [B + 1] int32 (trusted: checked by the CPU op only)
+                           const at::Tensor& context_lens,  // [B] int32
+                           double scale, int64_t max_q_len) {
+  check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
+                       {&cu_seqlens_q, "cu_seqlens_q"}, {&context_lens, "context_lens"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
+  const PagedAttentionParams p =
+      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
+  run_attention(p, q, q.size(0));
+  return out;
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D] float
+                                  const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
+                                  const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
+                                  const at::Tensor& block_tables,  // [B, max_blocks] int32
+                                  const at::Tensor& context_lens,  // [B] int32
+                                  double scale) {
+  check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
+                       {&context_lens, "context_lens"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
+  const PagedAttentionParams p =
+      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1);
+  run_attention(p, q, p.num_seqs);
+  return out;
+}
+
+void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float, contiguous
+                     const at::Tensor& v_cache,  // [L, P, S, Hkv, D] k_cache's dtype, contiguous
+                     int64_t src_page, int64_t dst_page, int64_t num_slots) {
+  check_all_on(kCuda, {{&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const PageCopyParams p = copy_page_slots_args(k_cache, v_cache, src_page, dst_page, num_slots);
+  C10_CUDA_CHECK(cuda::copy_page_slots(p, current_stream(k_cache)));
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_rows(
+    const at::Tensor& logits,       // [B, V] float32 (penalties, bias and masks already applied)
+    const at::Tensor& temperature,  // [B] float32; < 0.01 = greedy
+    const at::Tensor& top_k,        // [B] int32; 1 = greedy, <= 0 = off
+    const at::Tensor& top_p,        // [B] float32; >= 1 = off
+    const at::Tensor& min_p,        // [B] float32; <= 0 = off
+    const at::Tensor& u) {          // [B] float32 uniform draws in [0, 1)
+  check_all_on(kCuda, {{&logits, "logits"}, {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"},
+                       {&min_p, "min_p"}, {&u, "u"}});
+  logits_args(logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto token_ids = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));  // [B] int64
+  const auto probs = at::empty({logits.size(0)}, logits.options());                      // [B] float32
+  SampleParams p = sample_rows_args(token_ids, probs, logits, temperature, top_k, top_p, min_p, u);
+  const auto keys = at::empty({logits.size(0), logits.size(1)}, logits.options().dtype(at::kInt));  // [B, V] scratch
+  p.key_scratch = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  C10_CUDA_CHECK(cuda::sample_rows(p, current_stream(logits)));
+  return {token_ids, probs};
+}
+
+void apply_penalties(const at::Tensor& logits,    // [B, V] float32, modified in place
+                     const at::Tensor& history,   // [B, H] int64 token ids, newest last, -1 = padding
+                     const at::Tensor& rep,       // [B] float32 repetition penalty (1 = off)
+                     const at::Tensor& freq,      // [B] float32 frequency penalty (0 = off)
+                     const at::Tensor& pres,      // [B] float32 presence penalty (0 = off)
+                     const at::Tensor& sustain,   // [B] int32 newest tokens at full strength
+                     const at::Tensor& decay) {   // [B] int32 tokens over which the strength fades after those
+  check_all_on(kCuda, {{&logits, "logits"}, {&history, "history"}, {&rep, "rep"}, {&freq, "freq"}, {&pres, "pres"},
+                       {&sustain, "sustain"}, {&decay, "decay"}});
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const PenaltyParams p = apply_penalties_args(logits, history, rep, freq, pres, sustain, decay);
+  FOLIO_CHECK_VALUE(p.history_len <= cuda::kMaxPenaltyHistory, "argument 'history' has ", p.history_len,
+                    " columns; the CUDA penalty kernel takes at most ", cuda::kMaxPenaltyHistory,
+                    " (pass only the penalty window)");
+  C10_CUDA_CHECK(cuda::apply_penalties(p, current_stream(logits)));
+}
+
+void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in place
+                 const at::Tensor& token_ids) {  // [B, K] int64 ids set to -inf, -1 = padding
+  check_all_on(kCuda, {{&logits, "logits"}, {&token_ids, "token_ids"}});
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const MaskTokensParams p = mask_tokens_args(logits, token_ids);
+  C10_CUDA_CHECK(cuda::mask_tokens(p, current_stream(logits)));
+}
+
+}  // namespace
+}  // namespace folio::bind
+
+PYBIND11_MODULE(_native_cuda, m) {
+  namespace py = pybind11;
+  using namespace folio::bind;
+  m.doc() = "folio CUDA kernels (see native/); signatures match folio.reference_ops";
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, py::arg("x"));
+  m.def("rotary_cache_write", &rotary_cache_write, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),
+        py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("max_q_len"));
+  m.def("paged_attention_decode", &paged_attention_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
+  m.def("copy_page_slots", &copy_page_slots, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"),
+        py::arg("dst_page"), py::arg("num_slots"));
+  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("min_p"), py::arg("u"));
+  m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
+        py::arg("pres"), py::arg("sustain"), py::arg("decay"));
+  m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
+}

@@ -1,0 +1,505 @@
+// Sampling hot path on the GPU: penalties, token masks, and top-k / top-p / min-p / inverse-CDF sampling per
+// row, all without sorting the vocabulary and without host synchronization. native/cpu/kernels.h defines the
+// semantics (folio.sampling's, with exact integer masses).
+//
+// A row's candidates are ordered by weight descending, ties by index ascending. Every filter keeps a prefix of
+// that order, described by a Boundary (the last kept element). Finding the element at which a running count
+// or running mass first reaches a target is a radix select over the weights' bit patterns ("keys", computed
+// once per row into a scratch buffer): four passes of 8-bit histograms from the most significant byte down
+// narrow the key; ties at the final key are resolved by index. When top-k leaves at most kCompactCap tokens,
+// they are gathered into shared memory and sorted there, and top-p, min-p and the draw finish on that short
+// list. Masses are integers (floor(w * 2^40)), so every sum is exact and independent of the order in which
+// threads add it up: the result does not depend on the launch shape, and matches the CPU kernel.
+#include <climits>
+#include <cstdint>
+
+#include "device_utils.cuh"
+#include "kernels.cuh"
+
+namespace folio::cuda {
+namespace {
+
+constexpr int kSampleThreads = 512;
+constexpr int kSampleWarps = kSampleThreads / 32;
+constexpr int kCompactCap = 1024;
+constexpr double kTopPSlack = 1e-6;
+constexpr unsigned kFull = 0xffffffffu;
+
+// Last kept element of a prefix of the order: element (key, i) is kept iff key > this.key, or key == this.key
+// and i <= this.index.
+struct Boundary {
+  uint32_t key;
+  int64_t index;
+  __device__ __forceinline__ bool keeps(uint32_t k, int64_t i) const { return k > key || (k == key && i <= index); }
+  // true if this boundary keeps fewer elements than `other` (comes earlier in the order)
+  __device__ __forceinline__ bool before(const Boundary& other) const {
+    return key > other.key || (key == other.key && index < other.index);
+  }
+};
+
+struct SampleShared {
+  unsigned long long histogram[256];
+  unsigned long long scratch_u64[kSampleWarps];
+  float scratch_value[kSampleWarps];
+  long long scratch_index[kSampleWarps];
+  int bucket;
+  unsigned long long above;
+  int count;
+  // short list: ((0xffffffff - key) << 32) | index, so that ascending order is the candidates' order
+  unsigned long long ranked[kCompactCap];
+};
+
+__device__ __forceinline__ unsigned long long mass_of_key(uint32_t key) {
+  return static_cast<unsigned long long>(static_cast<double>(__uint_as_float(key)) * kSampleWeightScale);
+}
+
+// The same arithmetic as the CPU kernel: IEEE division, full-precision expf.
+__device__ __forceinline__ uint32_t weight_key(float logit, float temperature, float max_z) {
+  const float w = expf(logit / temperature - max_z);
+  return __float_as_uint(isnan(w) ? 0.0f : w);
+}
+
+__device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFull, v, offset);
+  __syncthreads();
+  if (lane == 0) sh.scratch_u64[warp] = v;
+  __syncthreads();
+  unsigned long long total = 0;
+  for (int w = 0; w < kSampleWarps; ++w) total += sh.scratch_u64[w];
+  return total;
+}
+
+__device__ long long block_min_index(long long v, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(kFull, v, offset));
+  __syncthreads();
+  if (lane == 0) sh.scratch_index[warp] = v;
+  __syncthreads();
+  long long best = sh.scratch_index[0];
+  for (int w = 1; w < kSampleWarps; ++w) best = min(best, sh.scratch_index[w]);
+  return best;
+}
+
+__device__ __forceinline__ void take_better(float& best, long long& best_index, float other, long long other_index) {
+  if (other_index >= 0 && (best_index < 0 || other > best || (other == best && other_index < best_index))) {
+    best = other;
+    best_index = other_index;
+  }
+}
+
+// The first index of the largest logit (NaN never wins); -1 when every logit is -inf or NaN.
+__device__ long long block_argmax(const float* logits, int64_t vocab, SampleShared& sh) {
+  float best = -INFINITY;
+  long long best_index = -1;
+  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    if (logits[i] > best) {  // a thread visits indices in increasing order: strict keeps the first
+      best = logits[i];
+      best_index = i;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    take_better(best, best_index, __shfl_xor_sync(kFull, best, offset), __shfl_xor_sync(kFull, best_index, offset));
+  }
+  __syncthreads();
+  if (lane == 0) {
+    sh.scratch_value[warp] = best;
+    sh.scratch_index[warp] = best_index;
+  }
+  __syncthreads();
+  best = -INFINITY;
+  best_index = -1;
+  for (int w = 0; w < kSampleWarps; ++w) take_better(best, best_index, sh.scratch_value[w], sh.scratch_index[w]);
+  return best_index;
+}
+
+__device__ unsigned long long kept_mass(const uint32_t* keys, int64_t vocab, const Boundary& kept, SampleShared& sh) {
+  unsigned long long mass = 0;
+  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    const uint32_t k = keys[i];
+    if (kept.keeps(k, i)) mass += mass_of_key(k);
+  }
+  return block_sum_u64(mass, sh);
+}
+
+// The index of the n-th (1-based) kept element with key == key, in index order.
+__device__ long long nth_with_key(const uint32_t* keys, int64_t vocab, const Boundary& kept, uint32_t key,
+                                  unsigned long long n, SampleShared& sh) {
+  if (n == 1) {  // the usual case (no ties): the smallest such index
+    long long first = LLONG_MAX;
+    for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
+      if (keys[i] == key && kept.keeps(key, i)) {
+        first = i;
+        break;
+      }
+    }
+    return block_min_index(first, sh);
+  }
+  // Ties: walk the row in chunks, counting matches in index order with warp ballots.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long seen = 0;
+  long long found = -1;
+  for (int64_t chunk = 0; chunk < vocab; chunk += kSampleThreads) {
+    const int64_t i = chunk + threadIdx.x;
+    const bool match = i < vocab && keys[i] == key && kept.keeps(key, i);
+    const unsigned ballot = __ballot_sync(kFull, match);
+    __syncthreads();
+    if (lane == 0) sh.scratch_u64[warp] = __popc(ballot);
+    __syncthreads();
+    unsigned long long before = 0, total = 0;
+    for (int w = 0; w < kSampleWarps; ++w) {
+      const unsigned long long c = sh.scratch_u64[w];
+      before += w < warp ? c : 0;
+      total += c;
+    }
+    const unsigned long long rank = seen + before + __popc(ballot & ((1u << lane) - 1u)) + 1;
+    if (match && rank == n) sh.scratch_index[0] = i;
+    seen += total;
+    if (seen >= n) {  // uniform across the block
+      __syncthreads();
+      found = sh.scratch_index[0];
+      break;
+    }
+  }
+  return found;
+}
+
+// Adds `amount` to histogram[bucket] for every lane with bucket >= 0, one shared-memory atomic per distinct
+// bucket in the warp (weights cluster in a few exponents, so per-lane atomics would serialize).
+__device__ __forceinline__ void histogram_add(SampleShared& sh, int bucket, unsigned long long amount, bool by_mass) {
+  const unsigned peers = __match_any_sync(kFull, bucket);
+  if (bucket < 0) return;
+  unsigned long long total;
+  if (by_mass) {  // masses < 2^41: 26 + 15 bit halves, whose 32-lane sums fit in 32 bits
+    const unsigned low = __reduce_add_sync(peers, static_cast<unsigned>(amount & 0x3ffffffull));
+    const unsigned high = __reduce_add_sync(peers, static_cast<unsigned>(amount >> 26));
+    total = (static_cast<unsigned long long>(high) << 26) + low;
+  } else {
+    total = __popc(peers);
+  }
+  if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&sh.histogram[bucket], total);
+}
+
+// The element of the order at which the kept count (by_mass false) or kept mass (true) first reaches
+// `target` (1 <= target <= the kept total).
+__device__ Boundary select_boundary(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass,
+                                    unsigned long long target, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t prefix = 0;
+  unsigned long long above = 0;  // kept amount in buckets above the current one
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
+    __syncthreads();
+    const uint32_t high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+    for (int64_t base = 0; base < vocab; base += kSampleThreads) {  // uniform trip count: whole warps shuffle
+      const int64_t i = base + threadIdx.x;
+      int bucket = -1;
+      unsigned long long amount = 0;
+      if (i < vocab) {
+        const uint32_t k = keys[i];
+        if ((k & high_mask) == prefix && kept.keeps(k, i)) {
+          bucket = static_cast<int>((k >> shift) & 255u);
+          amount = by_mass ? mass_of_key(k) : 1ull;
+        }
+      }
+      histogram_add(sh, bucket, amount, by_mass);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      // lane L owns buckets 255 - 8L .. 248 - 8L (descending)
+      unsigned long long local[8], lane_total = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        local[e] = sh.histogram[255 - (lane * 8 + e)];
+        lane_total += local[e];
+      }
+      unsigned long long inclusive = lane_total;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const unsigned long long v = __shfl_up_sync(kFull, inclusive, offset);
+        if (lane >= offset) inclusive += v;
+      }
+      const unsigned ballot = __ballot_sync(kFull, above + inclusive >= target);
+      const int first = ballot ? __ffs(ballot) - 1 : 31;  // empty ballot: target past the total (defensive)
+      if (lane == first) {
+        unsigned long long running = above + inclusive - lane_total;
+        int e = 0;
+        while (e < 7 && running + local[e] < target) running += local[e++];
+        sh.bucket = 255 - (lane * 8 + e);
+        sh.above = running;
+      }
+    }
+    __syncthreads();
+    prefix |= static_cast<uint32_t>(sh.bucket) << shift;
+    above = sh.above;
+  }
+  const unsigned long long need = target - above;  // >= 1: still needed from elements with key == prefix
+  const unsigned long long unit = by_mass ? mass_of_key(prefix) : 1ull;
+  const unsigned long long n = unit > 0 ? (need + unit - 1) / unit : 1;
+  return Boundary{prefix, nth_with_key(keys, vocab, kept, prefix, n, sh)};
+}
+
+__device__ __forceinline__ unsigned long long ranked_mass(const SampleShared& sh, int r) {
+  return mass_of_key(0xffffffffu - static_cast<uint32_t>(sh.ranked[r] >> 32));
+}
+
+// Warp 0 only: the number of leading ranks (of `count`) whose inclusive mass first reaches target; count if
+// none does.
+__device__ int ranks_to_reach(const SampleShared& sh, int count, unsigned long long target) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long running = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int r = base + lane;
+    const unsigned long long mass = r < count ? ranked_mass(sh, r) : 0ull;
+    unsigned long long inclusive = mass;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const unsigned long long v = __shfl_up_sync(kFull, inclusive, offset);
+      if (lane >= offset) inclusive += v;
+    }
+    const unsigned ballot = __ballot_sync(kFull, r < count && running + inclusive >= target);
+    if (ballot) return base + __ffs(ballot);
+    running += __shfl_sync(kFull, inclusive, 31);
+  }
+  return count;
+}
+
+__device__ unsigned long long warp_ranked_sum(const SampleShared& sh, int count) {
+  unsigned long long total = 0;
+  for (int r = threadIdx.x & 31; r < count; r += 32) total += ranked_mass(sh, r);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(kFull, total, offset);
+  return total;
+}
+
+// Gathers the `count` kept elements of `kept` into sh.ranked and sorts them into the candidates' order.
+__device__ void gather_short_list(const uint32_t* keys, int64_t vocab, const Boundary& kept, int count,
+                                  SampleShared& sh) {
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    const uint32_t k = keys[i];
+    if (kept.keeps(k, i)) {
+      const int slot = atomicAdd(&sh.count, 1);
+      if (slot < kCompactCap) sh.ranked[slot] = (static_cast<unsigned long long>(0xffffffffu - k) << 32) | i;
+    }
+  }
+  int padded = 1;
+  while (padded < count) padded <<= 1;
+  __syncthreads();
+  for (int i = count + threadIdx.x; i < padded; i += kSampleThreads) sh.ranked[i] = ~0ull;
+  __syncthreads();
+  for (int size = 2; size <= padded; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < padded; i += kSampleThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const bool ascending = (i & size) == 0;
+          const unsigned long long a = sh.ranked[i], b = sh.ranked[partner];
+          if ((a > b) == ascending) {
+            sh.ranked[i] = b;
+            sh.ranked[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Warp 0 finishes a row from its sorted short list of `count` candidates (the CPU kernel's steps, verbatim).
+__device__ void finish_short_list(const SampleParams& p, int64_t r, int count, const SampleShared& sh) {
+  const float top_p = p.top_p[r], min_p = p.min_p[r];
+  int kept = count;
+  if (top_p < 1.0f) {
+    const unsigned long long total = warp_ranked_sum(sh, kept);
+    const double target = ceil((static_cast<double>(top_p) - kTopPSlack) * static_cast<double>(total));
+    kept = ranks_to_reach(sh, kept, target < 1.0 ? 1ull : static_cast<unsigned long long>(target));
+  }
+  if (min_p > 0.0f) {
+    const uint32_t min_key = __float_as_uint(min_p);
+    int above = 0;
+    for (int base = 0; base < kept; base += 32) {  // keys are sorted descending: count the leading ones >= min_p
+      const int i = base + (threadIdx.x & 31);
+      const bool ok = i < kept && 0xffffffffu - static_cast<uint32_t>(sh.ranked[i] >> 32) >= min_key;
+      const unsigned ballot = __ballot_sync(kFull, ok);
+      above += __popc(ballot);
+      if (ballot != kFull) break;
+    }
+    kept = max(above, 1);
+  }
+  const unsigned long long total = warp_ranked_sum(sh, kept);
+  const double scaled = static_cast<double>(p.uniform[r]) * static_cast<double>(total);
+  const unsigned long long target = min(total, static_cast<unsigned long long>(scaled) + 1ull);
+  const int rank = ranks_to_reach(sh, kept, target) - 1;
+  if ((threadIdx.x & 31) == 0) {
+    p.out_token_ids[r] = static_cast<int64_t>(sh.ranked[rank] & 0xffffffffu);
+    p.out_probs[r] = static_cast<float>(static_cast<double>(ranked_mass(sh, rank)) / static_cast<double>(total));
+  }
+}
+
+__global__ void __launch_bounds__(kSampleThreads) sample_rows_kernel(SampleParams p) {
+  __shared__ SampleShared sh;
+  const int64_t r = blockIdx.x;
+  const int64_t vocab = p.vocab_size;
+  const float* logits = p.logits + r * p.logits_row_stride;
+  const long long argmax = block_argmax(logits, vocab, sh);
+  const float temperature = p.temperature[r];
+  const int32_t top_k = p.top_k[r];
+  const bool greedy = !(temperature >= kGreedyTemperature) || top_k == 1;
+  if (argmax < 0 || greedy || isinf(logits[argmax])) {
+    if (threadIdx.x == 0) {
+      p.out_token_ids[r] = argmax;
+      p.out_probs[r] = argmax < 0 ? 0.0f : 1.0f;
+    }
+    return;
+  }
+  uint32_t* keys = p.key_scratch + r * vocab;
+  const float max_z = logits[argmax] / temperature;
+  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) keys[i] = weight_key(logits[i], temperature, max_z);
+  __syncthreads();  // the block reads back what other threads wrote (global writes are visible after a barrier)
+
+  Boundary kept{0u, LLONG_MAX};  // everything
+  if (top_k > 0 && top_k < vocab) {
+    kept = select_boundary(keys, vocab, kept, false, top_k, sh);
+    if (top_k <= kCompactCap) {
+      gather_short_list(keys, vocab, kept, top_k, sh);
+      if (threadIdx.x < 32) finish_short_list(p, r, top_k, sh);
+      return;
+    }
+  }
+  const float top_p = p.top_p[r];
+  if (top_p < 1.0f) {
+    const unsigned long long total = kept_mass(keys, vocab, kept, sh);
+    const double target = ceil((static_cast<double>(top_p) - kTopPSlack) * static_cast<double>(total));
+    kept = select_boundary(keys, vocab, kept, true, target < 1.0 ? 1ull : static_cast<unsigned long long>(target), sh);
+  }
+  const float min_p = p.min_p[r];
+  if (min_p > 0.0f) {
+    const Boundary by_min_p{__float_as_uint(min_p), LLONG_MAX};  // every w >= min_p
+    if (by_min_p.before(kept)) kept = by_min_p;
+  }
+  const unsigned long long total = kept_mass(keys, vocab, kept, sh);
+  if (total == 0) {  // only with min_p > 1 (outside the settings' contract): fall back to the argmax
+    if (threadIdx.x == 0) {
+      p.out_token_ids[r] = argmax;
+      p.out_probs[r] = 1.0f;
+    }
+    return;
+  }
+  const double scaled = static_cast<double>(p.uniform[r]) * static_cast<double>(total);
+  const unsigned long long target = min(total, static_cast<unsigned long long>(scaled) + 1ull);
+  const Boundary picked = select_boundary(keys, vocab, kept, true, target, sh);
+  if (threadIdx.x == 0) {
+    p.out_token_ids[r] = picked.index;
+    p.out_probs[r] = static_cast<float>(static_cast<double>(mass_of_key(picked.key)) / static_cast<double>(total));
+  }
+}
+
+constexpr int kPenaltyThreads = 512;
+
+__device__ __forceinline__ float strength(int64_t distance, int64_t sustain, int64_t decay) {
+  if (distance < sustain) return 1.0f;
+  if (distance >= sustain + decay) return 0.0f;
+  return 1.0f - static_cast<float>(distance - sustain) / static_cast<float>(decay > 1 ? decay : 1);
+}
+
+// One block per row: the row's (id, distance) pairs are bitonic-sorted in shared memory (`padded` = next
+// power of two of the history length), then the first thread of each id's run applies its penalty. Runs are
+// sorted by distance, so the run's first entry is the newest occurrence and strengths are summed in the same
+// order as on the CPU.
+__global__ void __launch_bounds__(kPenaltyThreads) apply_penalties_kernel(PenaltyParams p, int padded) {
+  extern __shared__ unsigned long long entries[];  // (id << 32) | distance; invalid = all ones (sorts last)
+  const int64_t r = blockIdx.x;
+  const int64_t* history = p.history + r * p.history_row_stride;
+  for (int i = threadIdx.x; i < padded; i += kPenaltyThreads) {
+    unsigned long long entry = ~0ull;
+    if (i < p.history_len) {
+      const int64_t id = history[i];
+      if (id >= 0 && id < p.vocab_size) {
+        entry = (static_cast<unsigned long long>(id) << 32) | static_cast<unsigned long long>(p.history_len - 1 - i);
+      }
+    }
+    entries[i] = entry;
+  }
+  __syncthreads();
+  for (int size = 2; size <= padded; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < padded; i += kPenaltyThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const bool ascending = (i & size) == 0;
+          const unsigned long long a = entries[i], b = entries[partner];
+          if ((a > b) == ascending) {
+            entries[i] = b;
+            entries[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  float* logits = p.logits + r * p.logits_row_stride;
+  const float rep = p.repetition[r], freq = p.frequency[r], pres = p.presence[r];
+  const int64_t sustain = p.sustain[r], decay = p.decay[r];
+  for (int i = threadIdx.x; i < padded; i += kPenaltyThreads) {
+    const unsigned long long entry = entries[i];
+    if (entry == ~0ull || (i > 0 && (entries[i - 1] >> 32) == (entry >> 32))) continue;
+    const unsigned long long id = entry >> 32;
+    const float newest = strength(static_cast<int64_t>(entry & 0xffffffffu), sustain, decay);
+    float total = 0.0f;
+    for (int j = i; j < padded && (entries[j] >> 32) == id && entries[j] != ~0ull; ++j) {
+      total += strength(static_cast<int64_t>(entries[j] & 0xffffffffu), sustain, decay);
+    }
+    const float factor = 1.0f + (rep - 1.0f) * newest;
+    float l = logits[id];
+    l = l > 0.0f ? l / factor : l * factor;
+    logits[id] = l - pres * newest - freq * total;
+  }
+}
+
+__global__ void mask_tokens_kernel(MaskTokensParams p) {
+  const int64_t r = blockIdx.x;
+  const int64_t* ids = p.token_ids + r * p.token_ids_row_stride;
+  float* logits = p.logits + r * p.logits_row_stride;
+  for (int64_t j = threadIdx.x; j < p.num_ids; j += blockDim.x) {
+    const int64_t id = ids[j];
+    if (id >= 0 && id < p.vocab_size) logits[id] = -INFINITY;
+  }
+}
+
+}  // namespace
+
+cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0) return cudaSuccess;
+  sample_rows_kernel<<<static_cast<unsigned>(p.num_rows), kSampleThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t apply_penalties(const PenaltyParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0 || p.history_len == 0) return cudaSuccess;
+  if (p.history_len > kMaxPenaltyHistory) return cudaErrorInvalidValue;  // the binding refuses these first
+  int padded = 1;
+  while (padded < p.history_len) padded <<= 1;
+  const size_t smem = static_cast<size_t>(padded) * sizeof(unsigned long long);
+  if (smem > 48 * 1024) {
+    // Not a stream operation, so it is allowed while a graph is being captured.
+    const cudaError_t err = cudaFuncSetAttribute(apply_penalties_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  apply_penalties_kernel<<<static_cast<unsigned>(p.num_rows), kPenaltyThreads, smem, stream>>>(p, padded);
+  return cudaGetLastError();
+}
+
+cudaError_t mask_tokens(const MaskTokensParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0 || p.num_ids == 0) return cudaSuccess;
+  mask_tokens_kernel<<<static_cast<unsigned>(p.num_rows), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace folio::cuda

@@ -1,0 +1,84 @@
+"""The Serve application: an Ingress deployment (CPU) in front of a Generator deployment (one GPU per replica).
+
+    serve run replicas.app:build_app model_path=/models/llama cache_memory_fraction=0.9 num_replicas=4
+    serve build replicas.app:build_app -o serve.yaml
+
+gRPC is configured per cluster, not per application: start Serve with `grpc_options()` (the `folio serve` command
+does), or put `serve_config(config)`'s `grpc_options` in the Serve YAML. The generated gRPC modules must be
+importable by the proxy on every node (the folio package installed there, protos generated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from replicas.config import ServeConfig
+from replicas.generator import Generator
+from replicas.ingress import Ingress
+
+# Registers folio.v1.Generation (and works around a proxy cancellation bug: see replicas.grpc_servicer).
+SERVICER_FUNCTION = "replicas.grpc_servicer.add_GenerationServicer_to_server"
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Application builder for `serve run` / `serve build`: args are ServeConfig options (strings are fine),
+    or {"config": "file.yaml"} plus overrides."""
+    values = dict(args or {})
+    config_file = values.pop("config", None)
+    config = ServeConfig() if config_file is None else ServeConfig.from_yaml(config_file)
+    if values:
+        config = ServeConfig.from_dict({**config.explicit_values(), **values})
+    return build_application(config)
+
+
+def build_application(config: ServeConfig) -> serve.Application:
+    generator = Generator.options(
+        num_replicas=config.num_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        ray_actor_options={"num_gpus": config.num_gpus, "num_cpus": config.num_cpus},
+        health_check_period_s=config.health_check_period_s,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+    ).bind(config)
+    ingress_capacity = config.num_replicas * config.max_ongoing_requests
+    return Ingress.options(
+        num_replicas=config.ingress_replicas,
+        # The ingress only waits on generator streams: let it hold every request the generators can take, plus
+        # the callers' queue, so that limits are enforced (and reported) at the generators.
+        max_ongoing_requests=ingress_capacity + max(config.max_queued_requests, 0) + config.ingress_replicas,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+    ).bind(generator, config)
+
+
+def grpc_options(config: ServeConfig) -> gRPCOptions:
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION],
+                       request_timeout_s=config.request_timeout_s)
+
+
+def route_prefix(config: ServeConfig) -> str:
+    """Serve's gRPC proxy only routes to applications with a route prefix (ray 2.60), so the application has one
+    although its ingress serves no HTTP."""
+    return f"/{config.app_name}"
+
+
+def serve_config(config: ServeConfig) -> dict[str, Any]:
+    """A Serve config file (`serve deploy`, KubeRay's serveConfigV2) deploying this application."""
+    grpc: dict[str, Any] = {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
+    if config.request_timeout_s is not None:
+        grpc["request_timeout_s"] = config.request_timeout_s
+    return {
+        "http_options": {"host": config.http_host, "port": config.http_port},
+        "grpc_options": grpc,
+        "applications": [{
+            "name": config.app_name,
+            "route_prefix": route_prefix(config),
+            "import_path": "replicas.app:build_app",
+            "args": config.explicit_values(),
+        }],
+    }

@@ -1,0 +1,181 @@
+"""The `folio` command: `serve` and `generate` here (they need Ray / gRPC, which folio/ must not import); every
+other command (demo-model, run, ...) is folio.cli's.
+
+    folio serve                          a local Ray cluster on 127.0.0.1: the ingress and 2 generator replicas
+                                         on the demo model (CPU), gRPC on port 50051; Ctrl-C stops it
+    folio serve --config serve.yaml      any ServeConfig option, from a YAML file and/or flags (folio serve -h)
+    folio generate "Once upon a time"    stream a completion from a running server over gRPC
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+OWN_COMMANDS = ("serve", "generate")
+ENGINE_COMMANDS = "demo-model, run"
+DEFAULT_DEMO_DIR = Path("demo-model")
+
+# `folio serve` without options: the demo model on the CPU, two replicas sharing two cores.
+DEMO_DEFAULTS = {
+    "model_path": str(DEFAULT_DEMO_DIR),
+    "device": "cpu",
+    "num_gpus": 0.0,
+    "num_cpus": 0.5,
+    "ingress_num_cpus": 0.25,
+    "num_replicas": 2,
+    "cache_tokens": 8192,
+    "page_size": 16,
+    "max_batch_size": 16,
+    "max_queue_size": 32,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in OWN_COMMANDS or (args[:1] in (["-h"], ["--help"])):
+        parsed = _parser().parse_args(args)
+        return parsed.handler(parsed)
+    from folio.cli import main as engine_main
+
+    return engine_main(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from replicas.config import ServeConfig
+
+    parser = argparse.ArgumentParser(
+        prog="folio", description="folio: a paged dynamic generator for LLMs, served by Ray Serve over gRPC",
+        epilog=f"engine commands: {ENGINE_COMMANDS} (folio <command> -h)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = commands.add_parser(
+        "serve", help="serve a model on a local Ray cluster (loopback) over gRPC",
+        description="Start a local Ray cluster bound to 127.0.0.1 and serve a model over gRPC until Ctrl-C. "
+                    "Without options: the demo model (written to ./demo-model if missing) on the CPU, "
+                    "2 generator replicas, gRPC on port 50051.")
+    ServeConfig.add_arguments(serve_cmd)
+    serve_cmd.set_defaults(handler=_cmd_serve)
+
+    gen = commands.add_parser("generate", help="stream a completion from a running server over gRPC")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--app", default=None, help="Serve application name (when several are deployed)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--min-new-tokens", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS token")
+    gen.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
+    gen.set_defaults(handler=_cmd_generate)
+    return parser
+
+
+# --- serve ---
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from replicas.config import ConfigError, ServeConfig
+
+    try:
+        config = ServeConfig.from_args(args, **DEMO_DEFAULTS)
+    except ConfigError as e:
+        print(f"folio serve: {e}", file=sys.stderr)
+        return 2
+    if not _prepare_model(config):
+        return 2
+
+    from replicas import local
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting a local Ray cluster on 127.0.0.1 and {config.num_replicas} generator replica(s) of "
+          f"{config.model_path} ...", file=sys.stderr)
+    start_s = time.monotonic()
+    try:
+        local.start_cluster(config)
+        local.deploy(config)
+        if not stop.is_set():
+            _print_ready(config, time.monotonic() - start_s)
+            stop.wait()
+    finally:
+        print("\nshutting down ...", file=sys.stderr)
+        local.shutdown()
+    return 0
+
+
+def _prepare_model(config) -> bool:
+    model_dir = Path(config.model_path)
+    if model_dir == DEFAULT_DEMO_DIR:
+        from folio.demo import is_demo_model_current, write_demo_model
+
+        if not is_demo_model_current(model_dir):
+            print(f"writing the demo model to ./{model_dir}", file=sys.stderr)
+        write_demo_model(model_dir)
+    if not (model_dir / "config.json").is_file():
+        print(f"folio serve: {model_dir} is not a model directory (no config.json)", file=sys.stderr)
+        return False
+    return True
+
+
+def _print_ready(config, elapsed_s: float) -> None:
+    port = config.grpc_port
+    print(f"""
+folio is serving {config.model_path} on gRPC port {port} (application {config.app_name!r}; ready in {elapsed_s:.0f} s)
+
+  folio generate "Once upon a time" --port {port} --max-new-tokens 32
+  grpcurl -plaintext -d '{{"text": "Once upon a time", "max_new_tokens": 32}}' \\
+      127.0.0.1:{port} folio.v1.Generation/Generate
+  python:  replicas.grpc_client.GrpcClient("127.0.0.1:{port}").stream("Once upon a time", max_new_tokens=32)
+
+The API: protos/folio/v1/generation.proto. Press Ctrl-C to stop.""", flush=True)
+
+
+# --- generate ---
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from replicas.grpc_client import GrpcClient
+
+    options = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
+               "stop_strings": args.stop, "stop_on_eos": not args.ignore_eos, "seed": args.seed}
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    target = f"{args.host}:{args.port}"
+    with GrpcClient(target, app_name=args.app, timeout_s=args.timeout) as client:
+        try:
+            sys.stdout.write(args.prompt)
+            finish = None
+            for chunk in client.stream(args.prompt, **options):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                finish = chunk.finish or finish
+            sys.stdout.write("\n")
+        except grpc.RpcError as e:
+            sys.stdout.write("\n")
+            hint = " (is `folio serve` running?)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+            print(f"folio generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
+            return 1
+    if finish is not None:
+        u, t = finish.usage, finish.timings
+        print(f"[{finish.reason.value}; {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
+              f"{u.completion_tokens} generated; first token {t.time_to_first_token_s * 1000:.0f} ms, "
+              f"total {t.total_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

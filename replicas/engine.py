@@ -1,0 +1,264 @@
+"""The engine side of a generator replica: building it from a ServeConfig, running one request as a stream of
+Chunks, and reading its state. No Ray here, so it can be tested without a cluster.
+
+Imports torch (through folio's engine): import it only where a model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from folio.aio import DynamicGeneratorAsync, DynamicJobAsync, GeneratorClosed
+from folio.generator import DynamicGenerator, QueueFull
+from folio.job import JobState
+from folio.kv_cache import Cache
+from folio.model.model import Model
+from folio.results import Result, Stage, StreamingResult
+from folio.sampling import SamplerSettings
+from folio.tokenizer import Tokenizer
+from replicas.config import ServeConfig
+from replicas.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
+from replicas.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_END = object()
+
+
+class ObservedGenerator(DynamicGenerator):
+    """DynamicGenerator that records when its last step ended, for the replica's stall check."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.num_steps = 0
+        self.last_step_end_s = time.monotonic()
+
+    def iterate(self) -> list[Result]:
+        results = super().iterate()
+        self.num_steps += 1
+        self.last_step_end_s = time.monotonic()
+        return results
+
+
+@dataclass
+class Engine:
+    """One replica's model, tokenizer, cache and running generator."""
+
+    config: ServeConfig
+    model: Model
+    tokenizer: Tokenizer
+    cache: Cache
+    generator: ObservedGenerator
+    runner: DynamicGeneratorAsync
+    info: ModelInfo
+
+    @classmethod
+    def build(cls, config: ServeConfig, num_replicas: int | None = None) -> Engine:
+        """Load model -> tokenizer -> allocate cache -> generator -> warm up -> start the engine thread."""
+        model = load_model(config)
+        tokenizer = Tokenizer.from_pretrained(config.model_path)
+        cache = Cache(model, page_size=config.page_size, **config.cache_size())
+        generator = ObservedGenerator(model=model, cache=cache, tokenizer=tokenizer,
+                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                                      max_chunk_size=config.max_chunk_size, max_q_size=config.max_queue_size)
+        if config.warmup:
+            generator.warmup()  # before the engine thread owns the generator
+        runner = DynamicGeneratorAsync(generator=generator)
+        info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
+        return cls(config, model, tokenizer, cache, generator, runner, info)
+
+    # --- state, read from the replica's event loop while the engine thread runs (plain attribute reads) ---
+
+    @property
+    def num_running(self) -> int:
+        return self.generator.num_remaining_jobs() - self.generator.num_pending_jobs()
+
+    @property
+    def num_queued(self) -> int:
+        return max(0, self.runner.num_remaining_jobs - self.num_running)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.runner.num_remaining_jobs
+
+    def engine_thread_alive(self) -> bool:
+        # DynamicGeneratorAsync has no public liveness flag yet; its thread is the engine loop.
+        thread = getattr(self.runner, "_thread", None)
+        return thread is None or thread.is_alive()
+
+    def recent_page_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of ready pages (cached or in use), the most recently stored last."""
+        if limit <= 0:
+            return []
+        for _ in range(3):
+            try:
+                return list(self.generator.pool.cached_hashes())[-limit:]
+            except RuntimeError:  # the engine thread changed the index mid-copy; try again
+                continue
+        return []
+
+    # --- requests ---
+
+    def start_job(self, request: EngineRequest) -> DynamicJobAsync:
+        """Enqueue; raises InvalidRequest (the engine rejects it), Overloaded (queue full), ReplicaUnavailable."""
+        try:
+            settings = SamplerSettings(**request.sampler)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest("sampler", str(e)) from None
+        try:
+            return DynamicJobAsync(
+                self.runner, input_ids=list(request.input_ids), max_new_tokens=request.max_new_tokens,
+                min_new_tokens=request.min_new_tokens, gen_settings=settings,
+                stop_conditions=None if request.stop_conditions is None else list(request.stop_conditions),
+                seed=request.seed, decode_special_tokens=request.decode_special_tokens,
+                return_probs=request.return_probs, return_top_tokens=request.return_top_tokens,
+                identifier=request.request_id)
+        except QueueFull as e:
+            raise Overloaded(f"the replica's queue is full ({self.config.max_queue_size} waiting requests); "
+                             "retry later") from e
+        except GeneratorClosed as e:
+            raise ReplicaUnavailable("the replica is shutting down; retry") from e
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest("request", str(e)) from None
+
+    async def stream(self, job: DynamicJobAsync, arrival_s: float) -> AsyncIterator[Chunk]:
+        """The job's results as Chunks. Results that piled up while the consumer was busy are merged into one
+        Chunk, so a slow consumer gets fewer, larger messages instead of a growing backlog. Leaving early (the
+        caller was cancelled or closed the stream) cancels the job, releasing its pages."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(_pump(job, queue))
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                chunk, ended = self._merge(items, arrival_s, job)
+                if chunk is not None:
+                    yield chunk
+                if ended:
+                    return
+        finally:
+            pump.cancel()
+            if job.job.state not in (JobState.FINISHED, JobState.CANCELLED):
+                await _cancel(job)
+
+    def _merge(self, items: list[Any], arrival_s: float, job: DynamicJobAsync) -> tuple[Chunk | None, bool]:
+        merged: Chunk | None = None
+        for item in items:
+            if item is _END:
+                if merged is None or merged.finish is None:
+                    raise ReplicaUnavailable("the replica stopped before the request finished; retry")
+                return merged, True
+            if isinstance(item, BaseException):
+                raise _request_error(item, job)
+            if item.stage != Stage.STREAMING:
+                continue
+            chunk = chunk_of(item, arrival_s)
+            if merged is None:
+                merged = chunk
+            else:
+                merged.extend(chunk)
+            if chunk.finish is not None:
+                return merged, True
+        if merged is not None and not merged.token_ids and not merged.text and merged.finish is None:
+            merged = None  # text held back (UTF-8, a possible stop string): nothing to send yet
+        return merged, False
+
+    async def close(self, drain_timeout_s: float) -> None:
+        """Let running jobs finish (at most drain_timeout_s), then stop the engine thread."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self.num_remaining and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_remaining:
+            logger.warning("closing the generator with %d unfinished jobs", self.num_remaining)
+        await self.runner.close()
+
+
+async def _pump(job: DynamicJobAsync, queue: asyncio.Queue) -> None:
+    try:
+        async for result in job:
+            queue.put_nowait(result)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as error:  # noqa: BLE001 — handed to the consumer, which raises it there
+        queue.put_nowait(error)
+        return
+    queue.put_nowait(_END)
+
+
+async def _cancel(job: DynamicJobAsync) -> None:
+    # The cancel command reaches the engine's inbox before the first await, so even if this task is cancelled
+    # again while waiting, the job's pages are released.
+    try:
+        await asyncio.shield(job.cancel())
+    except (asyncio.CancelledError, GeneratorClosed):
+        pass
+
+
+def _request_error(error: BaseException, job: DynamicJobAsync) -> RequestError:
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, GeneratorClosed):
+        return ReplicaUnavailable("the replica shut down before the request finished; retry")
+    if isinstance(error, QueueFull):
+        return Overloaded(str(error))
+    logger.error("request %r failed in the engine", job.job.identifier, exc_info=error)
+    return InternalError(f"the engine failed this request ({type(error).__name__}); "
+                         f"request id {job.job.identifier!r}")
+
+
+def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:
+    top = None
+    if result.top_k_tokens is not None:
+        top = [TopTokens(list(ids), list(probs)) for ids, probs in zip(result.top_k_tokens, result.top_k_probs)]
+    chunk = Chunk(text=result.text, token_ids=list(result.token_ids),
+                  token_probs=None if result.token_probs is None else list(result.token_probs), top_tokens=top)
+    if result.eos:
+        now = time.monotonic()
+        job = result.job
+        first_token = job.time_first_token if job.time_first_token is not None else now
+        chunk.finish = Finish(
+            reason=result.eos_reason, stop_token_id=result.eos_triggering_token_id,
+            stop_string=result.eos_triggering_string,
+            usage=Usage(prompt_tokens=result.prompt_tokens or 0, cached_tokens=result.cached_tokens or 0,
+                        completion_tokens=result.new_tokens or 0),
+            timings=Timings(queued_s=result.time_enqueued or 0.0, prefill_s=result.time_prefill or 0.0,
+                            generate_s=result.time_generate or 0.0,
+                            time_to_first_token_s=max(0.0, first_token - arrival_s), total_s=now - arrival_s))
+    return chunk
+
+
+def load_model(config: ServeConfig) -> Model:
+    device = config.resolved_device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device} requested but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+    dtype = _DTYPES[config.dtype] if config.dtype is not None else None
+    return Model.from_pretrained(config.model_path, device=device, dtype=dtype, progress=False)
+
+
+def describe(config: ServeConfig, model: Model, tokenizer: Tokenizer, generator: DynamicGenerator,
+             num_replicas: int) -> ModelInfo:
+    return ModelInfo(
+        model_name=Path(config.model_path).resolve().name,
+        architecture=model.config.architecture,
+        dtype=str(model.dtype).removeprefix("torch."),
+        vocab_size=min(tokenizer.vocab_size, model.config.vocab_size),
+        max_seq_len=generator.max_seq_len,
+        page_size=generator.page_size,
+        num_pages=generator.cache.num_pages,
+        max_batch_size=generator.max_batch_size,
+        num_replicas=num_replicas,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+        bos_token_id=tokenizer.bos_token_id,
+        add_bos_token=tokenizer.add_bos_token,
+    )

@@ -1,0 +1,138 @@
+"""protobuf <-> replicas.schema, at the gRPC edge only (the ingress and the gRPC client)."""
+
+from __future__ import annotations
+
+from protos.folio.v1 import generation_pb2 as pb
+from folio.results import EosReason
+from replicas.errors import InvalidRequest
+from replicas.schema import (DEFAULT_MAX_NEW_TOKENS, SAMPLER_FIELDS, Chunk, Completion, Finish,
+                             GenerationRequest, ModelInfo, Sampling, Timings, TopTokens, Usage)
+
+FINISH_REASONS = {
+    EosReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    EosReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    EosReason.MAX_NEW_TOKENS: pb.FINISH_REASON_MAX_NEW_TOKENS,
+}
+EOS_REASONS = {value: key for key, value in FINISH_REASONS.items()}
+
+
+# --- requests ---
+
+def request_from_proto(message: pb.GenerateRequest) -> GenerationRequest:
+    prompt = message.WhichOneof("prompt")
+    if prompt is None:
+        raise InvalidRequest("prompt", "give exactly one of text and token_ids")
+    return GenerationRequest(
+        text=message.text if prompt == "text" else None,
+        token_ids=list(message.token_ids.ids) if prompt == "token_ids" else None,
+        max_new_tokens=message.max_new_tokens if message.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        min_new_tokens=message.min_new_tokens,
+        sampling=sampling_from_proto(message.sampler),
+        stop_strings=tuple(message.stop_strings),
+        stop_token_ids=tuple(message.stop_token_ids),
+        stop_on_eos=message.stop_on_eos if message.HasField("stop_on_eos") else True,
+        seed=message.seed if message.HasField("seed") else None,
+        add_bos=message.add_bos if message.HasField("add_bos") else None,
+        encode_special_tokens=message.encode_special_tokens,
+        decode_special_tokens=message.decode_special_tokens,
+        return_probs=message.return_probs,
+        return_top_tokens=message.return_top_tokens,
+    )
+
+
+def sampling_from_proto(message: pb.SamplerSettings) -> Sampling:
+    values = {name: getattr(message, name) for name in SAMPLER_FIELDS if message.HasField(name)}
+    return Sampling(**values, token_bias=dict(message.token_bias))
+
+
+def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        max_new_tokens=request.max_new_tokens, min_new_tokens=request.min_new_tokens,
+        stop_strings=list(request.stop_strings), stop_token_ids=list(request.stop_token_ids),
+        stop_on_eos=request.stop_on_eos, encode_special_tokens=request.encode_special_tokens,
+        decode_special_tokens=request.decode_special_tokens, return_probs=request.return_probs,
+        return_top_tokens=request.return_top_tokens)
+    if request.text is not None:
+        message.text = request.text
+    if request.token_ids is not None:
+        message.token_ids.ids.extend(request.token_ids)
+    if request.seed is not None:
+        message.seed = request.seed
+    if request.add_bos is not None:
+        message.add_bos = request.add_bos
+    s = request.sampling
+    for name in SAMPLER_FIELDS:
+        if getattr(s, name) is not None:
+            setattr(message.sampler, name, getattr(s, name))
+    for token_id, bias in dict(s.token_bias).items():
+        message.sampler.token_bias[token_id] = bias
+    return message
+
+
+# --- results ---
+
+def _finish_to_proto(finish: Finish, into: pb.Finish) -> None:
+    into.reason = FINISH_REASONS.get(finish.reason, pb.FINISH_REASON_UNSPECIFIED)
+    if finish.stop_token_id is not None:
+        into.stop_token_id = finish.stop_token_id
+    if finish.stop_string is not None:
+        into.stop_string = finish.stop_string
+    u, t = finish.usage, finish.timings
+    into.usage.prompt_tokens, into.usage.cached_tokens = u.prompt_tokens, u.cached_tokens
+    into.usage.completion_tokens = u.completion_tokens
+    into.timings.queued_s, into.timings.prefill_s, into.timings.generate_s = t.queued_s, t.prefill_s, t.generate_s
+    into.timings.time_to_first_token_s, into.timings.total_s = t.time_to_first_token_s, t.total_s
+
+
+def _fill(message: pb.GenerateResponse | pb.GenerateUnaryResponse, text: str, token_ids: list[int],
+          token_probs: list[float] | None, top_tokens: list[TopTokens] | None, finish: Finish | None) -> None:
+    message.text = text
+    message.token_ids.extend(token_ids)
+    if token_probs:
+        message.token_probs.extend(token_probs)
+    for top in top_tokens or ():
+        message.top_tokens.add(token_ids=top.token_ids, probs=top.probs)
+    if finish is not None:
+        _finish_to_proto(finish, message.finish)
+
+
+def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
+    message = pb.GenerateResponse()
+    _fill(message, chunk.text, chunk.token_ids, chunk.token_probs, chunk.top_tokens, chunk.finish)
+    return message
+
+
+def completion_to_proto(completion: Completion) -> pb.GenerateUnaryResponse:
+    message = pb.GenerateUnaryResponse()
+    _fill(message, completion.text, completion.token_ids, completion.token_probs, completion.top_tokens,
+          completion.finish)
+    return message
+
+
+def finish_from_proto(message: pb.Finish) -> Finish:
+    u, t = message.usage, message.timings
+    return Finish(
+        reason=EOS_REASONS.get(message.reason, EosReason.ERROR),
+        stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
+        stop_string=message.stop_string if message.HasField("stop_string") else None,
+        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+        timings=Timings(t.queued_s, t.prefill_s, t.generate_s, t.time_to_first_token_s, t.total_s))
+
+
+def chunk_from_proto(message: pb.GenerateResponse | pb.GenerateUnaryResponse) -> Chunk:
+    return Chunk(
+        text=message.text, token_ids=list(message.token_ids),
+        token_probs=list(message.token_probs) or None,
+        top_tokens=[TopTokens(list(t.token_ids), list(t.probs)) for t in message.top_tokens] or None,
+        finish=finish_from_proto(message.finish) if message.HasField("finish") else None)
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:
+    message = pb.ModelInfoResponse(
+        model_name=info.model_name, architecture=info.architecture, dtype=info.dtype, vocab_size=info.vocab_size,
+        max_seq_len=info.max_request_tokens, page_size=info.page_size, num_pages=info.num_pages,
+        max_batch_size=info.max_batch_size, num_replicas=info.num_replicas, eos_token_ids=list(info.eos_token_ids),
+        add_bos_token=info.add_bos_token)
+    if info.bos_token_id is not None:
+        message.bos_token_id = info.bos_token_id
+    return message

@@ -1,0 +1,73 @@
+"""A local Ray cluster on loopback serving folio: what `folio serve` and the serving tests run.
+
+    start_cluster(config)      ray.init on 127.0.0.1 (no dashboard) + Serve with folio's gRPC servicer
+    deploy(config)             the application (ingress + generator replicas); blocks until it is healthy
+    shutdown()                 Serve, then Ray
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import HTTPOptions
+
+from replicas.app import build_application, grpc_options, route_prefix
+from replicas.config import ServeConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_driver: bool = False) -> None:
+    """Start a single-node Ray cluster bound to 127.0.0.1 and Serve's proxies (gRPC on config.grpc_port)."""
+    _ensure_protos()
+    _export_pythonpath()
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
+        log_to_driver=log_to_driver,
+        configure_logging=False,
+    )
+    serve.start(
+        http_options=HTTPOptions(host=config.http_host, port=config.http_port),
+        grpc_options=grpc_options(config),
+    )
+
+
+def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:
+    """Deploy (or update) the application named config.app_name and wait until it runs; returns its ingress
+    handle. The route prefix matters to gRPC too: Serve's gRPC proxy only routes to applications that have one
+    (ray 2.60), though the ingress answers no HTTP request."""
+    return serve.run(build_application(config), name=config.app_name, route_prefix=route_prefix(config))
+
+
+def shutdown() -> None:
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _ensure_protos() -> None:
+    """Generate the gRPC modules when a source checkout has not been built (the proxy imports them)."""
+    from protos import compile as protos_compile
+
+    if protos_compile.proto_files() and not protos_compile.is_current():
+        protos_compile.compile_protos()
+
+
+def _export_pythonpath() -> None:
+    """Workers (the gRPC proxy, the replicas) must import folio, replicas and protos. ray.init starts the local
+    cluster's processes with this process's environment, so putting the checkout on PYTHONPATH reaches them all,
+    installed or not."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    root = str(REPO_ROOT)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    if root not in sys.path:
+        sys.path.insert(0, root)

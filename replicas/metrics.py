@@ -1,0 +1,88 @@
+"""Serving metrics, exported through Ray's metrics agent (Prometheus format, `ray_` prefixed by Ray).
+
+Ingress (what a client sees):
+    folio_requests_total{method, status}        requests by gRPC status name (OK, INVALID_ARGUMENT, ...)
+    folio_time_to_first_token_seconds           request received -> first token
+    folio_time_per_output_token_seconds         mean gap between tokens after the first, per request
+Generator replicas:
+    folio_generated_tokens_total                tokens sampled
+    folio_prompt_tokens_total / folio_cached_prompt_tokens_total
+                                                the prefix-cache hit rate is cached / prompt (rate() of both)
+    folio_prefix_cache_hit_rate                 the same ratio, over the replica's lifetime
+    folio_pages_in_use / folio_pages_cached / folio_pages_total   KV-cache pages
+Each object is created once per process (Ray metrics must not be re-registered per request).
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TOKEN_GAP_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+
+
+class IngressMetrics:
+    def __init__(self, app_name: str):
+        tags = {"app": app_name}
+        self.requests = metrics.Counter("folio_requests_total", description="Requests by method and final status.",
+                                        tag_keys=("app", "method", "status"))
+        self.requests.set_default_tags(tags)
+        self.ttft = metrics.Histogram("folio_time_to_first_token_seconds",
+                                      description="Request received to first token.",
+                                      boundaries=LATENCY_BOUNDARIES_S, tag_keys=("app",))
+        self.ttft.set_default_tags(tags)
+        self.tpot = metrics.Histogram("folio_time_per_output_token_seconds",
+                                      description="Mean time between output tokens after the first, per request.",
+                                      boundaries=TOKEN_GAP_BOUNDARIES_S, tag_keys=("app",))
+        self.tpot.set_default_tags(tags)
+
+    def record(self, method: str, status: str, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+        self.requests.inc(tags={"method": method, "status": status})
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+
+class GeneratorMetrics:
+    def __init__(self, app_name: str, replica: str):
+        tags = {"app": app_name, "replica": replica}
+        keys = ("app", "replica")
+        self.generated_tokens = metrics.Counter("folio_generated_tokens_total", description="Tokens sampled.",
+                                                tag_keys=keys)
+        self.prompt_tokens = metrics.Counter("folio_prompt_tokens_total", description="Prompt tokens admitted.",
+                                             tag_keys=keys)
+        self.cached_prompt_tokens = metrics.Counter(
+            "folio_cached_prompt_tokens_total", description="Prompt tokens served from the prefix cache.",
+            tag_keys=keys)
+        self.hit_rate = metrics.Gauge("folio_prefix_cache_hit_rate",
+                                      description="Cached prompt tokens / prompt tokens over the replica's life.",
+                                      tag_keys=keys)
+        self.pages_in_use = metrics.Gauge("folio_pages_in_use", description="KV-cache pages held by running jobs.",
+                                          tag_keys=keys)
+        self.pages_cached = metrics.Gauge("folio_pages_cached",
+                                          description="KV-cache pages kept for prefix reuse (evictable).",
+                                          tag_keys=keys)
+        self.pages_total = metrics.Gauge("folio_pages_total", description="KV-cache pages.", tag_keys=keys)
+        for metric in (self.generated_tokens, self.prompt_tokens, self.cached_prompt_tokens, self.hit_rate,
+                       self.pages_in_use, self.pages_cached, self.pages_total):
+            metric.set_default_tags(tags)
+        self._num_prompt = 0
+        self._num_cached = 0
+
+    def record_job(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
+        if generated_tokens:
+            self.generated_tokens.inc(generated_tokens)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+            self._num_prompt += prompt_tokens
+        if cached_tokens:
+            self.cached_prompt_tokens.inc(cached_tokens)
+            self._num_cached += cached_tokens
+        if self._num_prompt:
+            self.hit_rate.set(self._num_cached / self._num_prompt)
+
+    def record_pages(self, num_in_use: int, num_cached: int, num_pages: int) -> None:
+        self.pages_in_use.set(num_in_use)
+        self.pages_cached.set(num_cached)
+        self.pages_total.set(num_pages)
