@@ -10,11 +10,12 @@ setup: $(STAMP)
 
 # torch is installed first, pinned, from the machine's local wheel; everything after is constrained to it, and the
 # native extension builds against it (--no-build-isolation), so no step can pull a different torch.
-$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*/*.cpp native/*/*.cu native/*/*.h native/*/*.cuh native/*.py)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*/*.cpp native/*/*.cu native/*/*.h native/*/*.cuh native/*.py protos/folio/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
-	$(BIN)/pip install -q -c constraints.txt setuptools wheel pybind11 ninja
+	$(BIN)/pip install -q -c constraints.txt setuptools wheel pybind11 ninja grpcio-tools
 	MAX_JOBS=$$(nproc) $(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[serve,test]'
+	$(BIN)/python -m protos.compile
 	touch $(STAMP)
 
 run: setup

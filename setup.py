@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 SOURCES = runpy.run_path(str(ROOT / "native" / "sources.py"))
@@ -66,5 +67,21 @@ def _extensions() -> tuple[list, dict]:
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+class BuildPyWithProtos(build_py):
+    """Generates the gRPC modules (protos/folio/v1/*_pb2*.py, never committed) into the build."""
+
+    def run(self) -> None:
+        try:
+            import grpc_tools  # noqa: F401
+        except ImportError:
+            print("setup.py: grpcio-tools not installed; gRPC modules not generated (python -m protos.compile)",
+                  file=sys.stderr)
+        else:
+            compile_protos = runpy.run_path(str(ROOT / "protos" / "compile.py"))["compile_protos"]
+            compile_protos(ROOT)
+        super().run()
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass["build_py"] = BuildPyWithProtos
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

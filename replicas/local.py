@@ -25,6 +25,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
     """Start a single-node Ray cluster bound to 127.0.0.1 and Serve's proxies (gRPC on config.grpc_port)."""
     _ensure_protos()
     _export_pythonpath()
+    _loopback_only()
     ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -51,6 +52,17 @@ def shutdown() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def _loopback_only() -> None:
+    """Keep every Ray service on 127.0.0.1. On Linux Ray binds its services to the node's address and resolves
+    even "127.0.0.1" to a reachable interface (services.resolve_ip_for_localhost); its single-machine mode, the
+    default on macOS and Windows, keeps them on loopback. The node address is decided in this process (and passed
+    to the processes it starts); the environment variable is for those that read the setting themselves."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _ensure_protos() -> None:
