@@ -1,10 +1,10 @@
-# Two entry points, both setting up a fresh machine first: `make run` and `make test`.
+# Two entry points, both setting up a fresh machine first: `make serve` and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.folio-installed
 
-.PHONY: setup run test test-fast cuda-compile-check clean
+.PHONY: setup serve run test cuda-compile-check clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*/*.cpp nati
 	$(BIN)/python -m protos.compile
 	touch $(STAMP)
 
+# The server: a local Ray cluster on loopback, the gRPC ingress and two generator replicas on the demo model.
+serve: setup
+	$(BIN)/folio serve
+
+# One generation streamed to the terminal, no server.
 run: setup
 	$(BIN)/folio run
 

@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from folio.generator import DynamicGenerator, QueueFull
@@ -27,9 +28,10 @@ class GeneratorClosed(RuntimeError):
 
 @dataclass
 class _Command:
-    kind: str  # "enqueue" | "cancel"
-    job: DynamicJobAsync
+    kind: str  # "enqueue" | "cancel" | "call"
+    job: DynamicJobAsync | None
     done: asyncio.Future | None = None
+    fn: Callable[[DynamicGenerator], Any] | None = None
 
 
 class DynamicGeneratorAsync:
@@ -76,6 +78,18 @@ class DynamicGeneratorAsync:
             return
         await done
 
+    async def run_in_engine(self, fn: Callable[[DynamicGenerator], Any]) -> Any:
+        """Run `fn(generator)` on the engine thread between two steps and return its result: the safe way to read
+        engine state (the page pool, the queue) from the event loop."""
+        done = asyncio.get_running_loop().create_future()
+        self._submit(_Command("call", None, done, fn))
+        return await done
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine thread has ended (closed, or died)."""
+        return self._thread.is_alive()
+
     async def close(self) -> None:
         """Stop the engine thread; jobs still running end (their iteration stops)."""
         with self._wake:
@@ -113,7 +127,13 @@ class DynamicGeneratorAsync:
 
     def _apply(self, command: _Command) -> None:
         ajob = command.job
-        if command.kind == "enqueue":
+        if command.kind == "call":
+            try:
+                value, error = command.fn(self.generator), None
+            except Exception as e:  # noqa: BLE001 — handed to the caller
+                value, error = None, e
+            command.done.get_loop().call_soon_threadsafe(_settle, command.done, value, error)
+        elif command.kind == "enqueue":
             if ajob.cancelled:
                 return
             try:
@@ -148,8 +168,13 @@ class DynamicGeneratorAsync:
     def _shutdown(self) -> None:
         for command in self._inbox:
             if command.done is not None:
-                command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
-            command.job._push(_END)
+                if command.kind == "call":
+                    error = GeneratorClosed("the generator was closed")
+                    command.done.get_loop().call_soon_threadsafe(_settle, command.done, None, error)
+                else:
+                    command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
+            if command.job is not None:
+                command.job._push(_END)
         self._inbox.clear()
         for ajob in self._jobs.values():
             ajob._push(GeneratorClosed("the generator was closed before the job finished"))
@@ -160,6 +185,15 @@ class DynamicGeneratorAsync:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 class DynamicJobAsync:

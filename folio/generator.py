@@ -7,6 +7,8 @@ picks tokens, and each job turns its tokens into results. See DESIGN.md "How a r
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from folio.tokenizer import Tokenizer
 
 DEFAULT_MAX_CHUNK_TOKENS = 2048
 MAX_DERIVED_BATCH_SIZE = 256
+MAX_BUFFERED_PAGE_EVENTS = 1 << 16
 
 
 class QueueFull(RuntimeError):
@@ -67,6 +70,11 @@ class DynamicGenerator:
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
         self._histories: dict[int, TokenHistory] = {}  # id(job) -> prompt + sampled ids, for the penalties
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
+        # Page stored/evicted events, drained from the pool every step so its log stays bounded; readers on other
+        # threads take them with drain_page_events() (deque appends and pops are thread-safe).
+        self._page_events: deque = deque(maxlen=MAX_BUFFERED_PAGE_EVENTS)
+        self.num_steps = 0
+        self.last_step_time = time.monotonic()  # time.monotonic() at the end of the last step
 
     # --- construction steps ---
 
@@ -177,7 +185,23 @@ class DynamicGenerator:
         results.extend(self._step())
         return results
 
+    def drain_page_events(self) -> list:
+        """Page stored/evicted events (folio.cache.PageEvent) since the last call, oldest first. Safe to call from
+        another thread. At most MAX_BUFFERED_PAGE_EVENTS are kept: a reader that falls behind loses the oldest."""
+        events = []
+        while self._page_events:
+            events.append(self._page_events.popleft())
+        return events
+
     def _step(self) -> list[Result]:
+        try:
+            return self._run_step()
+        finally:
+            self._page_events.extend(self.pool.drain_events())
+            self.num_steps += 1
+            self.last_step_time = time.monotonic()
+
+    def _run_step(self) -> list[Result]:
         results: list[Result] = []
         plan = self.scheduler.plan()
         results.extend(seq.job.started_result() for seq in plan.started)

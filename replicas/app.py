@@ -1,15 +1,20 @@
 """The Serve application: an Ingress deployment (CPU) in front of a Generator deployment (one GPU per replica).
 
-    serve run replicas.app:build_app model_path=/models/llama cache_memory_fraction=0.9 num_replicas=4
-    serve build replicas.app:build_app -o serve.yaml
+    python -m replicas.app --model-path /models/llama --num-replicas 4 > serve.yaml   # a Serve config file
+    serve run serve.yaml          # or: serve deploy serve.yaml (a running cluster), KubeRay's serveConfigV2
+    serve run replicas.app:build_app model_path=/models/llama num_replicas=4   # gRPC options: see below
 
-gRPC is configured per cluster, not per application: start Serve with `grpc_options()` (the `folio serve` command
-does), or put `serve_config(config)`'s `grpc_options` in the Serve YAML. The generated gRPC modules must be
-importable by the proxy on every node (the folio package installed there, protos generated).
+gRPC is configured per cluster, not per application: the config file written above carries `grpc_options`;
+otherwise start Serve with `grpc_options(config)` (the `folio serve` command does). The proxy on every node must
+import the servicer function (the folio package installed there, its protos generated).
+`replicas.app:app` is the default configuration's Application, for tools that want one (`serve build`); options
+cannot be changed through it, so prefer the config file.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ray import serve
@@ -82,3 +87,29 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
             "args": config.explicit_values(),
         }],
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print a Serve config file (YAML) for the options given (ServeConfig's flags)."""
+    import argparse
+
+    import yaml
+
+    from replicas.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m replicas.app", description=main.__doc__)
+    ServeConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = ServeConfig.from_args(args)
+    except ConfigError as e:
+        print(f"replicas.app: {e}", file=sys.stderr)
+        return 2
+    yaml.safe_dump(serve_config(config), sys.stdout, sort_keys=False)
+    return 0
+
+
+app = build_application(ServeConfig())
+
+if __name__ == "__main__":
+    raise SystemExit(main())

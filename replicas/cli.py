@@ -24,7 +24,7 @@ DEFAULT_DEMO_DIR = Path("demo-model")
 # `folio serve` without options: the demo model on the CPU, two replicas sharing two cores.
 DEMO_DEFAULTS = {
     "model_path": str(DEFAULT_DEMO_DIR),
-    "device": "cpu",
+    "device": "auto",
     "num_gpus": 0.0,
     "num_cpus": 0.5,
     "ingress_num_cpus": 0.25,
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a local Ray cluster bound to 127.0.0.1 and serve a model over gRPC until Ctrl-C. "
                     "Without options: the demo model (written to ./demo-model if missing) on the CPU, "
                     "2 generator replicas, gRPC on port 50051.")
-    ServeConfig.add_arguments(serve_cmd)
+    ServeConfig.add_arguments(serve_cmd, DEMO_DEFAULTS)
     serve_cmd.set_defaults(handler=_cmd_serve)
 
     gen = commands.add_parser("generate", help="stream a completion from a running server over gRPC")

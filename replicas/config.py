@@ -208,24 +208,31 @@ class ServeConfig:
             raise ConfigError(f"{path}: {e}") from e
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def add_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
         """One flag per option (--model-path, --cache-tokens, ...) plus --config FILE; unset flags keep the file's
-        or the default value."""
+        or the default value (`defaults`: the caller's, shown in the help, as from_args applies them)."""
+        defaults = defaults or {}
         group = parser.add_argument_group("deployment options (also settable in a --config YAML file)")
         group.add_argument("--config", type=Path, default=None, metavar="FILE", help="YAML file of options")
         for field in dataclasses.fields(ServeConfig):
             flag = "--" + field.name.replace("_", "-")
             group.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
-                               help=f"(default: {field.default})")
+                               help=f"(default: {defaults.get(field.name, field.default)})")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **defaults: Any) -> ServeConfig:
-        """Defaults (the caller's), then the --config file, then the flags given."""
-        values: dict[str, Any] = dict(defaults)
+        """Defaults (the caller's), then the --config file, then the flags given. Giving one of the cache sizes
+        (cache_tokens, cache_memory_fraction) drops a default for the other."""
+        explicit: dict[str, Any] = {}
         if getattr(args, "config", None) is not None:
-            values.update(cls.from_yaml(args.config).explicit_values())
-        values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                       if getattr(args, f.name, None) is not None})
+            explicit.update(cls.from_yaml(args.config).explicit_values())
+        explicit.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                         if getattr(args, f.name, None) is not None})
+        values = dict(defaults)
+        for one, other in (("cache_tokens", "cache_memory_fraction"), ("cache_memory_fraction", "cache_tokens")):
+            if one in explicit:
+                values.pop(other, None)
+        values.update(explicit)
         return cls.from_dict(values)
 
     def explicit_values(self) -> dict[str, Any]:

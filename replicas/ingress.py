@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from folio.tokenizer import Tokenizer
 from replicas.config import ServeConfig
-from replicas.errors import Cancelled, InternalError, Overloaded, ReplicaUnavailable, RequestError
+from replicas.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from replicas.schema import Chunk, Completion, GenerationRequest, ModelInfo
 from replicas.validation import to_engine_request
 
@@ -99,8 +99,6 @@ class Ingress:
         return Completion.from_chunks([chunk async for chunk in self._observed_stream(request, "generate")])
 
     async def tokenize(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = False) -> list[int]:
-        from replicas.errors import InvalidRequest
-
         if not isinstance(text, str):
             raise InvalidRequest("text", f"must be a string, got {type(text).__name__}")
         tokenizer = self._tokenizer
@@ -137,6 +135,9 @@ class Ingress:
             status = "OK"
         except RequestError as error:
             status = error.status
+            raise
+        except Exception:
+            status = "INTERNAL"
             raise
         finally:
             ttft_s = None if first_token_s is None else first_token_s - start_s

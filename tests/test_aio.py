@@ -162,3 +162,27 @@ def test_invalid_job_raises_in_the_caller(peaked):
             await generator.close()
 
     asyncio.run(main())
+
+
+def test_run_in_engine_reads_state_between_steps(peaked):
+    async def main():
+        generator = make_async(peaked)
+        assert generator.is_alive
+        job = folio.DynamicJobAsync(generator, input_ids=[5, 6, 7] * 10, max_new_tokens=30, stop_conditions=[])
+        seen = []
+        async for result in job:
+            if result.stage == Stage.STREAMING:
+                seen.append(await generator.run_in_engine(lambda g: (g.pool.num_in_use, g.num_steps)))
+        cached = await generator.run_in_engine(lambda g: list(g.pool.cached_hashes()))
+        with pytest.raises(ZeroDivisionError):
+            await generator.run_in_engine(lambda g: 1 / 0)
+        events = generator.generator.drain_page_events()
+        await generator.close()
+        return seen, cached, events, generator.is_alive
+
+    seen, cached, events, alive_after = asyncio.run(main())
+    assert len(seen) == 30 and seen[0][1] >= 1
+    assert [steps for _, steps in seen] == sorted(steps for _, steps in seen)
+    assert len(cached) >= 2  # 60 tokens of 16-token pages were stored
+    assert {e.hash for e in events if e.kind.value == "stored"} >= set(cached)
+    assert not alive_after

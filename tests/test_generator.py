@@ -359,3 +359,31 @@ def test_unpaged_runs_one_job_at_a_time_and_reuses_prefix(peaked):
         peak_active = max(peak_active, len(gen.scheduler.active))
     assert peak_active == 1
     assert finals[jobs[1].serial].cached_tokens >= (len(shared) // 16) * 16
+
+
+def test_warmup_and_reset_page_table_leave_no_cached_pages(peaked):
+    gen = peaked.generator()
+    gen.warmup()
+    assert gen.pool.num_cached == 0 and gen.pool.num_in_use == 0
+    outputs(gen, prompts(peaked.tokenizer, 2))
+    assert gen.pool.num_cached > 0
+    gen.reset_page_table()
+    assert gen.pool.num_cached == 0
+    gen.pool.check()
+    gen.enqueue(make_jobs(prompts(peaked.tokenizer, 1))[0])
+    with pytest.raises(RuntimeError, match="empty queue"):
+        gen.reset_page_table()
+
+
+def test_generate_abort_and_last_results(peaked):
+    import threading
+
+    gen = peaked.generator()
+    text, last = gen.generate("Once upon a time", max_new_tokens=5, gen_settings=GREEDY, stop_conditions=[],
+                              return_last_results=True)
+    assert text.startswith("Once upon a time") and last[0].new_tokens == 5
+    assert last[0].eos_reason == EosReason.MAX_NEW_TOKENS
+    aborted = threading.Event()
+    aborted.set()
+    assert gen.generate(["a", "b"], max_new_tokens=50, abort_event=aborted) is None
+    assert gen.num_remaining_jobs() == 0 and gen.pool.num_in_use == 0

@@ -83,6 +83,9 @@ def test_config_from_yaml_and_flags(tmp_path):
     config = ServeConfig.from_args(args, num_gpus=0.0, num_replicas=9)
     assert (config.model_path, config.num_replicas, config.page_size, config.cache_tokens) == ("/models/x", 2, 64, 8192)
     assert config.num_gpus == 0.0
+    gpu = ServeConfig.from_args(parser.parse_args(["--num-gpus", "1", "--cache-memory-fraction", "0.9"]),
+                                num_gpus=0.0, cache_tokens=8192)
+    assert (gpu.cache_tokens, gpu.cache_memory_fraction, gpu.resolved_device) == (None, 0.9, "cuda")
     path.write_text("page_size: 10\n")
     with pytest.raises(ConfigError, match=r"serve.yaml: page_size:"):
         ServeConfig.from_yaml(path)
@@ -179,6 +182,24 @@ def test_proto_round_trip():
     chunk = Chunk(text="ab", token_ids=[1, 2], token_probs=[0.5, 0.25],
                   finish=Finish(EosReason.STOP_STRING, stop_string="x", usage=Usage(3, 1, 2)))
     assert grpc_convert.chunk_from_proto(grpc_convert.chunk_to_proto(chunk)) == chunk
+
+
+def test_failures_below_the_ingress_map_to_statuses():
+    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    from replicas.errors import InternalError, ReplicaUnavailable
+    from replicas.ingress import as_request_error
+
+    wrapped = RayTaskError("generate", "Traceback (most recent call last): ...", Overloaded("queue is full"))
+    assert isinstance(as_request_error(wrapped, "r"), Overloaded)
+    invalid = as_request_error(RayTaskError("generate", "Traceback", InvalidRequest("top_p", "bad")), "r")
+    assert (invalid.status, invalid.field, str(invalid)) == ("INVALID_ARGUMENT", "top_p", "top_p: bad")
+    assert as_request_error(BackPressureError(3, 2), "r").status == "RESOURCE_EXHAUSTED"
+    assert isinstance(as_request_error(ActorDiedError(), "r"), ReplicaUnavailable)
+    internal = as_request_error(RayTaskError("generate", "Traceback (most recent call last): ...",
+                                             ZeroDivisionError("x")), "req-7")
+    assert isinstance(internal, InternalError) and "Traceback" not in str(internal) and "req-7" in str(internal)
 
 
 def test_proto_without_prompt_is_invalid():
@@ -293,3 +314,78 @@ def test_check_health_detects_a_stalled_engine():
     replica.engine.engine_thread_alive = lambda: False
     with pytest.raises(RuntimeError, match="dead"):
         replica.check_health()
+
+
+# --- the proxy-side servicer wrapper ------------------------------------------------------------------------
+
+
+class _FakeGrpcContext:
+    def __init__(self):
+        self.done_callbacks = []
+
+    def peer(self):
+        return "ipv4:127.0.0.1:5"
+
+    def peer_identities(self):
+        return None
+
+    def peer_identity_key(self):
+        return None
+
+    def auth_context(self):
+        return {}
+
+    def invocation_metadata(self):
+        return (("application", "folio"),)
+
+    def add_done_callback(self, callback):
+        self.done_callbacks.append(callback)
+
+
+def _slow_handler(events):
+    async def handler(request, context):
+        assert context.peer() == "ipv4:127.0.0.1:5" and context.invocation_metadata()[0][0] == "application"
+        try:
+            for i in range(1000):
+                await asyncio.sleep(0.005)  # the proxy waiting for the replica's next result
+                yield i
+        except asyncio.CancelledError:
+            events.append("cancelled in an await")  # where Ray's proxy cancels the request it sent
+            raise
+        except GeneratorExit:
+            events.append("closed at a yield")  # where Ray's proxy loses the cancellation
+            raise
+
+    return handler
+
+
+@pytest.mark.parametrize("how", ["aclose", "rpc_done"])
+def test_decoupled_proxy_handler_is_always_cancelled_inside_an_await(how):
+    from replicas.grpc_servicer import decoupled
+
+    events: list[str] = []
+
+    async def run():
+        context = _FakeGrpcContext()
+        stream = decoupled(_slow_handler(events))("request", context)
+        received = [await stream.__anext__() for _ in range(3)]
+        if how == "aclose":
+            await stream.aclose()  # grpc closes the handler at its yield when a write was cancelled
+        else:
+            for callback in context.done_callbacks:
+                callback(context)  # the RPC ended while nobody iterated the stream
+        await asyncio.sleep(0.05)
+        return received
+
+    assert asyncio.run(run()) == [0, 1, 2]
+    assert events == ["cancelled in an await"]
+
+
+def test_snapshot_context_never_reads_the_call_after_the_rpc():
+    from replicas.grpc_servicer import SnapshotContext
+
+    context = _FakeGrpcContext()
+    snapshot = SnapshotContext(context)
+    context.peer = None  # a released call: reading it would crash
+    assert snapshot.peer() == "ipv4:127.0.0.1:5" and snapshot.auth_context() == {}
+    assert snapshot.invocation_metadata() == (("application", "folio"),)
