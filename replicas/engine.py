@@ -27,26 +27,12 @@ from folio.tokenizer import Tokenizer
 from replicas.config import ServeConfig
 from replicas.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from replicas.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
+from router.digest import build_digest
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _END = object()
-
-
-class ObservedGenerator(DynamicGenerator):
-    """DynamicGenerator that records when its last step ended, for the replica's stall check."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.num_steps = 0
-        self.last_step_end_s = time.monotonic()
-
-    def iterate(self) -> list[Result]:
-        results = super().iterate()
-        self.num_steps += 1
-        self.last_step_end_s = time.monotonic()
-        return results
 
 
 @dataclass
@@ -57,7 +43,7 @@ class Engine:
     model: Model
     tokenizer: Tokenizer
     cache: Cache
-    generator: ObservedGenerator
+    generator: DynamicGenerator
     runner: DynamicGeneratorAsync
     info: ModelInfo
 
@@ -67,44 +53,51 @@ class Engine:
         model = load_model(config)
         tokenizer = Tokenizer.from_pretrained(config.model_path)
         cache = Cache(model, page_size=config.page_size, **config.cache_size())
-        generator = ObservedGenerator(model=model, cache=cache, tokenizer=tokenizer,
-                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                      max_chunk_size=config.max_chunk_size, max_q_size=config.max_queue_size)
+        generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
+                                     max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                                     max_chunk_size=config.max_chunk_size, max_q_size=config.max_queue_size)
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
         runner = DynamicGeneratorAsync(generator=generator)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
         return cls(config, model, tokenizer, cache, generator, runner, info)
 
-    # --- state, read from the replica's event loop while the engine thread runs (plain attribute reads) ---
+    # --- state ---
 
     @property
     def num_running(self) -> int:
+        """Jobs the engine runs (admitted). A plain attribute read from the event loop: a diagnostic, may be a
+        step old."""
         return self.generator.num_remaining_jobs() - self.generator.num_pending_jobs()
-
-    @property
-    def num_queued(self) -> int:
-        return max(0, self.runner.num_remaining_jobs - self.num_running)
 
     @property
     def num_remaining(self) -> int:
         return self.runner.num_remaining_jobs
 
-    def engine_thread_alive(self) -> bool:
-        # DynamicGeneratorAsync has no public liveness flag yet; its thread is the engine loop.
-        thread = getattr(self.runner, "_thread", None)
-        return thread is None or thread.is_alive()
+    @property
+    def is_alive(self) -> bool:
+        return self.runner.is_alive
 
-    def recent_page_hashes(self, limit: int) -> list[bytes]:
-        """Up to `limit` hashes of ready pages (cached or in use), the most recently stored last."""
-        if limit <= 0:
-            return []
-        for _ in range(3):
-            try:
-                return list(self.generator.pool.cached_hashes())[-limit:]
-            except RuntimeError:  # the engine thread changed the index mid-copy; try again
-                continue
-        return []
+    @property
+    def last_step_time(self) -> float:
+        """time.monotonic() at the end of the engine's last step."""
+        return self.generator.last_step_time
+
+    async def routing_digest(self, epoch: int, instance_id: str, max_hashes: int) -> dict[str, Any]:
+        """The replica's routing digest (router.digest's format), built on the engine thread between two steps:
+        the page pool and the queues are only consistent there."""
+        if not self.runner.is_alive:
+            raise ReplicaUnavailable("the engine thread is not running")
+        runner = self.runner
+
+        def build(generator: DynamicGenerator) -> dict[str, Any]:
+            running = generator.num_remaining_jobs() - generator.num_pending_jobs()
+            queued = runner.num_remaining_jobs - running  # the scheduler's queue + enqueues not applied yet
+            return build_digest(generator.pool, running=running, queued=queued, epoch=epoch, max_hashes=max_hashes,
+                                instance_id=instance_id, max_running=generator.max_batch_size,
+                                num_prefill_tokens=num_prefill_tokens(generator))
+
+        return await runner.run_in_engine(build)
 
     # --- requests ---
 
@@ -214,6 +207,16 @@ def _request_error(error: BaseException, job: DynamicJobAsync) -> RequestError:
     logger.error("request %r failed in the engine", job.job.identifier, exc_info=error)
     return InternalError(f"the engine failed this request ({type(error).__name__}); "
                          f"request id {job.job.identifier!r}")
+
+
+def num_prefill_tokens(generator: DynamicGenerator) -> int:
+    """Prompt tokens the engine has still to prefill, over running and queued jobs (queued jobs count whole: their
+    cache hits are known only at admission). Engine thread only.
+
+    Reads the scheduler's sequences: the generator has no public counter for this yet."""
+    scheduler = generator.scheduler
+    running = sum(n for n in (seq.num_uncached_tokens for seq in scheduler.active) if n > 1)  # 1: decoding
+    return running + sum(seq.num_uncached_tokens for seq in scheduler.pending)
 
 
 def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:

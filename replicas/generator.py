@@ -5,7 +5,8 @@ Methods (called through a DeploymentHandle; arguments and results are replicas.s
                                  cancels the job and releases its pages
     tokenize(text, ...)          token ids
     model_info()                 ModelInfo
-    record_routing_stats()       what routers learn about this replica (polled by the Serve controller)
+    record_routing_stats()       what routers learn about this replica (polled by the Serve controller; the
+                                 prefix-aware router, router.ray_router, reads it)
     check_health()               raises when the engine thread died or made no progress while it had work
 Shutdown (async __del__) lets in-flight jobs finish, bounded by graceful_shutdown_timeout_s.
 """
@@ -36,9 +37,9 @@ class Generator:
         self.instance_id = uuid.uuid4().hex  # changes when the replica restarts: routers drop what they knew
         self.epoch = 0  # counts routing-stats reports
         self.engine = Engine.build(config)
-        self.metrics = GeneratorMetrics(config.app_name, _replica_tag())
+        self.replica_tag = _replica_tag()
+        self.metrics = GeneratorMetrics(config.app_name, self.replica_tag)
         self._last_enqueue_s = time.monotonic()
-        self._record_pages()
         logger.info("generator replica ready: %s", self.engine.info)
 
     # --- requests ---
@@ -49,12 +50,13 @@ class Generator:
         self._last_enqueue_s = time.monotonic()
         try:
             async for chunk in self.engine.stream(job, arrival_s):
+                if chunk.finish is not None:
+                    chunk.finish.replica_id = self.replica_tag
                 yield chunk
         finally:
             self.metrics.record_job(prompt_tokens=len(request.input_ids) if job.job.new_tokens else 0,
                                     cached_tokens=job.job.cached_tokens if job.job.new_tokens else 0,
                                     generated_tokens=job.job.new_tokens)
-            self._record_pages()
 
     def tokenize(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = False) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -66,47 +68,23 @@ class Generator:
 
     # --- Serve hooks ---
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Compact state for the routers (sent to every router every period, so bounded in size):
-        load, page counts, an epoch, and a digest of the cached page hashes.
-
-        cached_page_hashes: the most recent `routing_digest_max_hashes` ready page hashes (cached or in use;
-            folio.hashing, HASH_SIZE bytes each) concatenated, the newest last. num_ready_pages: how many there are
-            in all (more than the digest holds when it was capped).
-        instance_id / epoch: a replica restart changes instance_id; epoch counts reports of this instance.
-        num_pages_stored / num_pages_evicted: page events since the previous report.
-        """
-        engine = self.engine
-        pool = engine.generator.pool
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What routers learn about this replica (router.digest's format; sent to every router every
+        request_routing_stats_period_s, so bounded in size): job counts, page counts, an instance id and epoch,
+        and the keys of the newest `routing_digest_max_hashes` ready pages. Built on the engine thread."""
         self.epoch += 1
-        # Drained here so the pool's event log stays bounded; the counts tell routers how fast the cache churns.
-        events = pool.drain_events()
-        num_stored = sum(1 for e in events if e.kind.value == "stored")
-        hashes = engine.recent_page_hashes(self.config.routing_digest_max_hashes)
-        self._record_pages()
-        return {
-            "instance_id": self.instance_id,
-            "epoch": self.epoch,
-            "num_running": engine.num_running,
-            "num_queued": engine.num_queued,
-            "max_batch_size": engine.generator.max_batch_size,
-            "page_size": pool.page_size,
-            "num_pages": pool.num_pages,
-            "num_free_pages": pool.num_free,
-            "num_cached_pages": pool.num_cached,
-            "num_in_use_pages": pool.num_in_use,
-            "num_ready_pages": pool.num_cached + pool.num_in_use,
-            "cached_page_hashes": b"".join(hashes),
-            "num_pages_stored": num_stored,
-            "num_pages_evicted": len(events) - num_stored,
-        }
+        digest = await self.engine.routing_digest(self.epoch, self.instance_id, self.config.routing_digest_max_hashes)
+        num_pages, num_allocatable = digest["num_pages"], digest["num_allocatable_pages"]
+        self.metrics.record_pages(num_in_use=num_pages - num_allocatable,
+                                  num_cached=num_allocatable - digest["num_free_pages"], num_pages=num_pages)
+        return digest
 
     def check_health(self) -> None:
         engine = self.engine
-        if not engine.engine_thread_alive():
+        if not engine.is_alive:
             raise RuntimeError("the engine thread is dead")
         if engine.num_remaining:
-            last_progress_s = max(engine.generator.last_step_end_s, self._last_enqueue_s)
+            last_progress_s = max(engine.last_step_time, self._last_enqueue_s)
             stalled_s = time.monotonic() - last_progress_s
             if stalled_s > self.config.stall_timeout_s:
                 raise RuntimeError(f"the engine made no progress for {stalled_s:.0f} s with "
@@ -118,12 +96,6 @@ class Generator:
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.close(drain_timeout_s=self.config.graceful_shutdown_timeout_s / 2)
-
-    # --- helpers ---
-
-    def _record_pages(self) -> None:
-        pool = self.engine.generator.pool
-        self.metrics.record_pages(pool.num_in_use, pool.num_cached, pool.num_pages)
 
 
 def _replica_tag() -> str:

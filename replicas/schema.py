@@ -91,6 +91,9 @@ class EngineRequest:
     return_probs: bool = False
     return_top_tokens: int = 0
     request_id: str = ""
+    # The prompt as text, for routers that match text: Ray's PrefixCacheAffinityRouter reads `.prompt` of the first
+    # argument. The ingress fills it only when the configured router needs it (ours hashes input_ids).
+    prompt: str = ""
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Finish:
     stop_string: str | None = None
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    replica_id: str = ""  # the generator replica that ran the request (diagnostics; not sent over gRPC)
 
 
 @dataclass
