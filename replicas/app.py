@@ -18,11 +18,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray import serve
-from ray.serve.config import gRPCOptions
+from ray.serve.config import RequestRouterConfig, gRPCOptions
 
 from replicas.config import ServeConfig
 from replicas.generator import Generator
 from replicas.ingress import Ingress
+
+ROUTER_CLASSES = {
+    "prefix": "router.ray_router:PrefixAwareRequestRouter",
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
+}
+DEFAULT_RAY_PREFIX_IMBALANCED_THRESHOLD = 10
 
 # Registers folio.v1.Generation (and works around a proxy cancellation bug: see replicas.grpc_servicer).
 SERVICER_FUNCTION = "replicas.grpc_servicer.add_GenerationServicer_to_server"
@@ -41,6 +48,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def build_application(config: ServeConfig) -> serve.Application:
     generator = Generator.options(
+        request_router_config=request_router_config(config),
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
@@ -59,6 +67,24 @@ def build_application(config: ServeConfig) -> serve.Application:
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
     ).bind(generator, config)
+
+
+def request_router_config(config: ServeConfig) -> RequestRouterConfig:
+    """The generator deployment's router (config.router). Its class is imported by path wherever a handle to the
+    generator lives (the ingress) and where Serve validates the config (the controller, the dashboard), so the
+    router package must be installed there, not only shipped in a working_dir."""
+    options = dict(config.router_options or {})
+    if config.router == "prefix":
+        # Prompts are hashed with the replicas' page size before any of them reported it.
+        kwargs = {"default_page_size": config.page_size, **options}
+    elif config.router == "ray_prefix":
+        # Its code default is no imbalance fallback at all (infinity) while its docs say 10: be explicit.
+        kwargs = {"imbalanced_threshold": DEFAULT_RAY_PREFIX_IMBALANCED_THRESHOLD, **options}
+    else:
+        kwargs = options
+    return RequestRouterConfig(request_router_class=ROUTER_CLASSES[config.router], request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=config.routing_stats_period_s,
+                               request_routing_stats_timeout_s=config.routing_stats_timeout_s)
 
 
 def grpc_options(config: ServeConfig) -> gRPCOptions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import types
 import typing
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
+ROUTERS = ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
 # On a CPU (tests, the demo) the cache is sized in tokens; this many when neither size is given.
 DEFAULT_CPU_CACHE_TOKENS = 16384
@@ -56,6 +58,14 @@ class ServeConfig:
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
     request_timeout_s: end-to-end limit the gRPC proxy puts on a request (None: none).
     routing_digest_max_hashes: most cached page hashes a replica reports to routers (the most recent ones).
+    router: how the generator deployment's callers pick a replica: "prefix" (router.ray_router's prefix-aware
+        router), "pow2" (Ray Serve's default power of two choices) or "ray_prefix" (Ray's PrefixCacheAffinityRouter,
+        text-based); the last two are baselines for bench/routing.py.
+    router_options: extra keyword arguments of the router's initialize_state: router.policy.PolicyConfig's fields
+        for "prefix" (imbalance_threshold, running_job_tokens, ...), PrefixCacheAffinityRouter's for "ray_prefix"
+        (imbalanced_threshold, ...). A JSON object where options are strings.
+    routing_stats_period_s / routing_stats_timeout_s: how often Serve polls each replica's record_routing_stats
+        (the digest routers rank by), and how long one poll may take.
     warmup: run a short generation when a replica starts.
     """
 
@@ -84,6 +94,10 @@ class ServeConfig:
     graceful_shutdown_timeout_s: float = 60.0
     request_timeout_s: float | None = None
     routing_digest_max_hashes: int = 1024
+    router: str = "prefix"
+    router_options: dict | None = None
+    routing_stats_period_s: float = 1.0
+    routing_stats_timeout_s: float = 5.0
     warmup: bool = True
 
     def __post_init__(self) -> None:
@@ -129,6 +143,12 @@ class ServeConfig:
         if self.max_queued_requests != -1 and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests: must be -1 (no limit) or >= 1, got {self.max_queued_requests}")
         _positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.router_options is not None and not all(isinstance(k, str) for k in self.router_options):
+            raise ConfigError("router_options: keys must be option names (strings)")
+        _positive("routing_stats_period_s", self.routing_stats_period_s)
+        _positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
 
     def _check_deployment(self) -> None:
         _positive("num_replicas", self.num_replicas)
@@ -263,6 +283,11 @@ def _convert(name: str, value: Any, kind: Any) -> Any:
     if optional and text.lower() in ("none", "null", ""):
         return None
     try:
+        if inner is dict:
+            parsed = json.loads(text)
+            if not isinstance(parsed, dict):
+                raise ValueError
+            return parsed
         if inner is bool:
             lowered = text.lower()
             if lowered in ("true", "yes", "1", "on"):
@@ -274,7 +299,7 @@ def _convert(name: str, value: Any, kind: Any) -> Any:
             return int(text)
         if inner is float:
             return float(text)
-    except ValueError:
+    except ValueError:  # json.JSONDecodeError is one
         raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}") from None
     return text
 
@@ -299,7 +324,8 @@ def _check_type(name: str, value: Any, kind: Any) -> None:
 
 def _type_name(kind: Any) -> str:
     inner, optional = _optional_inner(kind)
-    name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(inner, str(inner))
+    name = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            dict: "a mapping (JSON object)"}.get(inner, str(inner))
     return f"{name} or none" if optional else name
 
 

@@ -14,6 +14,7 @@ set on the context travels back when the method raises (replica.py wraps the exc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,11 +29,13 @@ from ray.serve.handle import DeploymentHandle
 from folio.tokenizer import Tokenizer
 from replicas.config import ServeConfig
 from replicas.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
-from replicas.schema import Chunk, Completion, GenerationRequest, ModelInfo
+from replicas.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from replicas.validation import to_engine_request
 
 logger = logging.getLogger(__name__)
 
+# Routers that match prompt text (EngineRequest.prompt) rather than token ids.
+TEXT_ROUTERS = ("ray_prefix",)
 _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
                 ReplicaUnavailableError)
 
@@ -150,6 +153,8 @@ class Ingress:
         request_id = _request_id()
         info = await self.model_info()
         engine_request = to_engine_request(request, self._tokenizer, info, request_id)
+        if self._config.router in TEXT_ROUTERS:
+            engine_request = dataclasses.replace(engine_request, prompt=self._prompt_text(request, engine_request))
         response = self._generator.options(stream=True).generate.remote(engine_request)
         ended = False  # the stream finished or failed: nothing left to cancel
         first_token_s: float | None = None
@@ -171,6 +176,12 @@ class Ingress:
             if not ended:
                 # The client left: cancel the replica's job so that its pages are released.
                 cancel_quietly(response)
+
+
+    def _prompt_text(self, request: GenerationRequest, engine_request: EngineRequest) -> str:
+        if request.text is not None:
+            return request.text
+        return self._tokenizer.decode(list(engine_request.input_ids), decode_special_tokens=True)
 
 
 def cancel_quietly(response: Any) -> None:

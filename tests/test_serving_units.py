@@ -301,8 +301,7 @@ def test_check_health_detects_a_stalled_engine():
     cls = Generator.func_or_class
     replica = cls.__new__(cls)
     replica.config = ServeConfig(num_gpus=0, stall_timeout_s=5)
-    generator = SimpleNamespace(last_step_end_s=time.monotonic() - 60)
-    replica.engine = SimpleNamespace(engine_thread_alive=lambda: True, num_remaining=2, generator=generator)
+    replica.engine = SimpleNamespace(is_alive=True, num_remaining=2, last_step_time=time.monotonic() - 60)
     replica._last_enqueue_s = time.monotonic() - 60
     with pytest.raises(RuntimeError, match="no progress"):
         replica.check_health()
@@ -311,7 +310,7 @@ def test_check_health_detects_a_stalled_engine():
     replica.engine.num_remaining = 2
     replica._last_enqueue_s = time.monotonic()  # work just arrived
     replica.check_health()
-    replica.engine.engine_thread_alive = lambda: False
+    replica.engine.is_alive = False
     with pytest.raises(RuntimeError, match="dead"):
         replica.check_health()
 

@@ -1,0 +1,151 @@
+{{/*
+The RayService's name: KubeRay derives its services from it (<name>-serve-svc, <name>-head-svc) and appends
+suffixes to its RayCluster's and pods' names, so it is kept short.
+*/}}
+{{- define "folio.name" -}}
+{{- default .Release.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "folio.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "folio.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Generator replicas at most: the fixed count, or the autoscaling maximum. */}}
+{{- define "folio.generatorMaxReplicas" -}}
+{{- if .Values.generator.autoscaling.enabled -}}
+{{- .Values.generator.autoscaling.maxReplicas -}}
+{{- else -}}
+{{- .Values.generator.replicas -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Checks across values that values.schema.json cannot express; a failure stops `helm install` / `helm template`.
+*/}}
+{{- define "folio.validate" -}}
+{{- $gen := .Values.generator -}}
+{{- $auto := $gen.autoscaling -}}
+{{- $workers := .Values.workers -}}
+{{- if and $auto.enabled (gt (int $auto.minReplicas) (int $auto.maxReplicas)) -}}
+{{- fail (printf "generator.autoscaling: minReplicas (%v) exceeds maxReplicas (%v)" $auto.minReplicas $auto.maxReplicas) -}}
+{{- end -}}
+{{- if and $auto.enabled (ne $auto.initialReplicas nil) -}}
+{{- if or (lt (int $auto.initialReplicas) (int $auto.minReplicas)) (gt (int $auto.initialReplicas) (int $auto.maxReplicas)) -}}
+{{- fail (printf "generator.autoscaling.initialReplicas (%v) must lie in [minReplicas, maxReplicas]" $auto.initialReplicas) -}}
+{{- end -}}
+{{- end -}}
+{{- if or (gt (int $workers.minReplicas) (int $workers.replicas)) (gt (int $workers.replicas) (int $workers.maxReplicas)) -}}
+{{- fail (printf "workers: need minReplicas <= replicas <= maxReplicas, got %v <= %v <= %v" $workers.minReplicas $workers.replicas $workers.maxReplicas) -}}
+{{- end -}}
+{{- if and (gt (float64 $gen.gpusPerReplica) 1.0) (ne (float64 $gen.gpusPerReplica) (float64 (int $gen.gpusPerReplica))) -}}
+{{- fail (printf "generator.gpusPerReplica: above 1 it must be a whole number, got %v" $gen.gpusPerReplica) -}}
+{{- end -}}
+{{- if gt (float64 $gen.gpusPerReplica) (float64 $workers.gpusPerWorker) -}}
+{{- fail (printf "generator.gpusPerReplica (%v) exceeds workers.gpusPerWorker (%v): no pod could hold a replica" $gen.gpusPerReplica $workers.gpusPerWorker) -}}
+{{- end -}}
+{{- $perWorker := floor (divf (float64 $workers.gpusPerWorker) (float64 $gen.gpusPerReplica)) -}}
+{{- $maxGen := int (include "folio.generatorMaxReplicas" .) -}}
+{{- if gt (float64 $maxGen) (mulf $perWorker (float64 $workers.maxReplicas)) -}}
+{{- fail (printf "workers.maxReplicas (%v pods of %v GPUs) cannot hold %v generator replicas of %v GPUs" $workers.maxReplicas $workers.gpusPerWorker $maxGen $gen.gpusPerReplica) -}}
+{{- end -}}
+{{- if and (ne .Values.cache.tokens nil) (ne (mod (int .Values.cache.tokens) (int .Values.cache.pageSize)) 0) -}}
+{{- fail (printf "cache.tokens (%v) must be a multiple of cache.pageSize (%v)" .Values.cache.tokens .Values.cache.pageSize) -}}
+{{- end -}}
+{{- $ports := list .Values.ports.grpc .Values.ports.http .Values.ports.dashboard .Values.ports.gcs .Values.ports.client -}}
+{{- if ne (len (uniq $ports)) (len $ports) -}}
+{{- fail (printf "ports: must all differ, got %v" $ports) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Serve config (deploy/serve.yaml's structure): the application built by replicas.app:build_app from ServeConfig
+args, with the deployments' settings that the code does not know (autoscaling, the router, the ingress's capacity).
+Strings and fractions go through toJson (JSON scalars are YAML, quoted where they must be); integers through
+int: Helm holds numbers as float64, which toJson would print as 1e+06.
+*/}}
+{{- define "folio.serveConfig" -}}
+{{- $gen := .Values.generator -}}
+{{- $auto := $gen.autoscaling -}}
+{{- $maxOngoing := add $gen.maxBatchSize $gen.maxQueueSize -}}
+{{- $maxGen := int (include "folio.generatorMaxReplicas" .) -}}
+proxy_location: EveryNode
+http_options:
+  host: 0.0.0.0
+  port: {{ .Values.ports.http | int }}
+grpc_options:
+  port: {{ .Values.ports.grpc | int }}
+  grpc_servicer_functions:
+    - replicas.grpc_servicer.add_GenerationServicer_to_server
+  {{- if ne .Values.serve.requestTimeoutS nil }}
+  request_timeout_s: {{ .Values.serve.requestTimeoutS | toJson }}
+  {{- end }}
+applications:
+  - name: {{ .Values.serve.appName | toJson }}
+    route_prefix: {{ printf "/%s" .Values.serve.appName | toJson }}
+    import_path: replicas.app:build_app
+    args:
+      model_path: {{ .Values.model.path | toJson }}
+      {{- if ne .Values.model.dtype nil }}
+      dtype: {{ .Values.model.dtype | toJson }}
+      {{- end }}
+      {{- if ne .Values.model.maxSeqLen nil }}
+      max_seq_len: {{ .Values.model.maxSeqLen | int }}
+      {{- end }}
+      {{- if ne .Values.cache.tokens nil }}
+      cache_tokens: {{ .Values.cache.tokens | int }}
+      {{- else if ne .Values.cache.memoryFraction nil }}
+      cache_memory_fraction: {{ .Values.cache.memoryFraction | toJson }}
+      {{- end }}
+      page_size: {{ .Values.cache.pageSize | int }}
+      max_batch_size: {{ $gen.maxBatchSize | int }}
+      max_queue_size: {{ $gen.maxQueueSize | int }}
+      max_queued_requests: {{ $gen.maxQueuedRequests | int }}
+      num_replicas: {{ $gen.replicas | int }}
+      num_gpus: {{ $gen.gpusPerReplica | toJson }}
+      num_cpus: {{ $gen.cpusPerReplica | toJson }}
+      ingress_replicas: {{ .Values.ingress.replicas | int }}
+      ingress_num_cpus: {{ .Values.ingress.cpusPerReplica | toJson }}
+      grpc_port: {{ .Values.ports.grpc | int }}
+      http_port: {{ .Values.ports.http | int }}
+      http_host: 0.0.0.0
+      app_name: {{ .Values.serve.appName | toJson }}
+      graceful_shutdown_timeout_s: {{ $gen.gracefulShutdownTimeoutS | toJson }}
+      {{- if ne .Values.serve.requestTimeoutS nil }}
+      request_timeout_s: {{ .Values.serve.requestTimeoutS | toJson }}
+      {{- end }}
+    deployments:
+      - name: Generator
+        {{- if $auto.enabled }}
+        num_replicas: auto
+        autoscaling_config:
+          min_replicas: {{ $auto.minReplicas | int }}
+          initial_replicas: {{ default $auto.minReplicas $auto.initialReplicas | int }}
+          max_replicas: {{ $auto.maxReplicas | int }}
+          target_ongoing_requests: {{ $auto.targetOngoingRequests | toJson }}
+          upscale_delay_s: {{ $auto.upscaleDelayS | toJson }}
+          downscale_delay_s: {{ $auto.downscaleDelayS | toJson }}
+        {{- else }}
+        num_replicas: {{ $gen.replicas | int }}
+        {{- end }}
+        max_ongoing_requests: {{ $maxOngoing }}
+        ray_actor_options:
+          num_gpus: {{ $gen.gpusPerReplica | toJson }}
+          num_cpus: {{ $gen.cpusPerReplica | toJson }}
+        request_router_config:
+          request_router_class: {{ .Values.router.class | toJson }}
+          request_router_kwargs: {{ .Values.router.kwargs | toJson }}
+          request_routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
+          request_routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
+      - name: Ingress
+        # What every generator replica can take at once, plus the callers' queue (replicas.app's formula, with the
+        # autoscaling maximum: build_app only knows the fixed count).
+        max_ongoing_requests: {{ add (mul $maxGen $maxOngoing) (max $gen.maxQueuedRequests 0) .Values.ingress.replicas }}
+{{- end -}}

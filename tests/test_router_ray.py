@@ -1,0 +1,325 @@
+"""The prefix-aware router inside Ray Serve (router.ray_router).
+
+Unit tests drive PrefixAwareRequestRouter directly with fake replicas (Serve's hooks as Serve calls them, no
+cluster). The `ray` tests run a local cluster (loopback) with 2 generator replicas of the demo model behind the
+ingress, routed by it: requests sharing a prefix land on the replica that holds it and hit its cache, different
+prefixes spread, and a killed replica does not stop requests from being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+import socket
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from folio.hashing import page_hashes  # noqa: E402
+from router.digest import build_digest  # noqa: E402
+from router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402
+
+PAGE_SIZE = 16
+DEPLOYMENT = DeploymentID(name="Generator", app_name="test")
+
+
+# --- fakes -------------------------------------------------------------------------------------------------------
+
+
+class FakePool:
+    """The PagePool attributes a digest reads."""
+
+    def __init__(self, hashes=(), num_pages: int = 256) -> None:
+        self.hashes = list(hashes)
+        self.page_size = PAGE_SIZE
+        self.num_pages = num_pages
+        self.num_free = num_pages - len(self.hashes)
+        self.num_allocatable = num_pages
+
+    def cached_hashes(self):
+        return iter(tuple(self.hashes))
+
+
+class FakeReplica:
+    """What a RequestRouter reads of a RunningReplica; `report()` plays the controller's stats broadcast."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(name, DEPLOYMENT)
+        self.routing_stats: dict = {}
+        self.max_ongoing_requests = 16
+        self.pool = FakePool()
+        self.epoch = 0
+        self.queue_len = 0
+
+    def report(self, running: int = 0, queued: int = 0) -> None:
+        self.epoch += 1
+        self.queue_len = running + queued
+        self.routing_stats = build_digest(self.pool, running, queued, self.epoch, instance_id="i",
+                                          max_running=8)
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:  # Serve probes new replicas
+        return self.queue_len
+
+
+class Request:
+    """Stands for replicas.schema.EngineRequest: the router reads input_ids only."""
+
+    def __init__(self, input_ids) -> None:
+        self.input_ids = tuple(input_ids)
+
+
+def pending(token_ids=None, request_id: str | None = None, as_kwarg: bool = False) -> PendingRequest:
+    request_id = request_id or f"req-{random.random()}"
+    args, kwargs = [], {}
+    if token_ids is not None:
+        if as_kwarg:
+            kwargs["request"] = Request(token_ids)
+        else:
+            args.append(Request(token_ids))
+    return PendingRequest(args=args, kwargs=kwargs,
+                          metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id))
+
+
+def prompt(group: int, num_pages: int = 4, suffix: int = 7) -> list[int]:
+    shared = [(group * 7919 + i * 31) % 900 + 50 for i in range(num_pages * PAGE_SIZE)]
+    return shared + [random.randrange(50, 950) for _ in range(suffix)]
+
+
+def make_router(replicas, **kwargs) -> PrefixAwareRequestRouter:
+    router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+                                      use_replica_queue_len_cache=True)
+    router.initialize_state(default_page_size=PAGE_SIZE, **kwargs)
+    router.update_replicas(replicas)
+    return router
+
+
+def names(ranking) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranking]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# --- unit tests --------------------------------------------------------------------------------------------------
+
+
+def test_the_class_loads_by_path_and_pickles():
+    from ray.serve.config import RequestRouterConfig
+
+    config = RequestRouterConfig(request_router_class="router.ray_router:PrefixAwareRequestRouter",
+                                 request_router_kwargs={"imbalance_threshold": 4})
+    assert config.get_request_router_class() is PrefixAwareRequestRouter
+    assert pickle.loads(pickle.dumps(PrefixAwareRequestRouter)) is PrefixAwareRequestRouter
+
+
+def test_unknown_policy_option_is_an_error():
+    router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    with pytest.raises(TypeError, match="imbalance"):
+        router.initialize_state(imbalance=3)
+
+
+def test_reported_pages_attract_their_prefix():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(3)]
+        group = prompt(1)
+        replicas[2].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        for r in replicas:
+            r.report()
+        router = make_router(replicas)
+        ranking = await router.choose_replicas(replicas, pending(prompt(1)))
+        assert names(ranking)[0] == ["r2"]
+        assert router.decision_modes["affinity"] == 1
+        # Another prefix is cached nowhere: ranked by load alone, all equal.
+        ranking = await router.choose_replicas(replicas, pending(prompt(2)))
+        assert sorted(names(ranking)[0]) == ["r0", "r1", "r2"]
+
+    run(go())
+
+
+def test_routed_prompt_counts_before_any_report_and_keyword_arguments_work():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(4)]
+        router = make_router(replicas)  # no replica has reported yet
+        first = pending(prompt(3, num_pages=8))
+        chosen = (await router.choose_replicas(replicas, first))[0][0]
+        router.on_request_routed(first, chosen.replica_id, None)
+        # Its pages are not computed yet, and it is busier, but 8 pages are worth more than a running job.
+        follower = pending(prompt(3, num_pages=8), as_kwarg=True)
+        assert names(await router.choose_replicas(replicas, follower))[0] == [chosen.replica_id.unique_id]
+        # A decision never confirmed by on_request_routed (the request was cancelled) records nothing.
+        lost = pending(prompt(4))
+        await router.choose_replicas(replicas, lost)
+        assert router.decision_modes["affinity"] == 1
+        ranking = await router.choose_replicas(replicas, pending(prompt(4)))
+        assert router.decision_modes["affinity"] == 1 and len(ranking[0]) > 1
+        assert router.policy.num_rejected_reports == 0  # empty routing stats are not reports
+
+    run(go())
+
+
+def test_calls_without_a_prompt_rank_every_replica_by_load():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(3)]
+        replicas[0].report(running=6)
+        replicas[1].report(running=0)
+        router = make_router(replicas)
+        for request in (None, pending()):  # model_info(): no EngineRequest among the arguments
+            ranking = await router.choose_replicas(replicas, request)
+            assert sum(len(rank) for rank in ranking) == 3
+            assert names(ranking)[-1] == ["r0"]  # the busiest last; r2 (no report yet) counts as idle
+        request = pending(prompt(5))
+        await router.choose_replicas(replicas, request)
+        assert request.routing_context.should_backoff  # every candidate was ranked: back off if all refuse
+        assert prompt_token_ids(None) == () and prompt_token_ids(pending()) == ()
+
+    run(go())
+
+
+def test_fresh_queue_lengths_outrank_stale_reports():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(2)]
+        for r in replicas:
+            r.report()
+        router = make_router(replicas)
+        router.replica_queue_len_cache.update(replicas[0].replica_id, 5)
+        router.replica_queue_len_cache.update(replicas[1].replica_id, 1)
+        assert names(await router.choose_replicas(replicas, pending(prompt(6))))[0] == ["r1"]
+
+    run(go())
+
+
+def test_dead_and_new_replicas():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(3)]
+        group = prompt(7)
+        replicas[1].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        for r in replicas:
+            r.report()
+        router = make_router(replicas)
+        assert names(await router.choose_replicas(replicas, pending(group)))[0] == ["r1"]
+        router.on_replica_actor_died(replicas[1].replica_id)
+        assert replicas[1].replica_id not in router.policy.index
+        alive = [replicas[0], replicas[2]]
+        ranking = await router.choose_replicas(alive, pending(group))
+        assert sorted(names(ranking)[0]) == ["r0", "r2"]
+        # The controller replaces it: the newcomer is tracked, and ranked, before its first report.
+        newcomer = FakeReplica("r3")
+        router.update_replicas([*alive, newcomer])
+        assert set(router.policy.index.replica_ids) == {r.replica_id for r in (*alive, newcomer)}
+        ranking = await router.choose_replicas([*alive, newcomer], pending(group))
+        assert {"r3"} <= {name for rank in names(ranking) for name in rank}
+        # Its first report, broadcast through update_replicas, makes it the prefix's holder.
+        newcomer.pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        newcomer.report()
+        router.update_replicas([*alive, newcomer])
+        assert names(await router.choose_replicas([*alive, newcomer], pending(group)))[0] == ["r3"]
+
+    run(go())
+
+
+def test_imbalance_falls_back_to_load():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(2)]
+        group = prompt(8)
+        replicas[0].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        replicas[0].report(running=8, queued=10)
+        replicas[1].report()
+        router = make_router(replicas, imbalance_threshold=4)
+        assert names(await router.choose_replicas(replicas, pending(group)))[0] == ["r1"]
+        assert router.decision_modes["imbalanced"] == 1
+
+    run(go())
+
+
+# --- on a local Ray cluster --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from folio.demo import write_demo_model
+    from replicas import local
+    from replicas.config import ServeConfig
+
+    model_dir = write_demo_model(tmp_path_factory.mktemp("router") / "demo-model")
+    config = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
+                         cache_tokens=2048, page_size=PAGE_SIZE, max_batch_size=16, max_queue_size=16,
+                         grpc_port=_free_port(), http_port=_free_port(), app_name="routed", router="prefix",
+                         routing_stats_period_s=0.5)
+    local.start_cluster(config)
+    try:
+        local.deploy(config)
+        yield config
+    finally:
+        local.shutdown()
+
+
+def _complete(prompts, max_new_tokens: int = 4):
+    """Completions of token-id prompts, sent concurrently through the application's ingress."""
+    from replicas.client import Client
+
+    client = Client("routed")
+
+    async def all_of():
+        return await asyncio.gather(*(client.complete(list(p), max_new_tokens=max_new_tokens, stop_on_eos=False,
+                                                      temperature=0.0) for p in prompts))
+
+    return asyncio.run(all_of())
+
+
+@pytest.mark.ray
+def test_replicas_report_digests(cluster):
+    from replicas.client import replica_stats
+    from router.digest import parse_digest
+
+    digests = {name: parse_digest(stats) for name, stats in replica_stats("routed").items()}
+    assert len(digests) == 2
+    assert all(d.page_size == PAGE_SIZE and d.max_running == 16 and d.num_pages == 128 for d in digests.values())
+    assert len({d.instance_id for d in digests.values()}) == 2
+
+
+@pytest.mark.ray
+def test_shared_prefixes_stick_to_one_replica_and_hit_its_cache(cluster):
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(50, 950) for _ in range(6 * PAGE_SIZE)] for _ in range(8)]
+
+    def with_suffix(prefix):
+        return prefix + [rng.randrange(50, 950) for _ in range(rng.randrange(5, 15))]
+
+    leaders = _complete([with_suffix(p) for p in prefixes])  # concurrently: no prefix is cached anywhere yet
+    home = [c.finish.replica_id for c in leaders]
+    assert len(set(home)) == 2, f"different prefixes spread over the replicas: {home}"
+    for _ in range(2):  # followers one at a time: the prefix decides, not the load
+        for group, prefix in enumerate(prefixes):
+            completion = _complete([with_suffix(prefix)])[0]
+            usage = completion.finish.usage
+            assert completion.finish.replica_id == home[group], (group, completion.finish.replica_id, home)
+            assert usage.cached_tokens >= 6 * PAGE_SIZE, usage
+
+
+@pytest.mark.ray
+def test_requests_are_served_after_a_replica_is_killed(cluster):
+    """Runs last: it takes one of the two replicas down (Serve starts a replacement)."""
+    import ray
+
+    from replicas.client import generator_replicas
+
+    prefix = [random.Random(1).randrange(50, 950) for _ in range(4 * PAGE_SIZE)]
+    home = _complete([prefix + [7, 8, 9]])[0].finish.replica_id
+    ray.kill(generator_replicas("routed")[home], no_restart=True)
+    completions = [_complete([prefix + [10 + i, 11, 12]])[0] for i in range(6)]
+    assert all(c.finish.usage.completion_tokens == 4 and c.finish.replica_id != home for c in completions)
+    # The prefix's new home computed it once; the requests after it reuse it there.
+    assert all(c.finish.usage.cached_tokens == 4 * PAGE_SIZE for c in completions[1:]), \
+        [(c.finish.replica_id, c.finish.usage) for c in completions]
