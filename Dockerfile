@@ -35,7 +35,9 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         python3 python3-venv python3-dev build-essential git wget curl rsync openssh-client ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv $VIRTUAL_ENV
+    && python3 -m venv $VIRTUAL_ENV \
+    && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/folio-venv.sh
+# (KubeRay and `ray up` run their commands in login shells: the venv stays first on PATH there too.)
 
 # 1. torch first, the CUDA build, then pinned to exactly that build for every later pip call in this image and on
 #    its nodes (PIP_CONSTRAINT is read by every pip; cluster.yaml's setup writes its own pin too).

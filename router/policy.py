@@ -232,7 +232,8 @@ class PrefixRouterPolicy:
                *, num_jobs: Mapping[ReplicaId, int] | None = None) -> Decision:
         """Rank `candidate_ids` for a prompt of `token_ids` (hash namespace `namespace`, see folio.hashing).
 
-        num_jobs: fresher job counts than the reports' (e.g. Ray's queue-length cache), per replica; replicas
+        num_jobs: fresher job counts than the reports' (e.g. Ray's queue-length cache), per replica (fewer jobs
+            than estimated also shrink the replica's estimated prefill backlog in proportion); replicas
         missing from it use their last report plus what was routed there since.
         """
         index = self.index
@@ -251,17 +252,21 @@ class PrefixRouterPolicy:
         views = []
         for replica_id, digest in digests.items():
             num_routed, num_routed_tokens = index.routed_since_report(replica_id)
+            estimated_jobs = (0 if digest is None else digest.num_jobs) + num_routed
+            backlog = num_routed_tokens + (0 if digest is None else digest.num_prefill_tokens)
+            jobs = estimated_jobs
             if num_jobs is not None and replica_id in num_jobs:
                 jobs = num_jobs[replica_id]
-            else:
-                jobs = (0 if digest is None else digest.num_jobs) + num_routed
+                if jobs < estimated_jobs:
+                    # Jobs finished since the report, and their share of its backlog with them (all of it when
+                    # none is left: a replica that just drained must not look busy until its next report).
+                    backlog = backlog * jobs // estimated_jobs
             running, queued = split_jobs(jobs, digest)
             size = page_size_of[replica_id]
             match = matches[replica_id]
             # Matched pages no report confirmed yet are probably in the backlog still: this request would wait for
             # them there rather than compute them again, so that part of the backlog is not a delay of its own.
             in_flight = (match.num_pages - match.num_reported_pages) * size
-            backlog = num_routed_tokens + (0 if digest is None else digest.num_prefill_tokens)
             views.append(CandidateView(replica_id, match.num_pages * size, size, running, queued,
                                        max(0, backlog - in_flight),
                                        None if digest is None else digest.num_allocatable_pages))

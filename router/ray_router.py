@@ -12,8 +12,9 @@ Serve calls it on that process's event loop:
     last digest (parsed once per epoch), hashes the prompt's token ids (the EngineRequest the ingress sends, first
     positional argument) and asks the policy. Calls without a prompt (model_info, tokenize) and replicas that
     reported nothing yet are ranked by load alone.
-  - on_request_routed(...): a replica accepted the request: its prompt pages will be there shortly (the in-flight
-    case the reports cannot show yet).
+  - The request's prompt pages are recorded for the replica ranked first as soon as it is chosen (they will be
+    there shortly: the in-flight case no report shows yet), and the request counts in that replica's load until
+    on_send_request; on_request_routed corrects the record when Serve sent it elsewhere (rank 0 was full).
   - on_replica_actor_died(replica_id): forget the replica at once, before the controller says so.
 
 Serve tries rank 0 first (the shortest queue inside a rank), a replica at max_ongoing_requests rejects, and then
@@ -23,8 +24,10 @@ the next rank is tried: returning every candidate ranked means a full replica co
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -33,9 +36,11 @@ from router.policy import Decision, PolicyConfig, PrefixRouterPolicy
 
 logger = logging.getLogger("ray.serve")
 
-# Decisions waiting for on_request_routed. A request that is cancelled while routing never gets that call, so the
-# map is bounded (oldest dropped): a dropped decision only means its prompt's pages are not recorded as routed.
+# Decisions waiting for on_request_routed. A request cancelled while routing never gets that call, so the map is
+# bounded (oldest dropped).
 MAX_PENDING_DECISIONS = 4096
+# A request chosen for a replica counts there until Serve sends it (on_send_request), at most this long.
+IN_TRANSIT_TTL_S = 1.0
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -44,7 +49,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: router.policy.PolicyConfig's fields (unknown names raise TypeError)."""
         self._policy = PrefixRouterPolicy(PolicyConfig(**kwargs))
-        self._decisions: OrderedDict[str, Decision] = OrderedDict()
+        self._expected: OrderedDict[str, _Expected] = OrderedDict()  # request key -> where it should go
+        self._in_transit: dict[ReplicaID, deque[float]] = {}  # chosen, not sent yet: when chosen, oldest first
         self.decision_modes: Counter[str] = Counter()  # how rankings were made, for diagnostics and tests
 
     @property
@@ -85,39 +91,67 @@ class PrefixAwareRequestRouter(RequestRouter):
             by_id[replica.replica_id] = replica
             self._apply_report(replica)
         token_ids = prompt_token_ids(pending_request)
-        decision = self.policy.choose(list(by_id), token_ids, num_jobs=self._fresh_queue_lens(by_id))
+        decision = self.policy.choose(list(by_id), token_ids, num_jobs=self._job_counts(by_id))
         self.decision_modes[decision.mode.value if token_ids else "no_prompt"] += 1
-        logger.info("DEBUGROUTE %s %s costs=%s cached=%s qlens=%s", decision.mode, len(token_ids),
+        logger.info("DEBUGROUTE %s %s costs=%s cached=%s jobs=%s", decision.mode, len(token_ids),
                     {r.unique_id: c for r, c in decision.costs.items()},
                     {r.unique_id: c for r, c in decision.num_cached_tokens.items()},
-                    {r.unique_id: c for r, c in self._fresh_queue_lens(by_id).items()})
-        if token_ids and pending_request is not None:
-            self._remember(pending_request, decision)
-        return [[by_id[replica_id] for replica_id in rank] for rank in decision.ranking]
+                    {r.unique_id: c for r, c in self._job_counts(by_id).items()})
+        if pending_request is not None and decision.best is not None:
+            self._expect(pending_request, decision, bool(token_ids))
+        # One replica per rank, ties already broken by the policy's rng: Serve sends to rank 0 unless it is full,
+        # so the replica this router expects is the one it gets.
+        return [[by_id[replica_id]] for rank in decision.ranking for replica_id in rank]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)  # Serve's queue-length cache counts the request from now on
+        sent = self._in_transit.get(replica_id)
+        if sent:
+            sent.popleft()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        decision = self._decisions.pop(_request_key(pending_request), None)
-        if decision is not None:
-            self.policy.on_routed(replica_id, decision)
+        expected = self._expected.pop(_request_key(pending_request), None)
+        if expected is not None and expected.replica_id != replica_id and expected.decision is not None:
+            self.policy.on_routed(replica_id, expected.decision)  # rank 0 was full: it went elsewhere
 
-    def _fresh_queue_lens(self, by_id: dict[ReplicaID, RunningReplica]) -> dict[ReplicaID, int]:
-        """Requests each replica runs, from Serve's queue-length cache where it has a fresh entry: updated on
-        every send, completion and rejection, so fresher than a digest a period old."""
+    def _expect(self, pending_request: PendingRequest, decision: Decision, has_prompt: bool) -> None:
+        """Count the request where it will most likely go, now rather than when Serve confirms it: a routing task
+        routes a burst of requests back to back, before any of them is sent, and without this every request of
+        the burst would see the same loads, and a follower would not see its leader's prefix."""
+        key = _request_key(pending_request)
+        if key in self._expected:
+            return  # a retry of a request already counted (its first choice refused it)
+        best = decision.best
+        self._expected[key] = _Expected(best, decision if has_prompt else None)
+        while len(self._expected) > MAX_PENDING_DECISIONS:
+            self._expected.popitem(last=False)
+        if has_prompt:
+            self.policy.on_routed(best, decision)
+        self._in_transit.setdefault(best, deque()).append(time.monotonic())
+
+    def _job_counts(self, by_id: dict[ReplicaID, RunningReplica]) -> dict[ReplicaID, int]:
+        """Requests on each replica: Serve's queue-length cache where it has a fresh entry (updated on every send,
+        completion and rejection, so fresher than a digest a period old) plus the requests chosen for it and not
+        sent yet. Replicas without an entry are left to the policy (last digest + what was routed since)."""
         cache = self.replica_queue_len_cache
-        lens = {}
+        horizon = time.monotonic() - IN_TRANSIT_TTL_S
+        counts = {}
         for replica_id in by_id:
             queue_len = cache.get(replica_id)
-            if queue_len is not None:
-                lens[replica_id] = queue_len
-        return lens
+            if queue_len is None:
+                continue
+            sent = self._in_transit.get(replica_id)
+            while sent and sent[0] < horizon:  # chosen, never sent (cancelled, or sent elsewhere)
+                sent.popleft()
+            counts[replica_id] = queue_len + (len(sent) if sent else 0)
+        return counts
 
-    def _remember(self, pending_request: PendingRequest, decision: Decision) -> None:
-        key = _request_key(pending_request)
-        self._decisions.pop(key, None)  # a retry of the same request replaces its decision
-        self._decisions[key] = decision
-        while len(self._decisions) > MAX_PENDING_DECISIONS:
-            self._decisions.popitem(last=False)
+
+@dataclass(frozen=True, slots=True)
+class _Expected:
+    replica_id: ReplicaID
+    decision: Decision | None  # None: the call had no prompt
 
 
 def prompt_token_ids(pending_request: PendingRequest | None) -> Sequence[int]:

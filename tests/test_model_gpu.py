@@ -49,3 +49,36 @@ def test_cache_sized_from_free_memory(tmp_path) -> None:
     assert cache.bytes == cache.k.numel() * 4 * 2
     with pytest.raises(ValueError, match=r"max_memory_fraction=1.5 must be in \(0, 1\]"):
         Cache(model, max_memory_fraction=1.5)
+
+
+@pytest.mark.parametrize("mode, page_size", [("flash_paged", 256), ("flash_gather", 16), ("flash_gather", 256)])
+def test_flash_prefill_attention_matches_reference(monkeypatch, mode, page_size) -> None:
+    """The tensor-core prefill path on a mixed batch: a chunk continuing a cached context across pages, a whole
+    prompt, a decode row; shuffled pages. flash_paged needs a torch whose FA2 takes a block table."""
+    from folio import reference_ops
+    from folio.model import flash
+
+    monkeypatch.setenv(flash.ENV_VAR, mode)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lens = [(300, 45), (37, 37), (290, 1)]  # (context, new tokens)
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 2
+    k_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(num_pages).tolist()
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
+        used += n
+    batch = ForwardBatch.build(chunks, page_size, "cuda")
+    q = torch.randn(batch.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale = 128**-0.5
+    chosen = flash.choose_mode(q, k_cache, scale)
+    if chosen == "paged":
+        pytest.skip(f"{mode} does not run with this torch (probe failed)")
+    prefill = flash.plan(chosen, batch, page_size)
+    assert prefill is not None and prefill.mode == mode
+    got = flash.attention(q, k_cache, v_cache, batch, prefill, scale).float()
+    want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
+                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

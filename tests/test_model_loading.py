@@ -285,3 +285,39 @@ def test_checkpoint_dtype_is_the_default(tmp_path) -> None:
 def test_unsupported_requested_dtype(llama_dir) -> None:
     with pytest.raises(NotSupportedError, match="dtype torch.float64 is not supported"):
         Model.from_pretrained(llama_dir, dtype=torch.float64, progress=False)
+
+
+# ---------------------------------------------------------------- weights in memory
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True), ("qwen2", False)])
+def test_from_state_dict_matches_transformers(arch, tie) -> None:
+    hf = build_hf_model(arch, tie=tie)
+    config = ModelConfig.from_dict(hf.config.to_dict())
+    state = hf.state_dict()
+    model = Model.from_state_dict(config, state)
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    # unfused weights are the transformers model's own tensors, not copies
+    assert model.weights.layers[0].o_proj.data_ptr() == state["model.layers.0.self_attn.o_proj.weight"].data_ptr()
+    assert (model.weights.lm_head is model.weights.embed_tokens) == tie
+    assert rel_err(prefill_logits(model), hf_logits(hf, PROMPT)) <= 1e-4
+    assert len(state) == len(hf.state_dict())  # the caller's dict is left whole
+
+
+def test_from_state_dict_casts_and_checks() -> None:
+    hf = build_hf_model("llama")
+    config = ModelConfig.from_dict(hf.config.to_dict())
+    model = Model.from_state_dict(config, hf.state_dict(), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.weights.layers[1].down.dtype == torch.bfloat16
+    state = hf.state_dict()
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"][:, :-1]
+    with pytest.raises(CheckpointError, match="down_proj.weight.*expected shape"):
+        Model.from_state_dict(config, state)
+    state = hf.state_dict()
+    del state["model.norm.weight"]
+    with pytest.raises(CheckpointError, match="model.norm.weight.*not found"):
+        Model.from_state_dict(config, state)
+    state = hf.state_dict()
+    state["model.extra.weight"] = torch.zeros(2)
+    with pytest.raises(CheckpointError, match="unexpected weight 'model.extra.weight'"):
+        Model.from_state_dict(config, state)

@@ -234,6 +234,19 @@ def test_fresh_job_counts_override_the_reports(fleet):
     assert decision.mode == Mode.IMBALANCED and decision.best != "r0"
 
 
+def test_a_drained_replica_sheds_its_reported_backlog(fleet):
+    policy, replicas = fleet
+    tokens = prompt(2, num_pages=4)
+    holder = replicas["r1"]
+    holder.pool.hashes = hashes_of(tokens)
+    holder.epoch += 1
+    stats = build_digest(holder.pool, 4, 0, holder.epoch, instance_id=holder.instance_id, num_prefill_tokens=2000)
+    assert policy.report("r1", stats)
+    assert policy.choose(list(REPLICAS), tokens).best != "r1"  # its report: a long prefill backlog
+    idle = {r: 0 for r in REPLICAS}
+    assert policy.choose(list(REPLICAS), tokens, num_jobs=idle).best == "r1"  # those jobs are done since
+
+
 # ---- evictions, the routed record and its TTL -------------------------------------------------------------------
 
 

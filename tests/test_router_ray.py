@@ -127,38 +127,56 @@ def test_unknown_policy_option_is_an_error():
 def test_reported_pages_attract_their_prefix():
     async def go():
         replicas = [FakeReplica(f"r{i}") for i in range(3)]
-        group = prompt(1)
-        replicas[2].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        replicas[2].pool = FakePool(page_hashes(prompt(1), PAGE_SIZE)[:4])
         for r in replicas:
             r.report()
         router = make_router(replicas)
         ranking = await router.choose_replicas(replicas, pending(prompt(1)))
-        assert names(ranking)[0] == ["r2"]
+        assert names(ranking) == [["r2"], ["r0"], ["r1"]] or names(ranking)[0] == ["r2"]
+        assert all(len(rank) == 1 for rank in ranking) and len(ranking) == 3
         assert router.decision_modes["affinity"] == 1
-        # Another prefix is cached nowhere: ranked by load alone, all equal.
+        # Another prefix is cached nowhere: ranked by load alone; r2 has a request on its way.
         ranking = await router.choose_replicas(replicas, pending(prompt(2)))
-        assert sorted(names(ranking)[0]) == ["r0", "r1", "r2"]
+        assert router.decision_modes["load"] == 1 and names(ranking)[-1] == ["r2"]
 
     run(go())
 
 
-def test_routed_prompt_counts_before_any_report_and_keyword_arguments_work():
+def test_a_burst_spreads_and_followers_find_their_leaders_pages_before_any_report():
     async def go():
         replicas = [FakeReplica(f"r{i}") for i in range(4)]
-        router = make_router(replicas)  # no replica has reported yet
-        first = pending(prompt(3, num_pages=8))
-        chosen = (await router.choose_replicas(replicas, first))[0][0]
-        router.on_request_routed(first, chosen.replica_id, None)
-        # Its pages are not computed yet, and it is busier, but 8 pages are worth more than a running job.
-        follower = pending(prompt(3, num_pages=8), as_kwarg=True)
-        assert names(await router.choose_replicas(replicas, follower))[0] == [chosen.replica_id.unique_id]
-        # A decision never confirmed by on_request_routed (the request was cancelled) records nothing.
-        lost = pending(prompt(4))
-        await router.choose_replicas(replicas, lost)
-        assert router.decision_modes["affinity"] == 1
-        ranking = await router.choose_replicas(replicas, pending(prompt(4)))
-        assert router.decision_modes["affinity"] == 1 and len(ranking[0]) > 1
+        router = make_router(replicas)  # no replica has reported yet, nothing was sent yet
+        await asyncio.sleep(0.05)  # Serve probes the new replicas' queue lengths
+        leaders = [pending(prompt(g)) for g in range(4)]
+        chosen = [names(await router.choose_replicas(replicas, r))[0][0] for r in leaders]
+        assert sorted(chosen) == ["r0", "r1", "r2", "r3"], "each request of the burst counts where it goes"
+        for group in range(4):  # keyword arguments work too
+            follower = pending(prompt(group), as_kwarg=True)
+            assert names(await router.choose_replicas(replicas, follower))[0] == [chosen[group]]
+        # Serve sent the first leader elsewhere (its replica was full): the record follows it.
+        router.on_request_routed(leaders[0], replicas[3].replica_id, None)
+        router.replica_queue_len_cache.update(replicas[0].replica_id, 16)
+        ranking = await router.choose_replicas(replicas, pending(prompt(0)))
+        assert names(ranking)[0] == ["r3"]
         assert router.policy.num_rejected_reports == 0  # empty routing stats are not reports
+
+    run(go())
+
+
+def test_sent_requests_leave_the_in_transit_count():
+    async def go():
+        replicas = [FakeReplica(f"r{i}") for i in range(2)]
+        router = make_router(replicas)
+        await asyncio.sleep(0.05)  # Serve probes the new replicas' queue lengths
+        request = pending(prompt(9))
+        first = names(await router.choose_replicas(replicas, request))[0][0]
+        other = "r1" if first == "r0" else "r0"
+        # Retries of one request count once.
+        await router.choose_replicas(replicas, request)
+        ids = {r.replica_id.unique_id: r.replica_id for r in replicas}
+        assert router._job_counts({i: None for i in ids.values()}) == {ids[first]: 1, ids[other]: 0}
+        router.on_send_request(ids[first])  # the queue-length cache counts it now, in transit no more
+        assert router._job_counts({i: None for i in ids.values()}) == {ids[first]: 1, ids[other]: 0}
 
     run(go())
 
@@ -171,8 +189,9 @@ def test_calls_without_a_prompt_rank_every_replica_by_load():
         router = make_router(replicas)
         for request in (None, pending()):  # model_info(): no EngineRequest among the arguments
             ranking = await router.choose_replicas(replicas, request)
-            assert sum(len(rank) for rank in ranking) == 3
+            assert sorted(name for rank in names(ranking) for name in rank) == ["r0", "r1", "r2"]
             assert names(ranking)[-1] == ["r0"]  # the busiest last; r2 (no report yet) counts as idle
+        assert router.decision_modes["no_prompt"] == 2
         request = pending(prompt(5))
         await router.choose_replicas(replicas, request)
         assert request.routing_context.should_backoff  # every candidate was ranked: back off if all refuse
@@ -206,13 +225,13 @@ def test_dead_and_new_replicas():
         router.on_replica_actor_died(replicas[1].replica_id)
         assert replicas[1].replica_id not in router.policy.index
         alive = [replicas[0], replicas[2]]
-        ranking = await router.choose_replicas(alive, pending(group))
-        assert sorted(names(ranking)[0]) == ["r0", "r2"]
+        await router.choose_replicas(alive, pending(group))
+        assert router.decision_modes["load"] == 1  # its pages died with it
         # The controller replaces it: the newcomer is tracked, and ranked, before its first report.
         newcomer = FakeReplica("r3")
         router.update_replicas([*alive, newcomer])
         assert set(router.policy.index.replica_ids) == {r.replica_id for r in (*alive, newcomer)}
-        ranking = await router.choose_replicas([*alive, newcomer], pending(group))
+        ranking = await router.choose_replicas([*alive, newcomer], pending(prompt(10)))
         assert {"r3"} <= {name for rank in names(ranking) for name in rank}
         # Its first report, broadcast through update_replicas, makes it the prefix's holder.
         newcomer.pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])

@@ -38,6 +38,9 @@ from replicas.validation import to_engine_request
     ({"device": "cpu", "num_gpus": 1}, "device"),
     ({"device": "cuda", "num_gpus": 0}, "device"),
     ({"dtype": "int8"}, "dtype"),
+    ({"router": "round_robin"}, "router"),
+    ({"router_options": "[1, 2]"}, "router_options"),
+    ({"routing_stats_period_s": 0}, "routing_stats_period_s"),
     ({"model_path": ""}, "model_path"),
     ({"app_name": "a/b"}, "app_name"),
     ({"stall_timeout_s": 0}, "stall_timeout_s"),
@@ -101,6 +104,27 @@ def test_app_builder_and_serve_config():
     schema = ServeDeploySchema.model_validate(serve_config(ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16)))
     assert schema.grpc_options.grpc_servicer_functions == [
         "replicas.grpc_servicer.add_GenerationServicer_to_server"]
+
+
+def test_app_builder_attaches_the_configured_router():
+    from replicas.app import request_router_config
+    from router.policy import PolicyConfig
+    from router.ray_router import PrefixAwareRequestRouter
+
+    config = ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16, routing_stats_period_s=0.5,
+                         router_options={"imbalance_threshold": 4})
+    ours = request_router_config(config)
+    assert ours.get_request_router_class() is PrefixAwareRequestRouter
+    assert ours.request_router_kwargs == {"default_page_size": 16, "imbalance_threshold": 4}
+    assert ours.request_routing_stats_period_s == 0.5
+    PolicyConfig(**ours.request_router_kwargs)  # what initialize_state makes of them
+    ray_prefix = request_router_config(config.replace(router="ray_prefix", router_options=None))
+    assert ray_prefix.get_request_router_class().__name__ == "PrefixCacheAffinityRouter"
+    assert ray_prefix.request_router_kwargs == {"imbalanced_threshold": 10}
+    pow2 = request_router_config(config.replace(router="pow2", router_options=None))
+    assert pow2.get_request_router_class().__name__ == "PowerOfTwoChoicesRequestRouter"
+    from_strings = ServeConfig.from_dict({"num_gpus": "0", "router": "pow2", "router_options": '{"a": 1}'})
+    assert (from_strings.router, from_strings.router_options) == ("pow2", {"a": 1})
 
 
 # --- request validation -------------------------------------------------------------------------------------
@@ -240,6 +264,24 @@ def test_engine_streams_exact_lengths(engine):
     assert completion.finish.usage.completion_tokens == 12
     assert completion.finish.usage.prompt_tokens == 5
     assert engine.generator.pool.num_in_use == 0
+
+
+def test_engine_routing_digest_lists_the_prompt_pages(engine):
+    from folio.hashing import page_hashes
+    from router.digest import page_keys, parse_digest
+
+    prompt = tuple(range(3, 43))  # 2 full pages of 16 and 8 tokens
+
+    async def run():
+        job = engine.start_job(_request(4, prompt=prompt))
+        [c async for c in engine.stream(job, time.monotonic())]
+        return await engine.routing_digest(epoch=7, instance_id="x", max_hashes=64)
+
+    digest = parse_digest(asyncio.run(run()))
+    assert (digest.epoch, digest.instance_id, digest.page_size, digest.max_running) == (7, "x", 16, 2)
+    assert set(page_keys(page_hashes(list(prompt), 16))) <= digest.page_keys
+    assert digest.num_running == digest.num_queued == digest.num_prefill_tokens == 0
+    assert digest.num_pages == 64 and digest.num_allocatable_pages == 64
 
 
 def test_engine_stream_closed_early_cancels_the_job(engine):

@@ -34,6 +34,7 @@ class ForwardBatch:
     logits_idx: torch.Tensor  # [N] int64, rows of T whose logits forward() returns, in chunk order
     max_q_len: int
     max_context_len: int
+    total_context_len: int = 0  # sum of context_lens (host int; sizes the flash prefill path's K/V gather)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +93,7 @@ class ForwardBatch:
             logits_idx=to_device(torch.tensor(logits_idx, dtype=torch.int64), torch.int64),
             max_q_len=max(q_lens),
             max_context_len=max(context_lens),
+            total_context_len=sum(context_lens),
         )
 
 

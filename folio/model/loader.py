@@ -156,6 +156,29 @@ def load_tensors(
     return tensors
 
 
+def tensors_from_state_dict(
+    state_dict: dict[str, torch.Tensor], config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The expected tensors of an in-memory state dict (e.g. a transformers model's), checked like a checkpoint's
+    and moved to `device` / cast to `dtype` (no copy when they already are). The dict itself is left unchanged."""
+    shapes = expected_shapes(config)
+    tolerated = {names.LM_HEAD} if config.tie_word_embeddings else set()
+    missing = [name for name in shapes if name not in state_dict]
+    if missing:
+        raise CheckpointError(f"weight {missing[0]!r} not found in the state dict ({len(missing)} missing)")
+    unexpected = [name for name in state_dict
+                  if name not in shapes and name not in tolerated and not name.endswith(names.IGNORED_SUFFIXES)]
+    if unexpected:
+        raise CheckpointError(f"unexpected weight {unexpected[0]!r} in the state dict: the config does not describe it")
+    tensors = {}
+    for name, shape in shapes.items():
+        tensor = state_dict[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"weight {name!r}: expected shape {list(shape)}, got {list(tensor.shape)}")
+        tensors[name] = tensor.detach().to(device=device, dtype=dtype)
+    return tensors
+
+
 def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
     """Group loaded tensors per layer, concatenating q/k/v and gate/up. Consumes `tensors`."""
     layers = []

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from folio import ops
+from folio.model import flash
 from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
-from folio.model.loader import LayerWeights, ModelWeights, load_weights
+from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
 from folio.model.rotary import rope_inv_freq
 
 if TYPE_CHECKING:
@@ -44,6 +45,26 @@ class Model:
         weights = load_weights(path, config, device, dtype, progress)
         return cls(config, weights, device, dtype)
 
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Model:
+        """Build from weights already in memory under their checkpoint names (a transformers model's
+        `state_dict()`), e.g. random weights made on the GPU for a benchmark. device None: the tensors' device;
+        dtype None: the tensors' dtype. q/k/v and gate/up are fused into new tensors; the others are used as given
+        (no copy) when already on `device` in `dtype`."""
+        first = next(iter(state_dict.values()))
+        device = torch.device(device if device is not None else first.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = check_dtype(dtype if dtype is not None else first.dtype)
+        tensors = tensors_from_state_dict(state_dict, config, device, dtype)
+        return cls(config, fuse_weights(tensors, config), device, dtype)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: Cache) -> torch.Tensor:
         """Run the batch's new tokens, writing their K/V into `cache`.
@@ -53,19 +74,30 @@ class Model:
         self._check_cache(cache)
         w, eps = self.weights, self.config.rms_norm_eps
         residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
+        prefill = self._prefill_plan(batch, cache)
         x = ops.rms_norm(residual, w.layers[0].input_norm, eps)
         for layer_idx, layer in enumerate(w.layers):
             if layer_idx > 0:
                 ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
-            h = self._attention(layer_idx, layer, x, batch, cache)
+            h = self._attention(layer_idx, layer, x, batch, cache, prefill)
             ops.fused_add_rms_norm(h, residual, layer.post_attention_norm, eps)
             x = self._mlp(layer, h)
         ops.fused_add_rms_norm(x, residual, w.final_norm, eps)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
         return F.linear(x[batch.logits_idx], w.lm_head).float()
 
+    def _prefill_plan(self, batch: ForwardBatch, cache: Cache) -> flash.PrefillPlan | None:
+        """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here."""
+        if batch.max_q_len == 1 or self.device.type != "cuda":
+            return None
+        cfg = self.config
+        q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
+        mode = flash.choose_mode(q_like, cache.k[0], self.attention_scale)
+        return flash.plan(mode, batch, cache.page_size)
+
     def _attention(
-        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache
+        self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache,
+        prefill: flash.PrefillPlan | None = None,
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens, head_dim = x.shape[0], cfg.head_dim
@@ -80,7 +112,9 @@ class Model:
         v = v.contiguous().view(num_tokens, cfg.num_kv_heads, head_dim)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
         ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
-        if batch.max_q_len == 1:
+        if prefill is not None:
+            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale)
+        elif batch.max_q_len == 1:
             out = ops.paged_attention_decode(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
             )

@@ -65,6 +65,27 @@ Checks across values that values.schema.json cannot express; a failure stops `he
 {{- end -}}
 {{- end -}}
 
+{{/* replicas.app.ROUTER_CLASSES */}}
+{{- define "folio.routerClass" -}}
+{{- $classes := dict
+    "prefix" "router.ray_router:PrefixAwareRequestRouter"
+    "pow2" "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+    "ray_prefix" "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter" -}}
+{{- get $classes .Values.router.name -}}
+{{- end -}}
+
+{{/* replicas.app.request_router_config's kwargs, as JSON: router.options over the router's defaults (prefix: prompts
+are hashed with the cache's page size until replicas report theirs; ray_prefix: an explicit imbalance threshold). */}}
+{{- define "folio.routerKwargs" -}}
+{{- $defaults := dict -}}
+{{- if eq .Values.router.name "prefix" -}}
+{{- $defaults = dict "default_page_size" (int .Values.cache.pageSize) -}}
+{{- else if eq .Values.router.name "ray_prefix" -}}
+{{- $defaults = dict "imbalanced_threshold" 10 -}}
+{{- end -}}
+{{- merge (deepCopy .Values.router.options) $defaults | toJson -}}
+{{- end -}}
+
 {{/*
 The Serve config (deploy/serve.yaml's structure): the application built by replicas.app:build_app from ServeConfig
 args, with the deployments' settings that the code does not know (autoscaling, the router, the ingress's capacity).
@@ -118,6 +139,12 @@ applications:
       http_host: 0.0.0.0
       app_name: {{ .Values.serve.appName | toJson }}
       graceful_shutdown_timeout_s: {{ $gen.gracefulShutdownTimeoutS | toJson }}
+      router: {{ .Values.router.name | toJson }}
+      {{- with .Values.router.options }}
+      router_options: {{ toJson . }}
+      {{- end }}
+      routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
+      routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
       {{- if ne .Values.serve.requestTimeoutS nil }}
       request_timeout_s: {{ .Values.serve.requestTimeoutS | toJson }}
       {{- end }}
@@ -139,9 +166,11 @@ applications:
         ray_actor_options:
           num_gpus: {{ $gen.gpusPerReplica | toJson }}
           num_cpus: {{ $gen.cpusPerReplica | toJson }}
+        # = replicas.app.request_router_config(args), so that the head imports the router class when it validates
+        # this config (tests/test_deploy.py checks the two agree).
         request_router_config:
-          request_router_class: {{ .Values.router.class | toJson }}
-          request_router_kwargs: {{ .Values.router.kwargs | toJson }}
+          request_router_class: {{ include "folio.routerClass" . | toJson }}
+          request_router_kwargs: {{ include "folio.routerKwargs" . }}
           request_routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
           request_routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
       - name: Ingress
