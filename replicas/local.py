@@ -21,8 +21,10 @@ from replicas.config import ServeConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_driver: bool = False) -> None:
-    """Start a single-node Ray cluster bound to 127.0.0.1 and Serve's proxies (gRPC on config.grpc_port)."""
+def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_driver: bool = False,
+                  metrics_export_port: int | None = None) -> None:
+    """Start a single-node Ray cluster bound to 127.0.0.1 and Serve's proxies (gRPC on config.grpc_port).
+    `metrics_export_port`: where Ray's metrics agent serves Prometheus text (folio's metrics among them)."""
     _ensure_protos()
     _export_pythonpath()
     _loopback_only()
@@ -33,6 +35,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
         num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
         log_to_driver=log_to_driver,
         configure_logging=False,
+        **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
     )
     serve.start(
         http_options=HTTPOptions(host=config.http_host, port=config.http_port),

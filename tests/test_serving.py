@@ -42,12 +42,13 @@ def served(tmp_path_factory):
                        grpc_port=_free_port(), http_port=_free_port(), app_name="folio")
     small = main.replace(app_name="small", num_replicas=1, num_cpus=0.2, ingress_num_cpus=0.1, cache_tokens=1024,
                          max_batch_size=1, max_queue_size=1, max_queued_requests=1)
-    local.start_cluster(main)
+    metrics_port = _free_port()
+    local.start_cluster(main, metrics_export_port=metrics_port)
     try:
         local.deploy(main)
         local.deploy(small)
         channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
-        yield {"main": main, "small": small, "channel": channel}
+        yield {"main": main, "small": small, "channel": channel, "metrics_port": metrics_port}
         channel.close()
     finally:
         local.shutdown()
@@ -272,6 +273,33 @@ def test_queue_full_is_resource_exhausted(served):
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert codes.count(grpc.StatusCode.OK) >= 2, codes
+
+
+def test_metrics_are_exported(served):
+    """After the calls above, Ray's metrics agent serves folio's counters, histograms and gauges (Prometheus)."""
+    import urllib.request
+
+    wanted = ["ray_folio_requests_total", "ray_folio_time_to_first_token_seconds_bucket",
+              "ray_folio_time_per_output_token_seconds_bucket", "ray_folio_generated_tokens_total",
+              "ray_folio_prompt_tokens_total", "ray_folio_cached_prompt_tokens_total",
+              "ray_folio_prefix_cache_hit_rate", "ray_folio_pages_in_use"]
+
+    def scrape():
+        url = f"http://127.0.0.1:{served['metrics_port']}/metrics"
+        try:
+            body = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            return None
+        found = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line.startswith("ray_folio_")}
+        return body if all(name in found for name in wanted) else None
+
+    body = _wait_for(scrape, timeout_s=40, interval_s=1.0)
+    assert body is not None, "folio's metrics did not all appear on the metrics endpoint"
+    generated = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                 if line.startswith("ray_folio_generated_tokens_total{")]
+    assert sum(generated) > 0
+    ok = [line for line in body.splitlines() if line.startswith("ray_folio_requests_total{") and 'status="OK"' in line]
+    assert ok and sum(float(line.rsplit(" ", 1)[1]) for line in ok) > 0
 
 
 def test_python_handle_client_streams(served):
