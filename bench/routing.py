@@ -132,7 +132,9 @@ def bench_router(router: str, base, requests: list[Request], args: argparse.Name
     return {"router": router, "hit_rate": cached / prompt, "prompt_tokens": prompt, "cached_tokens": cached,
             "prefilled_tokens": prompt - cached, "requests_max": max(counts),
             "requests_mean": len(completions) / args.replicas, "requests_per_replica": sorted(counts, reverse=True),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "run_s": run_s}
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "run_s": run_s,
+            "per_request": [{"group": q.group, "replica": c.finish.replica_id, "prompt_tokens": u.prompt_tokens,
+                             "cached_tokens": u.cached_tokens} for q, c, u in zip(requests, completions, usages)]}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -177,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--routers", default="prefix,ray_prefix,pow2", help="comma-separated: prefix, ray_prefix, pow2")
     add("--replicas", type=int, default=4)
-    add("--pages", type=int, default=24, help="KV-cache pages per replica")
+    add("--pages", type=int, default=32, help="KV-cache pages per replica")
     add("--page-size", type=int, default=16)
     add("--groups", type=int, default=16)
     add("--per-group", type=int, default=16)
@@ -185,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--concurrency", type=int, default=8)
     add("--max-new-tokens", type=int, default=8)
     add("--max-batch-size", type=int, default=4, help="jobs one replica runs at once")
-    add("--our-options", default='{"running_job_tokens": 16}',
+    add("--our-options", default='{"running_job_tokens": 16, "backlog_token_weight": 0.1}',
         help="router_options (JSON) for our router: router.policy.PolicyConfig fields")
     add("--seed", type=int, default=0)
     add("--json", help="also write the results here")
@@ -220,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
             r = results[-1]
             progress(f"{ROUTER_NAMES[router]}: hit rate {r['hit_rate']:.1%}, requests per replica "
                      f"{r['requests_per_replica']}, {r['run_s']:.0f} s")
+        print_table(results, ideal, args)
     finally:
         local.shutdown()
-    print_table(results, ideal, args)
     progress(f"total {time.monotonic() - started_s:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

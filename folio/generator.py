@@ -10,6 +10,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,13 +25,23 @@ from folio.model.model import Model
 from folio.results import Result
 from folio.sampling import RowParams, SamplerSettings, sample
 from folio.sampling.history import TokenHistory
-from folio.sampling.rng import uniform
+from folio.sampling.rng import uniform, uniforms
 from folio.scheduler import Chunk, Scheduler, SeqState, StepPlan, validate_fits
 from folio.tokenizer import Tokenizer
 
 DEFAULT_MAX_CHUNK_TOKENS = 2048
 MAX_DERIVED_BATCH_SIZE = 256
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
+
+
+@dataclass
+class _Staged:
+    """A sampled token between `_stage` (appended to its sequence) and `_emit` (handed to its job)."""
+
+    seq: SeqState
+    token_id: int
+    extras: _TokenExtras
+    failure: Result | None = None  # the job failed at staging: emit this result instead
 
 
 class QueueFull(RuntimeError):
@@ -47,11 +58,15 @@ class DynamicGenerator:
     paged: False runs one job at a time (batch size 1); the page pool still reuses the previous job's prefix.
     prefix_cache: False never shares or keeps pages between jobs (to measure what the prefix cache is worth).
     cuda_graphs: capture decode steps in CUDA graphs (None: whenever the model is on a CUDA device).
+    overlap_emit: hand a step's sampled tokens to their jobs (text, stop strings, results) during the NEXT step, while
+        the device computes it, instead of before planning it (None: on with CUDA graphs). Results then arrive one
+        step later; the tokens are the same. A job that a stop string ends gets one extra step computed, discarded.
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
-                 paged: bool = True, prefix_cache: bool = True, cuda_graphs: bool | None = None):
+                 paged: bool = True, prefix_cache: bool = True, cuda_graphs: bool | None = None,
+                 overlap_emit: bool | None = None):
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -66,9 +81,13 @@ class DynamicGenerator:
         self.pool = PagePool(cache.num_pages, cache.page_size)
         self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size, prefix_cache)
         self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
+        self.overlap_emit = self.decode_graphs is not None if overlap_emit is None else bool(overlap_emit)
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
         self._histories: dict[int, TokenHistory] = {}  # id(job) -> prompt + sampled ids, for the penalties
+        # id(job) -> tokens sampled so far; ahead of job.new_tokens while they wait in _staged (overlap_emit)
+        self._num_sampled: dict[int, int] = {}
+        self._staged: list[_Staged] = []  # sampled tokens not yet handed to their jobs
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
         # Page stored/evicted events, drained from the pool every step so its log stays bounded; readers on other
         # threads take them with drain_page_events() (deque appends and pops are thread-safe).
@@ -143,6 +162,7 @@ class DynamicGenerator:
         seq = SeqState(job=job, token_ids=list(job.input_ids))
         self._seqs[id(job)] = seq
         self._histories[id(job)] = TokenHistory(job.input_ids)
+        self._num_sampled[id(job)] = 0
         self.scheduler.add(seq)
         return job.serial
 
@@ -150,12 +170,18 @@ class DynamicGenerator:
         return len(self.scheduler.pending)
 
     def num_remaining_jobs(self) -> int:
-        return self.scheduler.num_sequences
+        # _seqs, not the scheduler: a finished job leaves the scheduler before its last tokens are emitted
+        return len(self._seqs)
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill over running and queued jobs: the backlog a new job waits behind."""
+        return self.scheduler.num_prefill_tokens()
 
     def cancel(self, job: DynamicJob) -> None:
         """Drop a job in any state; its pages are released now. No result is emitted."""
         seq = self._seqs.pop(id(job), None)
         self._histories.pop(id(job), None)
+        self._num_sampled.pop(id(job), None)
         if seq is None:
             return
         self.scheduler.remove(seq)
@@ -164,6 +190,7 @@ class DynamicGenerator:
     def clear_queue(self) -> None:
         for seq in list(self._seqs.values()):
             self.cancel(seq.job)
+        self._staged.clear()
         self._deferred.clear()
 
     def reset_page_table(self) -> None:
@@ -208,18 +235,23 @@ class DynamicGenerator:
         for seq in plan.started:
             seq.job.state = JobState.ACTIVE
         if plan.empty:
+            results.extend(self._emit(self._take_staged()))
             return results
         try:
             logits = self._forward(plan)
         except Exception as error:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
+            results.extend(self._emit(self._take_staged()))
             for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
-                results.append(self._fail(seq, error))
+                if id(seq.job) in self._seqs:
+                    results.append(self._fail(seq, error))
             return results
         self.scheduler.commit(plan)
         results.extend(self._prefill_results(plan))
         sampled = [c for c in plan.chunks if c.wants_logits]
         if sampled:
             results.extend(self._sample_and_emit(sampled, logits))
+        else:
+            results.extend(self._emit(self._take_staged()))
         return results
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
@@ -243,7 +275,7 @@ class DynamicGenerator:
         progressed = [c.seq for c in plan.chunks if c.end - c.start > 1 or not c.wants_logits]
         progressed += [s for s in self.scheduler.active if id(s) in plan.progressed]
         for seq in progressed:
-            if id(seq) in seen or seq.job.new_tokens > 0 or seq not in self.scheduler.active:
+            if id(seq) in seen or self._num_sampled.get(id(seq.job), 0) > 0 or seq not in self.scheduler.active:
                 continue
             seen.add(id(seq))
             target = seq.num_prefill_target
@@ -251,17 +283,23 @@ class DynamicGenerator:
         return results
 
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor) -> list[Result]:
-        rows = [self._row_params(c.seq) for c in chunks]
+        jobs = [c.seq.job for c in chunks]
+        draws = uniforms([j.seed for j in jobs], [self._num_sampled[id(j)] for j in jobs])
+        rows = [self._row_params(c.seq, u) for c, u in zip(chunks, draws)]
         output = sample(logits, rows)
+        # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
+        results = self._emit(self._take_staged()) if self.overlap_emit else []
         # The one intended host sync of a step: the sampled ids decide what every job does next.
         token_ids = output.token_ids.tolist()
-        probs = output.token_probs.tolist() if any(c.seq.job.return_probs for c in chunks) else None
-        want_top = any(c.seq.job.return_top_tokens for c in chunks)
+        probs = output.token_probs.tolist() if any(j.return_probs for j in jobs) else None
+        want_top = any(j.return_top_tokens for j in jobs)
         top_tokens = output.top_k_tokens.tolist() if want_top else None
         top_probs = output.top_k_probs.tolist() if want_top else None
-        results = []
+        staged = []
         for i, chunk in enumerate(chunks):
             seq, job = chunk.seq, chunk.seq.job
+            if id(job) not in self._seqs:
+                continue  # ended (stop string, error, cancel) while this step ran: its token is dropped
             k = job.return_top_tokens
             extras = _TokenExtras(
                 prob=probs[i] if probs is not None else None,
@@ -269,39 +307,75 @@ class DynamicGenerator:
                 top_k_probs=top_probs[i][:k] if k else None,
                 logits=output.logits[i].to("cpu", torch.float32) if job.return_logits else None,
             )
-            if token_ids[i] < 0:
-                results.append(self._fail(seq, RuntimeError(
-                    "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
+            staged.append(self._stage(seq, token_ids[i], extras))
+        if self.overlap_emit:
+            self._staged = staged
+            return results
+        return results + self._emit(staged)
+
+    def _stage(self, seq: SeqState, token_id: int, extras: _TokenExtras) -> _Staged:
+        """Append a sampled token to its sequence so the next step can be planned; a job that this token ends
+        (max_new_tokens, a stop token) leaves the scheduler now. Its text and result come in `_emit`."""
+        job = seq.job
+        if token_id < 0:
+            return _Staged(seq, token_id, extras, failure=self._fail(seq, RuntimeError(
+                "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
+        try:
+            self.scheduler.append_token(seq, token_id)
+            self._histories[id(job)].append(token_id)
+        except Exception as error:  # noqa: BLE001 — one job's failure must not take down the batch
+            return _Staged(seq, token_id, extras, failure=self._fail(seq, error))
+        num_sampled = self._num_sampled[id(job)] = self._num_sampled[id(job)] + 1
+        if num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
+            self.scheduler.remove(seq)
+        return _Staged(seq, token_id, extras)
+
+    def _take_staged(self) -> list[_Staged]:
+        staged, self._staged = self._staged, []
+        return staged
+
+    def _emit(self, staged: list[_Staged]) -> list[Result]:
+        """Hand staged tokens to their jobs (stop checks, text); results in staging order."""
+        results = []
+        for entry in staged:
+            if entry.failure is not None:
+                results.append(entry.failure)
                 continue
+            seq, job = entry.seq, entry.seq.job
+            if id(job) not in self._seqs:
+                continue  # cancelled or failed since it was staged
             try:
-                self.scheduler.append_token(seq, token_ids[i])
-                self._histories[id(job)].append(token_ids[i])
-                result = job.receive_token(token_ids[i], extras)
+                result = job.receive_token(entry.token_id, entry.extras)
             except Exception as error:  # noqa: BLE001 — one job's failure must not take down the batch
                 results.append(self._fail(seq, error))
                 continue
             results.append(result)
             if result.eos:
-                self._seqs.pop(id(job), None)
-                self._histories.pop(id(job), None)
+                self._forget(job)
                 self.scheduler.remove(seq)
         return results
 
-    def _row_params(self, seq: SeqState) -> RowParams:
+    def _row_params(self, seq: SeqState, u: float | None = None) -> RowParams:
         job = seq.job
+        num_sampled = self._num_sampled[id(job)]
         return RowParams(
             settings=job.gen_settings,
-            u=uniform(job.seed, job.new_tokens),
+            u=uniform(job.seed, num_sampled) if u is None else u,
             history_ids=self._histories[id(job)].view(),
-            blocked_ids=tuple(job.blocked_tokens),
+            # stop tokens are blocked below min_new_tokens (job.blocked_tokens, counted at sampling time)
+            blocked_ids=tuple(job.stop_tokens) if num_sampled < job.min_new_tokens else (),
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             return_top_tokens=job.return_top_tokens,
             return_logits=job.return_logits,
         )
 
+    def _forget(self, job: DynamicJob) -> None:
+        self._seqs.pop(id(job), None)
+        self._histories.pop(id(job), None)
+        self._num_sampled.pop(id(job), None)
+
     def _fail(self, seq: SeqState, error: BaseException) -> Result:
-        self._seqs.pop(id(seq.job), None)
-        self._histories.pop(id(seq.job), None)
+        self._forget(seq.job)
         self.scheduler.remove(seq)
         return seq.job.error_result(error)
 

@@ -132,6 +132,12 @@ class Scheduler:
     def num_sequences(self) -> int:
         return len(self.pending) + len(self.active)
 
+    def num_prefill_tokens(self) -> int:
+        """Tokens still to prefill over running and queued sequences (a decoding sequence's one unfed token does
+        not count; queued ones count whole, since their cache hits are known only at admission)."""
+        running = sum(n for n in (seq.num_uncached_tokens for seq in self.active) if n > 1)
+        return running + sum(seq.num_uncached_tokens for seq in self.pending)
+
     # --- the step ---
 
     def plan(self) -> StepPlan:

@@ -21,7 +21,7 @@ from folio.generator import DynamicGenerator, QueueFull
 from folio.job import JobState
 from folio.kv_cache import Cache
 from folio.model.model import Model
-from folio.results import Result, Stage, StreamingResult
+from folio.results import Stage, StreamingResult
 from folio.sampling import SamplerSettings
 from folio.tokenizer import Tokenizer
 from replicas.config import ServeConfig
@@ -62,13 +62,7 @@ class Engine:
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
         return cls(config, model, tokenizer, cache, generator, runner, info)
 
-    # --- state ---
-
-    @property
-    def num_running(self) -> int:
-        """Jobs the engine runs (admitted). A plain attribute read from the event loop: a diagnostic, may be a
-        step old."""
-        return self.generator.num_remaining_jobs() - self.generator.num_pending_jobs()
+    # --- state (attribute reads from the event loop; the page pool is read on the engine thread) ---
 
     @property
     def num_remaining(self) -> int:
@@ -210,13 +204,8 @@ def _request_error(error: BaseException, job: DynamicJobAsync) -> RequestError:
 
 
 def num_prefill_tokens(generator: DynamicGenerator) -> int:
-    """Prompt tokens the engine has still to prefill, over running and queued jobs (queued jobs count whole: their
-    cache hits are known only at admission). Engine thread only.
-
-    Reads the scheduler's sequences: the generator has no public counter for this yet."""
-    scheduler = generator.scheduler
-    running = sum(n for n in (seq.num_uncached_tokens for seq in scheduler.active) if n > 1)  # 1: decoding
-    return running + sum(seq.num_uncached_tokens for seq in scheduler.pending)
+    """Prompt tokens the engine has still to prefill, over running and queued jobs. Engine thread only."""
+    return generator.num_prefill_tokens()
 
 
 def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:

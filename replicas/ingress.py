@@ -177,11 +177,12 @@ class Ingress:
                 # The client left: cancel the replica's job so that its pages are released.
                 cancel_quietly(response)
 
-
     def _prompt_text(self, request: GenerationRequest, engine_request: EngineRequest) -> str:
-        if request.text is not None:
+        if request.text:
             return request.text
-        return self._tokenizer.decode(list(engine_request.input_ids), decode_special_tokens=True)
+        ids = list(engine_request.input_ids)
+        # Never empty: PrefixCacheAffinityRouter divides by the prompt's length.
+        return self._tokenizer.decode(ids, decode_special_tokens=True) or " ".join(map(str, ids))
 
 
 def cancel_quietly(response: Any) -> None:

@@ -23,7 +23,6 @@ the next rank is tried: returning every candidate ranked means a full replica co
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
@@ -33,8 +32,6 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from router.policy import Decision, PolicyConfig, PrefixRouterPolicy
-
-logger = logging.getLogger("ray.serve")
 
 # Decisions waiting for on_request_routed. A request cancelled while routing never gets that call, so the map is
 # bounded (oldest dropped).
@@ -63,14 +60,16 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        policy = self.policy
-        policy.sync_replicas(self.curr_replicas)
+        self.policy.sync_replicas(self.curr_replicas)
+        for replica_id in [r for r in self._in_transit if r not in self.curr_replicas]:
+            del self._in_transit[replica_id]
         for replica in replicas:
             self._apply_report(replica)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.policy.remove_replica(replica_id)
+        self._in_transit.pop(replica_id, None)
 
     def _apply_report(self, replica: RunningReplica) -> None:
         stats = replica.routing_stats
@@ -93,10 +92,6 @@ class PrefixAwareRequestRouter(RequestRouter):
         token_ids = prompt_token_ids(pending_request)
         decision = self.policy.choose(list(by_id), token_ids, num_jobs=self._job_counts(by_id))
         self.decision_modes[decision.mode.value if token_ids else "no_prompt"] += 1
-        logger.info("DEBUGROUTE %s %s costs=%s cached=%s jobs=%s", decision.mode, len(token_ids),
-                    {r.unique_id: c for r, c in decision.costs.items()},
-                    {r.unique_id: c for r, c in decision.num_cached_tokens.items()},
-                    {r.unique_id: c for r, c in self._job_counts(by_id).items()})
         if pending_request is not None and decision.best is not None:
             self._expect(pending_request, decision, bool(token_ids))
         # One replica per rank, ties already broken by the policy's rng: Serve sends to rank 0 unless it is full,
@@ -104,7 +99,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [[by_id[replica_id]] for rank in decision.ranking for replica_id in rank]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)  # Serve's queue-length cache counts the request from now on
+        # Serve's queue-length cache counts the request from now on. (Which request is not said: the oldest one
+        # chosen for this replica leaves the in-transit count; when Serve sent one elsewhere, its entry expires.)
+        super().on_send_request(replica_id)
         sent = self._in_transit.get(replica_id)
         if sent:
             sent.popleft()

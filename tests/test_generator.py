@@ -387,3 +387,63 @@ def test_generate_abort_and_last_results(peaked):
     aborted.set()
     assert gen.generate(["a", "b"], max_new_tokens=50, abort_event=aborted) is None
     assert gen.num_remaining_jobs() == 0 and gen.pool.num_in_use == 0
+
+
+# --- overlapped emission (on by default with CUDA graphs; forced here on the CPU) ---
+
+def _overlap_jobs(tokenizer):
+    lists = prompts(tokenizer, 7, base="A quiet harbour")
+    sampled = folio.SamplerSettings(temperature=0.9, top_p=0.9, token_repetition_penalty=1.1)
+    eos = list(tokenizer.eos_token_ids)
+    return [
+        folio.DynamicJob(input_ids=lists[0], max_new_tokens=20, gen_settings=GREEDY, stop_conditions=[]),
+        folio.DynamicJob(input_ids=lists[1], max_new_tokens=30, gen_settings=sampled, seed=5, stop_conditions=[]),
+        folio.DynamicJob(input_ids=lists[2], max_new_tokens=40, gen_settings=sampled, seed=6,
+                         stop_conditions=eos, min_new_tokens=12),
+        folio.DynamicJob(input_ids=lists[3], max_new_tokens=40, gen_settings=sampled, seed=7,
+                         stop_conditions=["e", " the"]),
+        folio.DynamicJob(input_ids=lists[4], max_new_tokens=1, gen_settings=sampled, seed=8, stop_conditions=[]),
+        folio.DynamicJob(input_ids=lists[5], max_new_tokens=25, gen_settings=sampled, seed=9, return_probs=True,
+                         return_top_tokens=3, stop_conditions=None),
+        folio.DynamicJob(input_ids=lists[6], max_new_tokens=33, gen_settings=sampled, seed=10, stop_conditions=[]),
+    ]
+
+
+def _summary(results: dict) -> list:
+    out = []
+    for serial in sorted(results):
+        rs = results[serial]
+        last = rs[-1]
+        out.append((generated_ids(rs), last.full_completion, last.eos_reason, last.new_tokens,
+                    [p for r in rs if r.stage == Stage.STREAMING for p in (r.token_probs or [])]))
+    return out
+
+
+def test_overlapped_emission_gives_the_same_results(demo):
+    runs = {}
+    for overlap in (False, True):
+        gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap)
+        assert gen.overlap_emit is overlap
+        runs[overlap] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
+        assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
+    assert runs[True] == runs[False]
+    reasons = {r[2] for r in runs[True]}
+    assert EosReason.MAX_NEW_TOKENS in reasons and EosReason.STOP_STRING in reasons
+
+
+def test_overlapped_emission_cancel_and_generate(demo):
+    gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=True)
+    jobs = _overlap_jobs(demo.tokenizer)[:3]
+    for job in jobs:
+        gen.enqueue(job)
+    for _ in range(6):
+        gen.iterate()
+    gen.cancel(jobs[1])
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert r.job is not jobs[1]
+    assert jobs[1].state == JobState.CANCELLED and gen.pool.num_in_use == 0
+    plain = demo.generator(num_tokens=2048, page_size=16, overlap_emit=False)
+    prompt = "The lighthouse keeper"
+    assert gen.generate(prompt, max_new_tokens=12, gen_settings=GREEDY) == \
+        plain.generate(prompt, max_new_tokens=12, gen_settings=GREEDY)

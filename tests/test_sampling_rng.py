@@ -79,3 +79,18 @@ def test_counter_validation():
         uniform(0, 2**63)
     with pytest.raises(TypeError, match="int64"):
         uniform_tensor(torch.tensor([1], dtype=torch.int32), torch.tensor([0]))
+
+
+def test_batched_host_uniforms_equal_the_scalar_version() -> None:
+    import random
+
+    from folio.sampling.rng import uniforms
+
+    gen = random.Random(7)
+    seeds = [gen.getrandbits(64) for _ in range(300)] + [-1, -(1 << 63), (1 << 64) - 1, 0, 1 << 70]
+    counters = [gen.randrange(1 << 63) for _ in range(len(seeds))]
+    counters[:50] = range(50)
+    assert uniforms(seeds, counters) == [uniform(s, c) for s, c in zip(seeds, counters)]
+    assert uniforms([], []) == []
+    with pytest.raises(ValueError, match="counters"):
+        uniforms([1], [-1])

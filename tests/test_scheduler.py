@@ -168,3 +168,12 @@ def test_waiting_job_takes_pages_computed_by_another():
     h.check()
     assert b.block_table[:3] == a.block_table[:3]
     assert b.job.cached_pages == 3
+
+
+def test_num_prefill_tokens_counts_the_backlog():
+    h = Harness(num_pages=32, page_size=4, max_batch_size=1, max_chunk_size=8)
+    h.enqueue(list(range(20)), 3)
+    h.enqueue(list(range(50, 56)), 3)
+    assert h.sched.num_prefill_tokens() == 26  # nothing admitted yet: both prompts whole
+    h.step()  # the first is admitted and prefills 8 tokens; the second waits (batch size 1)
+    assert h.sched.num_prefill_tokens() == (20 - 8) + 6

@@ -35,6 +35,8 @@ class ForwardBatch:
     max_q_len: int
     max_context_len: int
     total_context_len: int = 0  # sum of context_lens (host int; sizes the flash prefill path's K/V gather)
+    seq_q_lens: tuple[int, ...] = ()  # host copy of each sequence's new-token count (the flash prefill path)
+    seq_context_lens: tuple[int, ...] = ()  # host copy of context_lens
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +96,8 @@ class ForwardBatch:
             max_q_len=max(q_lens),
             max_context_len=max(context_lens),
             total_context_len=sum(context_lens),
+            seq_q_lens=tuple(q_lens),
+            seq_context_lens=tuple(context_lens),
         )
 
 

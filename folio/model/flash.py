@@ -3,9 +3,9 @@
 Our own `paged_attention` kernel runs prefill on CUDA cores (~15 TFLOP/s on an H200); FlashAttention-2 runs it on
 tensor cores. Two ways to feed it the paged K/V:
 - "flash_paged": FA2 reads the pages itself through the block table (needs page_size % 256 == 0 and a torch whose
-  `_flash_attention_forward` takes `block_table`);
-- "flash_gather": gather each sequence's context into contiguous K/V first (one index_select per layer), used only
-  when the contexts are not much longer than the new tokens (mostly-prefill steps), else our kernel runs.
+  `_flash_attention_forward` takes `block_table`; torch 2.11's does not);
+- "flash_gather": the sequences with several new tokens get their contexts gathered into contiguous K/V (one
+  index_select per layer) for FA2; one-token rows of the same step (decoding sequences) go to our decode kernel.
 Varlen FA2 aligns the causal mask bottom-right, which is what a chunk continuing a cached context needs.
 
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from folio import reference_ops
+from folio import ops, reference_ops
 
 MODES = ("auto", "paged", "flash_paged", "flash_gather")
 ENV_VAR = "FOLIO_PREFILL_ATTENTION"
 FA2_PAGE_MULTIPLE = 256
-# flash_gather: gather only when the contexts hold at most this many tokens per new token (else our kernel runs)
-GATHER_MAX_CONTEXT_RATIO = 8
+# flash_gather: most context tokens gathered per step (K and V of one layer: 2 * this * Hkv * D elements)
+GATHER_MAX_TOKENS = 1 << 18
 _PROBE_MAX_REL_ERR = 2e-2
-_probed: dict[tuple, str] = {}
+_probed: dict[tuple, str] = {}  # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,16 @@ class PrefillPlan:
     """Per-forward inputs of the flash path, shared by every layer."""
 
     mode: str  # "flash_paged" or "flash_gather"
-    cu_seqlens_k: torch.Tensor  # [B+1] int32
+    cu_seqlens_q: torch.Tensor  # [N+1] int32 over the sequences FA2 computes
+    cu_seqlens_k: torch.Tensor  # [N+1] int32
+    max_q_len: int
     max_context_len: int
-    kv_slots: torch.Tensor | None  # flash_gather: [sum(context_lens)] int64 flat cache slots, sequence by sequence
+    kv_slots: torch.Tensor | None = None  # flash_gather: [sum of their contexts] int64 flat cache slots
+    # flash_gather with one-token rows beside: which rows go to FA2 and which to the decode kernel
+    long_rows: torch.Tensor | None = None  # [T_long] int64
+    short_rows: torch.Tensor | None = None  # [B_short] int64
+    short_block_tables: torch.Tensor | None = None  # [B_short, max_blocks] int32
+    short_context_lens: torch.Tensor | None = None  # [B_short] int32
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
@@ -73,54 +80,96 @@ def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> str:
     return _probed[key]
 
 
+def _device_ints(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
     """Per-forward tensors for `mode`, or None when this batch should run on our kernel."""
     if mode == "paged":
         return None
-    total_k = batch.total_context_len
-    if mode == "flash_gather" and total_k > GATHER_MAX_CONTEXT_RATIO * batch.num_tokens:
+    device = batch.context_lens.device
+    if mode == "flash_paged":
+        cu_k = torch.zeros(batch.num_seqs + 1, dtype=torch.int32, device=device)
+        torch.cumsum(batch.context_lens, 0, dtype=torch.int32, out=cu_k[1:])
+        return PrefillPlan(mode, batch.cu_seqlens_q, cu_k, batch.max_q_len, batch.max_context_len)
+    q_lens, context_lens = batch.seq_q_lens, batch.seq_context_lens
+    long = [i for i, n in enumerate(q_lens) if n > 1]
+    total_k = sum(context_lens[i] for i in long)
+    if not long or total_k > GATHER_MAX_TOKENS:
         return None
-    context_lens = batch.context_lens
-    cu_k = torch.zeros(context_lens.shape[0] + 1, dtype=torch.int32, device=context_lens.device)
-    torch.cumsum(context_lens, 0, dtype=torch.int32, out=cu_k[1:])
-    kv_slots = None
-    if mode == "flash_gather":
-        num_seqs = context_lens.shape[0]
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=cu_k.device), context_lens.long(),
-                                          output_size=total_k)
-        pos = torch.arange(total_k, device=cu_k.device) - cu_k[seq_idx].long()
-        kv_slots = batch.block_tables[seq_idx, pos // page_size].long() * page_size + pos % page_size
-    return PrefillPlan(mode, cu_k, batch.max_context_len, kv_slots)
+    cu_q, cu_k, long_rows, short_rows, short = [0], [0], [], [], []
+    row = 0
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            long_rows.extend(range(row, row + n))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + context_lens[i])
+        else:
+            short_rows.append(row)
+            short.append(i)
+        row += n
+    cu_q_t = _device_ints(cu_q, torch.int32, device)
+    cu_k_t = _device_ints(cu_k, torch.int32, device)
+    long_idx = _device_ints(long, torch.int64, device)
+    long_tables = batch.block_tables.index_select(0, long_idx)
+    seq_of_k = torch.repeat_interleave(torch.arange(len(long), device=device), cu_k_t.diff().long(),
+                                       output_size=total_k)
+    pos = torch.arange(total_k, device=device) - cu_k_t.long()[seq_of_k]
+    kv_slots = long_tables[seq_of_k, pos // page_size].long() * page_size + pos % page_size
+    max_q, max_k = max(q_lens[i] for i in long), max(context_lens[i] for i in long)
+    if not short:
+        return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots)
+    short_idx = _device_ints(short, torch.int64, device)
+    return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots,
+                       long_rows=_device_ints(long_rows, torch.int64, device),
+                       short_rows=_device_ints(short_rows, torch.int64, device),
+                       short_block_tables=batch.block_tables.index_select(0, short_idx),
+                       short_context_lens=batch.context_lens.index_select(0, short_idx))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, prefill: PrefillPlan,
               scale: float) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache)."""
     if prefill.mode == "flash_paged":
-        return _flash(q, k_cache, v_cache, batch.cu_seqlens_q, prefill.cu_seqlens_k, batch.max_q_len,
+        return _flash(q, k_cache, v_cache, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
                       prefill.max_context_len, scale, block_table=batch.block_tables)
     num_kv_heads, head_dim = k_cache.shape[2:]
     k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
     v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
-    return _flash(q, k, v, batch.cu_seqlens_q, prefill.cu_seqlens_k, batch.max_q_len, prefill.max_context_len,
-                  scale)
+    if prefill.short_rows is None:
+        return _flash(q, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
+                      prefill.max_context_len, scale)
+    out = torch.empty_like(q)
+    long_out = _flash(q.index_select(0, prefill.long_rows), k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k,
+                      prefill.max_q_len, prefill.max_context_len, scale)
+    out.index_copy_(0, prefill.long_rows, long_out)
+    short_out = ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
+                                           prefill.short_block_tables, prefill.short_context_lens, scale)
+    out.index_copy_(0, prefill.short_rows, short_out)
+    return out
 
 
 def _probe(mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) -> bool:
-    """Does `mode` run here and agree with the reference on a small two-sequence batch (one chunk continuing a
-    cached context across pages, one whole prompt)?"""
+    """Does `mode` run here and agree with the reference on a small batch (a chunk continuing a cached context
+    across pages, a whole prompt, a one-token row)?"""
     from folio.model.batch import ForwardBatch, SeqChunk
 
     device, dtype = q_like.device, q_like.dtype
     num_q_heads = q_like.shape[1]
     page_size, num_kv_heads, head_dim = k_like.shape[1:]
     gen = torch.Generator(device=device).manual_seed(0)
-    n0, n1 = -(-300 // page_size), -(-37 // page_size)
-    num_pages = n0 + n1 + 1
+    lens = [(300, 45), (37, 37), (70, 1)]  # (context, new tokens)
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 1
     k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     pages = torch.randperm(num_pages, device="cpu").tolist()
-    chunks = [SeqChunk([0] * 45, 255, pages[:n0]), SeqChunk([0] * 37, 0, pages[n0:n0 + n1])]
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, pages[used:used + n]))
+        used += n
     batch = ForwardBatch.build(chunks, page_size, device)
     q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     try:
@@ -132,4 +181,3 @@ def _probe(mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) 
                                          batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
     err = ((got - want).norm() / want.norm()).item()
     return err <= _PROBE_MAX_REL_ERR
-

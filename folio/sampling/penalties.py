@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from folio.sampling.host import host_tensor, to_device
+from folio.sampling.host import to_device
 from folio.sampling.settings import SamplerSettings
 
 History = Sequence[int] | torch.Tensor
@@ -25,26 +26,18 @@ def _window_size(settings: SamplerSettings, history: History) -> int:
     return len(history) if window is None else min(window, len(history))
 
 
-def _window(history: History, size: int) -> torch.Tensor:
-    """The newest `size` ids of a history as a CPU int64 tensor."""
-    if isinstance(history, torch.Tensor):
-        return history[history.numel() - size:]
-    return host_tensor(history[len(history) - size:], torch.int64)
-
-
 def _history_windows(histories: Sequence[History], sizes: list[int], width: int, dump_column: int,
                      device: torch.device) -> torch.Tensor:
     """[B, width] ids, each row's window right-aligned (newest last), left-padded with `dump_column`; ids outside
-    [0, dump_column) also become `dump_column`, so that they change nothing."""
-    padding = torch.full((width,), dump_column, dtype=torch.int64)
-    pieces = []
-    for history, size in zip(histories, sizes):
-        if size < width:
-            pieces.append(padding[: width - size])
+    [0, dump_column) also become `dump_column`, so that they change nothing. Built in one host array (numpy slice
+    copies, one transfer)."""
+    ids = np.full((len(sizes), width), dump_column, dtype=np.int64)
+    for row, (history, size) in enumerate(zip(histories, sizes)):
         if size:
-            pieces.append(_window(history, size))
-    ids = to_device(torch.cat(pieces), torch.int64, device).view(len(sizes), width)
-    return torch.where((ids >= 0) & (ids < dump_column), ids, dump_column)
+            values = history.numpy() if isinstance(history, torch.Tensor) else history
+            ids[row, width - size:] = values[len(values) - size:]
+    np.putmask(ids, (ids < 0) | (ids > dump_column), dump_column)
+    return to_device(torch.from_numpy(ids), torch.int64, device)
 
 
 def apply_penalties(work: torch.Tensor, settings: Sequence[SamplerSettings], histories: Sequence[History]) -> None:

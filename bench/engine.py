@@ -1,0 +1,704 @@
+"""Engine benchmark (issue 8): folio against transformers on the workloads W1-W5, with the physical ceilings.
+
+    python bench/engine.py [--workloads W1,W2,W3,W4,W5] [--peers/--no-peers] [--peer-requests 64] [--groups 16]
+    python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
+
+Random bf16 weights of real shapes are made on the GPU by transformers (LlamaForCausalLM from a config) and folio
+runs the SAME tensors (Model.from_state_dict; transformers' q/k/v and gate/up become views of folio's fused
+ones). Output lengths are forced (stop_conditions=[]; the peer has no EOS). Ceilings measured in the same run:
+device-to-device copy bandwidth (decode limit = weight bytes / bandwidth) and a large bf16 matmul (prefill limit =
+FLOPs / matmul rate). Prints one table last; writes $OUT/engine.json.
+
+Sampling: W1 and W4 greedy; W2, W3, W5 folio's default SamplerSettings (temperature 0.8, top-k 50, top-p 0.8,
+repetition penalty 1.025 over the whole history) and, for the peer, do_sample with the same temperature/top-k/top-p.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import random
+import statistics
+import tempfile
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import folio.generator as folio_generator  # noqa: E402
+from folio import Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, Tokenizer  # noqa: E402
+
+SHAPES = {
+    "8B": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "1B": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=1000, tie_word_embeddings=False),
+}
+COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=0,
+              eos_token_id=None, architectures=["LlamaForCausalLM"])
+SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.8)
+
+
+def log(*args) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, device: torch.device, iterations: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"copy_GBps": 50.0, "matmul_TFLOPs": 1.0}
+    n = 1 << 31  # 4 GiB of bf16... 2^31 elements x 2 bytes
+    src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:  # clocks up from idle
+        dst.copy_(src)
+    t = median_time(lambda: dst.copy_(src), device)
+    copy_gbps = 2 * src.numel() * 2 / t / 1e9
+    del src, dst
+    size = 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    t = median_time(lambda: a @ b, device)
+    matmul = 2 * size**3 / t / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_GBps": copy_gbps, "matmul_TFLOPs": matmul}
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+
+def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer over `vocab_size` made-up pieces (token i reads " t<i>"): the engine's text path
+    runs for real, and no tokenizer files are needed."""
+    vocab = {f"\u2581t{i}": i for i in range(vocab_size)}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+        "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "\u2581t0"},
+    }
+    return Tokenizer(json.dumps(spec), bos_token_id=0, eos_token_ids=[1], pad_token_id=None)
+
+
+@dataclass
+class Pair:
+    name: str
+    hf: object
+    model: Model
+    tokenizer: Tokenizer
+    weight_bytes: int  # bytes a decode step must read: every weight but the embedding table (one row of it)
+    linear_params: int  # parameters in the per-token matmuls (all layers), without lm_head
+
+
+def build_pair(shape: str, device: torch.device) -> Pair:
+    import transformers
+
+    t0 = time.perf_counter()
+    config = transformers.LlamaConfig(**SHAPES[shape], **COMMON)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    raw = config.to_dict()
+    raw["dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    folio_config = ModelConfig.from_dict(raw)
+    state = hf.state_dict()
+    model = Model.from_state_dict(folio_config, state)
+    del state
+    share_fused_weights(hf, model)
+    cfg = folio_config
+    per_layer = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    element = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = (per_layer * cfg.num_layers + cfg.vocab_size * cfg.hidden_size) * element
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log(f"built {shape}: {sum(p.numel() for p in hf.parameters()) / 1e9:.2f} B params in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return Pair(shape, hf, model, synthetic_tokenizer(cfg.vocab_size), weight_bytes, per_layer * cfg.num_layers)
+
+
+def share_fused_weights(hf, model: Model) -> None:
+    """Point transformers' q/k/v and gate/up at row slices of folio's fused tensors: one copy of the weights."""
+    cfg = model.config
+    with torch.no_grad():
+        for layer, weights in zip(hf.model.layers, model.weights.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = weights.qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            gate, up = weights.gate_up.split([cfg.intermediate_size, cfg.intermediate_size])
+            for module, tensor in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (mlp.gate_proj, gate),
+                                   (mlp.up_proj, up)):
+                module.weight = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+# -------------------------------------------------------------------------------------------------- folio
+
+
+@dataclass
+class StepProfile:
+    """Host-side time per phase of the generator's steps (no extra syncs: the sample wrapper takes the step's one
+    sync early, so 'gpu_wait' is the time the host waited for the device)."""
+
+    steps: int = 0
+    seconds: dict = field(default_factory=lambda: dict(plan=0.0, forward=0.0, sample=0.0, gpu_wait=0.0, rest=0.0))
+
+    def per_step_ms(self) -> dict:
+        n = max(1, self.steps)
+        return {k: round(v / n * 1e3, 3) for k, v in self.seconds.items()}
+
+
+def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device):
+    """Wrap the generator's phases with timers; returns an undo function."""
+    plan, forward, sample = gen.scheduler.plan, gen._forward, folio_generator.sample
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                profile.seconds[key] += time.perf_counter() - t0
+        return wrapper
+
+    def sample_then_wait(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = sample(*args, **kwargs)
+        t1 = time.perf_counter()
+        sync(device)  # the step's one sync, taken here instead of in .tolist() a moment later
+        profile.seconds["sample"] += t1 - t0
+        profile.seconds["gpu_wait"] += time.perf_counter() - t1
+        return out
+
+    gen.scheduler.plan = timed(plan, "plan")
+    gen._forward = timed(forward, "forward")
+    folio_generator.sample = sample_then_wait
+
+    def undo():
+        del gen.scheduler.plan, gen._forward
+        folio_generator.sample = sample
+
+    return undo
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    output_tokens: int
+    ttft_s: list  # per job: first token time - run start
+    tpot_s: list  # per job: (last - first token) / (n - 1)
+    profile: dict | None = None
+    steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: int, prefix_cache: bool = True,
+                   cache_tokens: int | None = None) -> tuple[DynamicGenerator, Cache]:
+    device = pair.model.device
+    if cache_tokens is not None or device.type != "cuda":
+        page = 256
+        tokens = cache_tokens or max_batch_size * max_seq_len
+        cache = Cache(pair.model, num_tokens=-(-tokens // page) * page)
+    else:
+        gc.collect()
+        torch.cuda.empty_cache()
+        cache = Cache(pair.model, max_memory_fraction=0.85)
+    t0 = time.perf_counter()
+    gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                           max_q_size=num_jobs + 1, prefix_cache=prefix_cache)
+    log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB), batch {max_batch_size}, "
+        f"graphs {'on' if gen.decode_graphs else 'off'} ({time.perf_counter() - t0:.1f} s)")
+    return gen, cache
+
+
+def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[int], settings: SamplerSettings,
+              device: torch.device) -> RunResult:
+    jobs = [DynamicJob(input_ids=p, max_new_tokens=n, stop_conditions=[], gen_settings=settings, seed=i)
+            for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    profile = StepProfile()
+    undo = instrument(gen, profile, device)
+    sync(device)
+    t0 = time.perf_counter()
+    try:
+        gen.enqueue(jobs)
+        remaining = len(jobs)
+        while remaining:
+            s0 = time.perf_counter()
+            results = gen.iterate()
+            profile.steps += 1
+            profile.seconds["rest"] += time.perf_counter() - s0
+            remaining -= sum(1 for r in results if getattr(r, "eos", False))
+            for r in results:
+                if getattr(r, "error", None) is not None:
+                    raise r.error
+    finally:
+        undo()
+    wall = time.perf_counter() - t0
+    profile.seconds["rest"] -= sum(v for k, v in profile.seconds.items() if k != "rest")
+    ttft = [j.time_first_token - (j.time_enqueue or 0) for j in jobs]
+    tpot = [(j.time_last_token - j.time_first_token) / (j.new_tokens - 1) for j in jobs if j.new_tokens > 1]
+    return RunResult(wall, sum(j.new_tokens for j in jobs), ttft, tpot,
+                     {"steps": profile.steps, "per_step_ms": profile.per_step_ms()}, profile.steps)
+
+
+def decode_step_gpu_ms(gen: DynamicGenerator, batch: int) -> float | None:
+    """GPU time of one captured decode step of `batch` rows (graph replay alone, no sampling or host work)."""
+    graphs = gen.decode_graphs
+    if graphs is None:
+        return None
+    b = graphs.bucket_for(batch)
+    if b is None:
+        return None
+    graph = graphs._graphs[b]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 10
+
+
+# ------------------------------------------------------------------------------------------------- peers
+
+
+def hf_generation_config(pair: Pair, max_new_tokens: int, sampled: bool, **extra):
+    import transformers
+
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sampled, eos_token_id=None, pad_token_id=0,
+                  bos_token_id=0)
+    if sampled:
+        kwargs.update(SAMPLED)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    kwargs.update(extra)
+    return transformers.GenerationConfig(**kwargs)
+
+
+def run_generate_batch(pair: Pair, prompts: list[list[int]], new_tokens: list[int], sampled: bool) -> RunResult:
+    """transformers' continuous batching. Per-request lengths: grouped by max_new_tokens when they differ (the API
+    takes one max_new_tokens per call); each group is one call, timed together."""
+    hf = pair.hf
+    params = inspect.signature(hf.generate_batch).parameters
+    groups: dict[int, list[list[int]]] = {}
+    for p, n in zip(prompts, new_tokens):
+        groups.setdefault(n, []).append(p)
+    if len(groups) > 1:
+        raise ValueError("one max_new_tokens per call: use run_generate_batch_mixed")
+    (n, inputs), = groups.items()
+    config = hf_generation_config(pair, n, sampled)
+    kwargs = {k: v for k, v in (("progress_bar", False), ("record_timestamps", True)) if k in params}
+    t0 = time.perf_counter()
+    outputs = hf.generate_batch(inputs=inputs, generation_config=config, **kwargs)
+    sync(pair.model.device)
+    wall = time.perf_counter() - t0
+    return _peer_result(outputs, wall, t0)
+
+
+def _peer_result(outputs: dict, wall: float, t0: float) -> RunResult:
+    """Wall time from the first request's creation (after the manager's set-up and warm-up) to the last token,
+    when the outputs carry those times; else the whole call."""
+    total, ttft, tpot, created, finished = 0, [], [], [], []
+    for out in outputs.values():
+        tokens = getattr(out, "generated_tokens", None) or []
+        total += len(tokens)
+        stamps = getattr(out, "timestamps", None)
+        if getattr(out, "created_time", None) is not None:
+            created.append(out.created_time)
+        if stamps:
+            finished.append(stamps[-1])
+            ttft.append(stamps[0] - (getattr(out, "created_time", None) or t0))
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    if created and finished and t0 <= min(created) < max(finished):
+        wall = max(finished) - min(created)
+    return RunResult(wall, total, ttft, tpot)
+
+
+def run_generate_batch_mixed(pair: Pair, prompts, new_tokens, sampled: bool) -> RunResult:
+    """Mixed output lengths with a single-length API: one call with every request at its own length is not
+    possible, so requests go in 4 length buckets (each bucket's max), run one after another; only the tokens a
+    request asked for are counted."""
+    order = sorted(range(len(prompts)), key=lambda i: new_tokens[i])
+    buckets = [order[k * len(order) // 4:(k + 1) * len(order) // 4] for k in range(4)]
+    wall, total = 0.0, 0
+    for bucket in buckets:
+        if not bucket:
+            continue
+        n = max(new_tokens[i] for i in bucket)
+        res = run_generate_batch(pair, [prompts[i] for i in bucket], [n] * len(bucket), sampled)
+        wall += res.wall_s
+        total += min(res.output_tokens, sum(new_tokens[i] for i in bucket))
+    return RunResult(wall, total, [], [])
+
+
+def run_static_compiled(pair: Pair, prompt: list[int], new_tokens: int) -> dict:
+    """transformers generate with a static cache and the forward compiled the documented way
+    (torch.compile(model.forward, mode="reduce-overhead", fullgraph=True); transformers' own automatic compile is
+    disabled so that it does not compile twice). Warm-up calls compile; then TTFT (1 token) and the full run."""
+    hf = pair.hf
+    ids = torch.tensor([prompt], device=pair.model.device)
+    config = hf_generation_config(pair, new_tokens, False, min_new_tokens=new_tokens, cache_implementation="static",
+                                  disable_compile=True)
+    one = hf_generation_config(pair, 1, False, cache_implementation="static", disable_compile=True)
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        return _time_static(hf, ids, prompt, config, one)
+    finally:
+        del hf.forward  # back to the class's forward for the other peers
+
+
+def _time_static(hf, ids, prompt, config, one) -> dict:
+    t0 = time.perf_counter()
+    hf.generate(ids, generation_config=config)
+    hf.generate(ids, generation_config=config)
+    compile_s = time.perf_counter() - t0
+    times_one, times_all = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, generation_config=one)
+        torch.cuda.synchronize()
+        times_one.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = hf.generate(ids, generation_config=config)
+        torch.cuda.synchronize()
+        times_all.append(time.perf_counter() - t)
+    produced = out.shape[1] - len(prompt)
+    ttft, total = min(times_one), min(times_all)
+    return {"ttft_s": ttft, "total_s": total, "tokens": produced, "tpot_s": (total - ttft) / (produced - 1),
+            "warmup_compile_s": compile_s}
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Row:
+    workload: str
+    engine: str
+    note: str = ""
+    tok_s: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    vs_peer: float | None = None
+    vs_limit: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Rows(list):
+    """The table's rows; each one is logged and the JSON rewritten as it comes, so a run cut short keeps them."""
+
+    def __init__(self, save):
+        super().__init__()
+        self._save = save
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        log(f"  ROW {row.workload} | {row.engine} | {row.note} | tok/s {fmt(row.tok_s, '.0f')} | "
+            f"ttft {fmt(row.ttft_ms, '.1f')} ms | tpot {fmt(row.tpot_ms, '.2f')} ms | vs limit {fmt(row.vs_limit, '.3f')}")
+        self._save()
+
+
+def random_prompts(count: int, lengths, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    if isinstance(lengths, int):
+        lengths = [lengths] * count
+    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
+
+
+def median_ms(values) -> float | None:
+    return statistics.median(values) * 1e3 if values else None
+
+
+def peer_call(rows: list, workload: str, engine: str, note: str, fn):
+    log(f"  peer {engine} ...")
+    t0 = time.perf_counter()
+    try:
+        res = fn()
+    except Exception as error:  # noqa: BLE001 — a failing peer is recorded, not fatal
+        traceback.print_exc()
+        rows.append(Row(workload, engine, f"FAILED: {type(error).__name__}: {str(error)[:120]}"))
+        return None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    log(f"  peer {engine} done in {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+def w1(pair: Pair, args, ceilings: dict, rows: list) -> None:
+    prompt = random_prompts(1, 128 if not args.tiny else 16, pair.model.config.vocab_size, 1)[0]
+    n = 256 if not args.tiny else 16
+    limit_tok_s = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes
+    gen, cache = make_generator(pair, 1, 512, 2, cache_tokens=512)
+    greedy = SamplerSettings.greedy()
+    run_folio(gen, [prompt], [n], greedy, pair.model.device)  # warm-up
+    res = min((run_folio(gen, [prompt], [n], greedy, pair.model.device) for _ in range(2)), key=lambda r: r.wall_s)
+    gpu_ms = decode_step_gpu_ms(gen, 1) if pair.model.device.type == "cuda" else None
+    del gen, cache
+    folio_rate = 1 / statistics.median(res.tpot_s)
+    row = Row("W1", "folio", "8B, 128+256, greedy", folio_rate, median_ms(res.ttft_s), median_ms(res.tpot_s),
+              vs_limit=folio_rate / limit_tok_s,
+              extra={"limit_tok_s": limit_tok_s, "end_to_end_tok_s": res.tokens_per_s, "profile": res.profile,
+                     "decode_graph_gpu_ms": gpu_ms})
+    rows.append(row)
+    if args.peers:
+        cb = peer_call(rows, "W1", "hf generate_batch", "",
+                       lambda: run_generate_batch(pair, [prompt], [n], sampled=False))
+        if cb:
+            rows.append(Row("W1", "hf generate_batch", "", cb.tokens_per_s, median_ms(cb.ttft_s),
+                            median_ms(cb.tpot_s), vs_limit=cb.tokens_per_s / limit_tok_s))
+        peer = peer_call(rows, "W1", "hf static+compile", "", lambda: run_static_compiled(pair, prompt, n))
+        if peer:
+            rate = 1 / peer["tpot_s"]
+            rows.append(Row("W1", "hf static+compile", f"compile+warm-up {peer['warmup_compile_s']:.0f} s", rate,
+                            peer["ttft_s"] * 1e3, peer["tpot_s"] * 1e3, vs_limit=rate / limit_tok_s, extra=peer))
+            row.vs_peer = folio_rate / rate
+
+
+def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens, note: str, max_seq_len: int,
+               ceilings: dict) -> None:
+    settings = SamplerSettings()
+    gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts))
+    gen.warmup()
+    res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
+    gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
+    del gen, cache
+    # decode limit at batch 256: weights once per step (attention K/V reads come on top)
+    limit = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes * min(256, len(prompts))
+    row = Row(workload, "folio", note, res.tokens_per_s, median_ms(res.ttft_s), median_ms(res.tpot_s),
+              vs_limit=res.tokens_per_s / limit,
+              extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
+                     "decode_graph_gpu_ms_batch256": gpu_ms, "weights_only_limit_tok_s": limit})
+    rows.append(row)
+    log(f"  folio {workload}: {res.tokens_per_s:.0f} tok/s, {res.output_tokens} tokens in {res.wall_s:.1f} s, "
+        f"profile {res.profile}, graph step {gpu_ms} ms")
+    reference = dict(item.split(":") for item in args.peer_reference.split(",") if item)
+    if workload in reference:
+        peer_tok_s = float(reference[workload])
+        rows.append(Row(workload, "hf generate_batch", "earlier run (--peer-reference)", peer_tok_s,
+                        vs_limit=peer_tok_s / limit))
+        row.vs_peer = res.tokens_per_s / peer_tok_s
+    elif args.peers and args.peer_requests:
+        k = min(args.peer_requests, len(prompts))
+        fn = run_generate_batch if len(set(new_tokens[:k])) == 1 else run_generate_batch_mixed
+        peer = peer_call(rows, workload, "hf generate_batch",
+                         "", lambda: fn(pair, prompts[:k], new_tokens[:k], sampled=True))
+        if peer:
+            rows.append(Row(workload, "hf generate_batch", f"{k} of {len(prompts)} requests", peer.tokens_per_s,
+                            median_ms(peer.ttft_s), median_ms(peer.tpot_s), vs_limit=peer.tokens_per_s / limit,
+                            extra={"wall_s": peer.wall_s, "tokens": peer.output_tokens}))
+            row.vs_peer = res.tokens_per_s / peer.tokens_per_s
+
+
+def w2(pair, args, ceilings, rows):
+    count = args.requests or 256
+    prompts = random_prompts(count, 512 if not args.tiny else 32, pair.model.config.vocab_size, 2)
+    n = 256 if not args.tiny else 16
+    throughput("W2", pair, args, rows, prompts, [n] * count, f"8B, {count} x (512+256)", 1024, ceilings)
+
+
+def w3(pair, args, ceilings, rows):
+    count = args.requests or 256
+    rng = random.Random(3)
+    hi = 1024 if not args.tiny else 64
+    prompt_lens = [rng.randint(100 if not args.tiny else 4, hi) for _ in range(count)]
+    new_tokens = [rng.randint(100 if not args.tiny else 4, hi) for _ in range(count)]
+    prompts = random_prompts(count, prompt_lens, pair.model.config.vocab_size, 3)
+    throughput("W3", pair, args, rows, prompts, new_tokens, f"1B, {count} x U[100,1024]+U[100,1024]", 2048, ceilings)
+
+
+def prefill_flops(pair: Pair, tokens: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention FLOPs) of a causal prefill of `tokens` tokens (lm_head on the last row only)."""
+    cfg = pair.model.config
+    linear = 2 * tokens * pair.linear_params + 2 * cfg.hidden_size * cfg.vocab_size
+    attention = 2 * 2 * cfg.num_layers * cfg.num_q_heads * cfg.head_dim * (tokens * (tokens + 1) / 2)
+    return linear, attention
+
+
+def w4(pair, args, ceilings, rows):
+    lengths = (2048, 8192) if not args.tiny else (64, 128)
+    rate = ceilings["matmul_TFLOPs"] * 1e12
+    device = pair.model.device
+    modes = ["auto", "paged"] if device.type == "cuda" else ["auto"]
+    gen, cache = make_generator(pair, 1, max(lengths) + 256, 2, cache_tokens=max(lengths) + 512)
+    greedy = SamplerSettings.greedy()
+    from folio.model import flash
+
+    for mode in modes:
+        os.environ[flash.ENV_VAR] = mode
+        for length in lengths:
+            prompt = random_prompts(1, length, pair.model.config.vocab_size, 4)[0]
+            run_folio(gen, [prompt], [1], greedy, device)
+            gen.reset_page_table()
+            times = []
+            for _ in range(3):
+                res = run_folio(gen, [prompt], [1], greedy, device)
+                gen.reset_page_table()
+                times.append(res.wall_s)
+            t = statistics.median(times)
+            linear, attention = prefill_flops(pair, length)
+            cfg = pair.model.config
+            q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=device, dtype=pair.model.dtype)
+            used = flash.choose_mode(q_like, cache.k[0], pair.model.attention_scale)
+            rows.append(Row("W4", "folio", f"8B prefill {length} (attention: {used})",
+                            length / t, t * 1e3, None, vs_limit=(linear + attention) / t / rate,
+                            extra={"TFLOPs_total": (linear + attention) / t / 1e12,
+                                   "TFLOPs_matmul_only": linear / t / 1e12, "seconds": t}))
+            log(f"  folio W4 {mode} {length}: {t * 1e3:.1f} ms, {(linear + attention) / t / 1e12:.0f} TFLOP/s")
+    os.environ.pop(flash.ENV_VAR, None)
+    del gen, cache
+    if args.peers:
+        for length in lengths:
+            prompt = random_prompts(1, length, pair.model.config.vocab_size, 4)[0]
+            ids = torch.tensor([prompt], device=device)
+
+            def forward():
+                with torch.no_grad():
+                    pair.hf(input_ids=ids, logits_to_keep=1, use_cache=False)
+
+            t = peer_call(rows, "W4", "hf forward (sdpa)", "", lambda: median_time(forward, device, 3, 1))
+            if t:
+                linear, attention = prefill_flops(pair, length)
+                rows.append(Row("W4", "hf forward (sdpa)", f"8B prefill {length}", length / t, t * 1e3,
+                                vs_limit=(linear + attention) / t / rate,
+                                extra={"TFLOPs_total": (linear + attention) / t / 1e12}))
+
+
+def w5(pair, args, ceilings, rows):
+    groups = args.groups
+    per_group = 16 if not args.tiny else 4
+    prefix_len, question, n = (2048, 128, 256) if not args.tiny else (64, 8, 8)
+    vocab = pair.model.config.vocab_size
+    prompts = []
+    for g in range(groups):
+        prefix = random_prompts(1, prefix_len, vocab, 100 + g)[0]
+        prompts += [prefix + q for q in random_prompts(per_group, question, vocab, 1000 + g)]
+    results = {}
+    for prefix_cache in (True, False):
+        gen, cache = make_generator(pair, 256 if not args.tiny else 16, prefix_len + question + n, len(prompts),
+                                    prefix_cache=prefix_cache)
+        gen.warmup()
+        res = run_folio(gen, prompts, [n] * len(prompts), SamplerSettings(), pair.model.device)
+        del gen, cache
+        results[prefix_cache] = res
+        log(f"  folio W5 prefix_cache={prefix_cache}: {res.tokens_per_s:.0f} tok/s in {res.wall_s:.1f} s, "
+            f"profile {res.profile}")
+    on, off = results[True], results[False]
+    note = f"8B, {groups} groups x {per_group}" + (" (scaled from 64 groups)" if groups != 64 else "")
+    rows.append(Row("W5", "folio prefix on", note, on.tokens_per_s, median_ms(on.ttft_s), median_ms(on.tpot_s),
+                    vs_peer=on.wall_s and off.wall_s / on.wall_s,
+                    extra={"wall_s": on.wall_s, "profile": on.profile, "vs_peer_means": "speed-up over prefix off"}))
+    rows.append(Row("W5", "folio prefix off", note, off.tokens_per_s, median_ms(off.ttft_s), median_ms(off.tpot_s),
+                    extra={"wall_s": off.wall_s, "profile": off.profile}))
+
+
+WORKLOADS = {"W1": ("8B", w1), "W2": ("8B", w2), "W3": ("1B", w3), "W4": ("8B", w4), "W5": ("8B", w5)}
+
+
+def fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def print_table(rows: list, ceilings: dict) -> None:
+    print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s")
+    print("| workload | engine | setting | tok/s | TTFT ms (median) | ms/token (median) | vs peer | vs limit |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.workload} | {r.engine} | {r.note} | {fmt(r.tok_s, ',.0f')} | {fmt(r.ttft_ms, '.1f')} | "
+              f"{fmt(r.tpot_ms, '.2f')} | {fmt(r.vs_peer, '.2f')}{'x' if r.vs_peer else ''} | "
+              f"{fmt(r.vs_limit and 100 * r.vs_limit, '.0f')}{'%' if r.vs_limit else ''} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="W4,W2,W3,W5,W1")
+    parser.add_argument("--no-peers", dest="peers", action="store_false")
+    parser.add_argument("--peer-requests", type=int, default=64, help="W2/W3: requests given to the peer")
+    parser.add_argument("--peer-reference", default="", help="W2:tok_s,W3:tok_s: peer numbers of an earlier run "
+                        "of this script, instead of running the peer again")
+    parser.add_argument("--requests", type=int, default=0, help="W2/W3 request count (0: 256)")
+    parser.add_argument("--groups", type=int, default=16, help="W5 prefix groups of 16 requests (issue: 64)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
+    selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    torch.manual_seed(0)
+    ceilings = measure_ceilings(device)
+    log(f"ceilings {ceilings}")
+    from folio.model import flash
+
+    def save() -> None:
+        (out_dir / "engine.json").write_text(json.dumps(
+            {"ceilings": ceilings, "rows": [r.__dict__ for r in rows],
+             "prefill_attention_probes": {str(k): v for k, v in flash._probed.items()}}, indent=1, default=str))
+
+    rows = Rows(save)
+    pairs: dict[str, Pair] = {}
+    for name in selected:
+        shape, fn = WORKLOADS[name]
+        shape = "tiny" if args.tiny else shape
+        if shape not in pairs:
+            for other in list(pairs):
+                del pairs[other]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            pairs[shape] = build_pair(shape, device)
+        log(f"{name} ...")
+        t0 = time.perf_counter()
+        try:
+            fn(pairs[shape], args, ceilings, rows)
+        except Exception as error:  # noqa: BLE001 — report and go on with the next workload
+            traceback.print_exc()
+            rows.append(Row(name, "folio", f"FAILED: {type(error).__name__}: {str(error)[:160]}"))
+        log(f"{name} done in {time.perf_counter() - t0:.1f} s")
+        save()
+    print_table(rows, ceilings)
+
+
+if __name__ == "__main__":
+    main()

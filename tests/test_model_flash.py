@@ -1,0 +1,73 @@
+"""The flash prefill path's bookkeeping on the CPU: FA2 itself is replaced by a plain varlen causal attention, so
+what is checked is the split into multi-token and one-token rows, the K/V gather through shuffled pages and the
+cumulative lengths (the GPU test in test_model_gpu.py runs the real FA2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio import reference_ops
+from folio.model import flash
+from folio.model.batch import ForwardBatch, SeqChunk
+
+
+def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
+    """Bottom-right aligned causal attention over packed sequences (FA2 varlen's semantics), with GQA."""
+    assert block_table is None
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs, ks = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
+        vs = v[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1)
+        n_q, n_k = qs.shape[0], ks.shape[0]
+        assert n_q <= max_q and n_k <= max_k
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+        out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, -torch.inf).softmax(-1),
+                                                vs)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("lens", [
+    [(300, 45), (37, 37), (290, 1)],
+    [(64, 64)],
+    [(5, 1), (700, 200), (17, 1), (1, 1), (33, 2)],
+])
+def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> None:
+    monkeypatch.setattr(flash, "_flash", varlen_causal)
+    gen = torch.Generator().manual_seed(page_size + len(lens))
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 3
+    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
+        used += n
+    batch = ForwardBatch.build(chunks, page_size, "cpu")
+    q = torch.randn(batch.num_tokens, 6, 16, generator=gen)
+    prefill = flash.plan("flash_gather", batch, page_size)
+    assert prefill is not None
+    assert (prefill.short_rows is None) == all(new > 1 for _, new in lens)
+    got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25)
+    want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, 0.25, batch.max_q_len)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_flash_gather_declines_decode_only_and_huge_batches(monkeypatch) -> None:
+    decode = ForwardBatch.build([SeqChunk([1], 9, [0]), SeqChunk([2], 3, [1])], 16, "cpu")
+    assert flash.plan("flash_gather", decode, 16) is None
+    assert flash.plan("paged", decode, 16) is None
+    monkeypatch.setattr(flash, "GATHER_MAX_TOKENS", 100)
+    big = ForwardBatch.build([SeqChunk([1] * 20, 90, list(range(7)))], 16, "cpu")
+    assert flash.plan("flash_gather", big, 16) is None
+
+
+def test_cpu_and_fp32_never_take_the_flash_path() -> None:
+    k_cache = torch.zeros(2, 16, 2, 16)
+    assert flash.choose_mode(torch.zeros(0, 4, 16), k_cache, 1.0) == "paged"
