@@ -1,7 +1,14 @@
 """Engine benchmark (issue 8): folio against transformers on the workloads W1-W5, with the physical ceilings.
 
-    python bench/engine.py [--workloads W1,W2,W3,W4,W5] [--peers/--no-peers] [--peer-requests 64] [--groups 16]
+    python bench/engine.py [--workloads W4,W2,W3,W5,W1] [--no-peers] [--peer-requests 64] [--groups 16]
+                           [--peer-reference W2:455,W3:218] [--no-overlap] [--profile-host]
     python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
+    ENGINE_BENCH=1 bash bench/gpu.sh                  (after the build, the GPU tests and the kernel benchmark)
+
+Sizes: W2/W3 run 256 requests for folio, the peer gets the first --peer-requests of them (generate_batch is ~50x
+slower; W3's peer runs its mixed output lengths in 4 length buckets, one generate_batch call each); W5 runs
+--groups groups of 16 (the issue's 64 groups take minutes with the prefix cache off). The table says so.
+About 4 minutes on an H200 with peers (transformers compiles the static-cache peer of W1: ~40 s).
 
 Random bf16 weights of real shapes are made on the GPU by transformers (LlamaForCausalLM from a config) and folio
 runs the SAME tensors (Model.from_state_dict; transformers' q/k/v and gate/up become views of folio's fused
@@ -47,6 +54,7 @@ SHAPES = {
 COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=0,
               eos_token_id=None, architectures=["LlamaForCausalLM"])
 SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.8)
+OPTIONS: dict = {}  # command-line switches that reach into helpers (no_overlap)
 
 
 def log(*args) -> None:
@@ -172,11 +180,13 @@ def share_fused_weights(hf, model: Model) -> None:
 
 @dataclass
 class StepProfile:
-    """Host-side time per phase of the generator's steps (no extra syncs: the sample wrapper takes the step's one
-    sync early, so 'gpu_wait' is the time the host waited for the device)."""
+    """Host time per phase of the generator's steps, taken with no extra syncs: plan, forward (host side: input
+    buffers, graph replay or kernel launches), sample (launches), emit (tokens to jobs: text, results; with
+    overlap_emit it runs while the device computes the step) and rest (the step's one sync — waiting for the
+    device — staging, prefill results)."""
 
     steps: int = 0
-    seconds: dict = field(default_factory=lambda: dict(plan=0.0, forward=0.0, sample=0.0, gpu_wait=0.0, rest=0.0))
+    seconds: dict = field(default_factory=lambda: dict(plan=0.0, forward=0.0, sample=0.0, emit=0.0, rest=0.0))
 
     def per_step_ms(self) -> dict:
         n = max(1, self.steps)
@@ -185,7 +195,7 @@ class StepProfile:
 
 def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device):
     """Wrap the generator's phases with timers; returns an undo function."""
-    plan, forward, sample = gen.scheduler.plan, gen._forward, folio_generator.sample
+    plan, forward, emit, sample = gen.scheduler.plan, gen._forward, gen._emit, folio_generator.sample
 
     def timed(fn, key):
         def wrapper(*args, **kwargs):
@@ -196,21 +206,13 @@ def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device
                 profile.seconds[key] += time.perf_counter() - t0
         return wrapper
 
-    def sample_then_wait(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = sample(*args, **kwargs)
-        t1 = time.perf_counter()
-        sync(device)  # the step's one sync, taken here instead of in .tolist() a moment later
-        profile.seconds["sample"] += t1 - t0
-        profile.seconds["gpu_wait"] += time.perf_counter() - t1
-        return out
-
     gen.scheduler.plan = timed(plan, "plan")
     gen._forward = timed(forward, "forward")
-    folio_generator.sample = sample_then_wait
+    gen._emit = timed(emit, "emit")
+    folio_generator.sample = timed(sample, "sample")
 
     def undo():
-        del gen.scheduler.plan, gen._forward
+        del gen.scheduler.plan, gen._forward, gen._emit
         folio_generator.sample = sample
 
     return undo
@@ -243,7 +245,8 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
         cache = Cache(pair.model, max_memory_fraction=0.85)
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                           max_q_size=num_jobs + 1, prefix_cache=prefix_cache)
+                           max_q_size=num_jobs + 1, prefix_cache=prefix_cache,
+                           overlap_emit=False if OPTIONS.get("no_overlap") else None)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB), batch {max_batch_size}, "
         f"graphs {'on' if gen.decode_graphs else 'off'} ({time.perf_counter() - t0:.1f} s)")
     return gen, cache
@@ -372,19 +375,14 @@ def run_generate_batch_mixed(pair: Pair, prompts, new_tokens, sampled: bool) -> 
 
 
 def run_static_compiled(pair: Pair, prompt: list[int], new_tokens: int) -> dict:
-    """transformers generate with a static cache and the forward compiled the documented way
-    (torch.compile(model.forward, mode="reduce-overhead", fullgraph=True); transformers' own automatic compile is
-    disabled so that it does not compile twice). Warm-up calls compile; then TTFT (1 token) and the full run."""
+    """transformers generate with a static cache, which transformers compiles itself (torch.compile of the decode
+    forward, its CompileConfig defaults: fullgraph, reduce-overhead). Warm-up calls compile; then TTFT (1 token)
+    and the full run are timed."""
     hf = pair.hf
     ids = torch.tensor([prompt], device=pair.model.device)
-    config = hf_generation_config(pair, new_tokens, False, min_new_tokens=new_tokens, cache_implementation="static",
-                                  disable_compile=True)
-    one = hf_generation_config(pair, 1, False, cache_implementation="static", disable_compile=True)
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-    try:
-        return _time_static(hf, ids, prompt, config, one)
-    finally:
-        del hf.forward  # back to the class's forward for the other peers
+    config = hf_generation_config(pair, new_tokens, False, min_new_tokens=new_tokens, cache_implementation="static")
+    one = hf_generation_config(pair, 1, False, cache_implementation="static")
+    return _time_static(hf, ids, prompt, config, one)
 
 
 def _time_static(hf, ids, prompt, config, one) -> dict:
@@ -505,6 +503,19 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
     gen.warmup()
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
     gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
+    if args.profile_host:
+        import cProfile
+        import pstats
+
+        gen.reset_page_table()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_folio(gen, prompts, new_tokens, settings, pair.model.device)
+        profiler.disable()
+        log(f"  {workload} host profile (cProfile; times inflated by it):")
+        stats = pstats.Stats(profiler, stream=sys.stdout)
+        stats.sort_stats("tottime").print_stats(20)
+        stats.sort_stats("cumtime").print_stats(r"folio/", 25)
     del gen, cache
     # decode limit at batch 256: weights once per step (attention K/V reads come on top)
     limit = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes * min(256, len(prompts))
@@ -568,7 +579,7 @@ def w4(pair, args, ceilings, rows):
     from folio.model import flash
 
     for mode in modes:
-        os.environ[flash.ENV_VAR] = mode
+        pair.model.prefill_attention = mode
         for length in lengths:
             prompt = random_prompts(1, length, pair.model.config.vocab_size, 4)[0]
             run_folio(gen, [prompt], [1], greedy, device)
@@ -582,13 +593,13 @@ def w4(pair, args, ceilings, rows):
             linear, attention = prefill_flops(pair, length)
             cfg = pair.model.config
             q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=device, dtype=pair.model.dtype)
-            used = flash.choose_mode(q_like, cache.k[0], pair.model.attention_scale)
+            used = flash.choose_mode(q_like, cache.k[0], pair.model.attention_scale, mode)
             rows.append(Row("W4", "folio", f"8B prefill {length} (attention: {used})",
                             length / t, t * 1e3, None, vs_limit=(linear + attention) / t / rate,
                             extra={"TFLOPs_total": (linear + attention) / t / 1e12,
                                    "TFLOPs_matmul_only": linear / t / 1e12, "seconds": t}))
             log(f"  folio W4 {mode} {length}: {t * 1e3:.1f} ms, {(linear + attention) / t / 1e12:.0f} TFLOP/s")
-    os.environ.pop(flash.ENV_VAR, None)
+    pair.model.prefill_attention = "auto"
     del gen, cache
     if args.peers:
         for length in lengths:
@@ -662,9 +673,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="W2/W3 request count (0: 256)")
     parser.add_argument("--groups", type=int, default=16, help="W5 prefix groups of 16 requests (issue: 64)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-overlap", action="store_true", help="DynamicGenerator(overlap_emit=False)")
+    parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    OPTIONS["no_overlap"] = args.no_overlap
     out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
     torch.manual_seed(0)

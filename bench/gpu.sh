@@ -2,10 +2,13 @@
 # One call on a CUDA machine: build the native library for Hopper only, run the GPU tests, run the kernel
 # benchmark. Logs and bench JSON go to $OUT (a temp dir when unset); the benchmark table prints last.
 #   bash bench/gpu.sh            # from anywhere; needs python3 with torch (CUDA), nvcc, ninja, pybind11, pytest
+#   ENGINE_BENCH=1 bash bench/gpu.sh     # then also the engine benchmark (bench/engine.py, its table last)
+#   ENGINE_BENCH=only bash bench/gpu.sh  # the engine benchmark instead of the kernel one; ENGINE_ARGS passes options
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
+export OUT
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 FOLIO_CUDA_ARCHS="${FOLIO_CUDA_ARCHS:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
@@ -39,11 +42,21 @@ timeout "${OTHER_TESTS_TIMEOUT_S:-150}" "$PY" -m pytest -m gpu -q -p no:cachepro
 others_rc=$?
 grep -E "^(FAILED|ERROR)|crashed" "$OUT/pytest-native.log" | head -20
 
-"$PY" bench/kernels.py >"$OUT/bench.log" 2>&1
-bench_rc=$?
-cat "$OUT/bench.log" | tail -45
+bench_rc=0
+if [ "${ENGINE_BENCH:-0}" != "only" ]; then
+  "$PY" bench/kernels.py >"$OUT/bench.log" 2>&1
+  bench_rc=$?
+  cat "$OUT/bench.log" | tail -45
+fi
+engine_rc=
+if [ "${ENGINE_BENCH:-0}" != "0" ]; then
+  # shellcheck disable=SC2086  # ENGINE_ARGS is a list of options
+  "$PY" bench/engine.py ${ENGINE_ARGS:-} >"$OUT/engine.log" 2>&1
+  engine_rc=$?
+  sed -n '/^ceilings:/,$p' "$OUT/engine.log"
+fi
 echo "---"
 echo "build (sm_${FOLIO_CUDA_ARCHS/./}, $MAX_JOBS jobs): ${build_s} s"
 echo "native gpu tests (rc $native_rc): $(tail -1 "$OUT/pytest-native.log")"
 echo "other gpu tests (rc $others_rc): $(tail -1 "$OUT/pytest-gpu-others.log")"
-echo "bench rc $bench_rc; logs in $OUT"
+echo "bench rc $bench_rc${engine_rc:+; engine bench rc $engine_rc}; logs in $OUT"

@@ -358,7 +358,7 @@ class DynamicGenerator:
     def _row_params(self, seq: SeqState, u: float | None = None) -> RowParams:
         job = seq.job
         num_sampled = self._num_sampled[id(job)]
-        return RowParams(
+        return RowParams.unchecked(
             settings=job.gen_settings,
             u=uniform(job.seed, num_sampled) if u is None else u,
             history_ids=self._histories[id(job)].view(),

@@ -52,13 +52,12 @@ def test_cache_sized_from_free_memory(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mode, page_size", [("flash_paged", 256), ("flash_gather", 16), ("flash_gather", 256)])
-def test_flash_prefill_attention_matches_reference(monkeypatch, mode, page_size) -> None:
+def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
     """The tensor-core prefill path on a mixed batch: a chunk continuing a cached context across pages, a whole
     prompt, a decode row; shuffled pages. flash_paged needs a torch whose FA2 takes a block table."""
     from folio import reference_ops
     from folio.model import flash
 
-    monkeypatch.setenv(flash.ENV_VAR, mode)
     gen = torch.Generator(device="cuda").manual_seed(1)
     lens = [(300, 45), (37, 37), (290, 1)]  # (context, new tokens)
     pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
@@ -73,7 +72,7 @@ def test_flash_prefill_attention_matches_reference(monkeypatch, mode, page_size)
     batch = ForwardBatch.build(chunks, page_size, "cuda")
     q = torch.randn(batch.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 128**-0.5
-    chosen = flash.choose_mode(q, k_cache, scale)
+    chosen = flash.choose_mode(q, k_cache, scale, mode)
     if chosen == "paged":
         pytest.skip(f"{mode} does not run with this torch (probe failed)")
     prefill = flash.plan(chosen, batch, page_size)

@@ -408,3 +408,19 @@ def test_call_validation():
         sample(logits.double(), [RowParams(s, 0.5)])
     with pytest.raises(ValueError, match="2 RowParams"):
         sample(logits, [RowParams(s, 0.5)] * 2)
+
+
+def test_plain_greedy_fast_path_equals_the_full_path() -> None:
+    """All-greedy batches skip the sort; asking for one top token forces the full path on the same rows."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=gen).round(decimals=1)  # rounding makes ties
+    logits[1] = -math.inf
+    logits[2, 37:] = 50.0  # beyond vocab_size: must be masked
+    logits[3, [5, 9]] = 9.0  # a tie: the first index wins
+    greedy = SamplerSettings.greedy()
+    fast = sample(logits, [RowParams(greedy, 0.3, vocab_size=37) for _ in range(6)])
+    full = sample(logits, [RowParams(greedy, 0.3, vocab_size=37, return_top_tokens=1) for _ in range(6)])
+    assert fast.token_ids.tolist() == full.token_ids.tolist()
+    assert fast.token_probs.tolist() == full.token_probs.tolist()
+    assert fast.token_ids[1] == -1 and fast.token_ids[3] == 5
+    assert fast.top_k_tokens is None and fast.logits is None

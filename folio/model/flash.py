@@ -9,13 +9,13 @@ tensor cores. Two ways to feed it the paged K/V:
 Varlen FA2 aligns the causal mask bottom-right, which is what a chunk continuing a cached context needs.
 
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
-else our kernel ("paged"). FOLIO_PREFILL_ATTENTION=paged|flash_paged|flash_gather forces one (for benchmarks).
+else our kernel ("paged"). `Model.prefill_attention` = "paged" | "flash_paged" | "flash_gather" forces one (for
+benchmarks and tests).
 Decode-only steps never come here (paged_attention_decode, CUDA graphs).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,6 @@ import torch
 from folio import ops, reference_ops
 
 MODES = ("auto", "paged", "flash_paged", "flash_gather")
-ENV_VAR = "FOLIO_PREFILL_ATTENTION"
 FA2_PAGE_MULTIPLE = 256
 # flash_gather: most context tokens gathered per step (K and V of one layer: 2 * this * Hkv * D elements)
 GATHER_MAX_TOKENS = 1 << 18
@@ -56,19 +55,18 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kwargs)[0]
 
 
-def _requested_mode() -> str:
-    mode = os.environ.get(ENV_VAR, "auto")
+def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"{ENV_VAR}={mode!r}; expected one of {MODES}")
+        raise ValueError(f"prefill_attention={mode!r}; expected one of {MODES}")
     return mode
 
 
-def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> str:
-    """The prefill attention path for tensors shaped like these on this device (probed once per shape family)."""
+def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float, requested: str = "auto") -> str:
+    """The prefill attention path for tensors shaped like these on this device (probed once per shape family);
+    `requested` other than "auto" forces one (still falling back to "paged" if it fails its probe)."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return "paged"
-    requested = _requested_mode()
-    if requested == "paged":
+    if check_mode(requested) == "paged":
         return "paged"
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     key = (q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, page_size, requested)

@@ -27,6 +27,9 @@ class Model:
         self.dtype = dtype
         self.inv_freq = rope_inv_freq(config, device)  # [D/2] fp32
         self.attention_scale = config.head_dim**-0.5
+        # Prefill attention path on CUDA (see folio.model.flash): "auto" picks tensor-core FlashAttention when it
+        # passes a numerical probe here, else our paged kernel; set another mode to force one.
+        self.prefill_attention = "auto"
 
     @classmethod
     def from_pretrained(
@@ -92,7 +95,7 @@ class Model:
             return None
         cfg = self.config
         q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
-        mode = flash.choose_mode(q_like, cache.k[0], self.attention_scale)
+        mode = flash.choose_mode(q_like, cache.k[0], self.attention_scale, self.prefill_attention)
         return flash.plan(mode, batch, cache.page_size)
 
     def _attention(

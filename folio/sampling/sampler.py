@@ -49,6 +49,16 @@ class RowParams:
     return_top_tokens: int = 0
     return_logits: bool = False
 
+    @classmethod
+    def unchecked(cls, settings: SamplerSettings, u: float, history_ids: History, blocked_ids: Sequence[int],
+                  vocab_size: int | None, return_top_tokens: int, return_logits: bool) -> RowParams:
+        """A row built from values the caller has already validated (the generator: a validated job's
+        settings, its own draws), without __post_init__'s checks: it builds one per sequence per step."""
+        row = object.__new__(cls)
+        row.__dict__.update(settings=settings, u=u, history_ids=history_ids, blocked_ids=blocked_ids,
+                            vocab_size=vocab_size, return_top_tokens=return_top_tokens, return_logits=return_logits)
+        return row
+
     def __post_init__(self) -> None:
         if not isinstance(self.settings, SamplerSettings):
             raise TypeError(f"RowParams.settings must be a SamplerSettings, got {type(self.settings).__name__}")
@@ -107,6 +117,14 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] fp32 (left unchanged) following each row's RowParams."""
     _check_call(logits, rows)
     num_columns = logits.shape[1]
+    width = _plain_greedy_width(rows, num_columns)
+    if width is not None:
+        # Every row is plain greedy: the full path's result is the argmax (first index on ties) with
+        # probability 1, so skip its working copy, masks and sort (one kernel instead of ~30; single-stream
+        # decode pays for each launch).
+        values, ids = logits[:, :width].max(dim=1)
+        pickable = values > -math.inf  # False for rows of -inf (nothing to pick) or NaN, as in _pick
+        return SampleOutput(torch.where(pickable, ids, -1), pickable.float())
     # Working copy with one extra column: scatters aim the entries they must skip at it.
     work = torch.nn.functional.pad(logits, (0, 1))
     apply_penalties(work, [row.settings for row in rows], [row.history_ids for row in rows])
@@ -122,6 +140,22 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
     top_k_probs = final_probs[:, :num_top] if num_top else None
     logits_out = x if any(row.return_logits for row in rows) else None
     return SampleOutput(token_ids, token_probs, top_k_tokens, top_k_probs, logits_out)
+
+
+def _plain_greedy_width(rows: Sequence[RowParams], num_columns: int) -> int | None:
+    """The vocabulary width shared by all rows when every row is greedy with nothing else to apply (no penalties,
+    bias, blocked tokens or extra outputs); else None."""
+    width = None
+    for row in rows:
+        s = row.settings
+        if (not s.is_greedy or s.penalty_window != 0 or s.token_bias or row.blocked_ids or row.return_top_tokens
+                or row.return_logits):
+            return None
+        row_width = min(row.vocab_size or num_columns, num_columns)
+        if width is not None and row_width != width:
+            return None
+        width = row_width
+    return width
 
 
 def _apply_bias_and_blocks(work: torch.Tensor, rows: Sequence[RowParams]) -> None:
