@@ -20,6 +20,7 @@ from router.digest import (
     parse_digest,
     select_hashes,
 )
+from fakes import FakePool
 from router.index import PrefixIndex
 from router.policy import CandidateView, Mode, PolicyConfig, PrefixRouterPolicy, rank_replicas
 
@@ -33,20 +34,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class FakePool:
-    """The PagePool attributes a digest reads."""
-
-    def __init__(self, hashes=(), num_pages: int = 1024, page_size: int = PAGE_SIZE) -> None:
-        self.hashes = list(hashes)
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.num_free = num_pages - len(self.hashes)
-        self.num_allocatable = num_pages
-
-    def cached_hashes(self):
-        return iter(tuple(self.hashes))
 
 
 class FakeReplica:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 import random
-import socket
 
 import pytest
 
@@ -20,6 +19,7 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
+from fakes import FakePool, free_port  # noqa: E402
 from folio.hashing import page_hashes  # noqa: E402
 from router.digest import build_digest  # noqa: E402
 from router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402
@@ -29,20 +29,6 @@ DEPLOYMENT = DeploymentID(name="Generator", app_name="test")
 
 
 # --- fakes -------------------------------------------------------------------------------------------------------
-
-
-class FakePool:
-    """The PagePool attributes a digest reads."""
-
-    def __init__(self, hashes=(), num_pages: int = 256) -> None:
-        self.hashes = list(hashes)
-        self.page_size = PAGE_SIZE
-        self.num_pages = num_pages
-        self.num_free = num_pages - len(self.hashes)
-        self.num_allocatable = num_pages
-
-    def cached_hashes(self):
-        return iter(tuple(self.hashes))
 
 
 class FakeReplica:
@@ -259,12 +245,6 @@ def test_imbalance_falls_back_to_load():
 # --- on a local Ray cluster --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from folio.demo import write_demo_model
@@ -274,7 +254,7 @@ def cluster(tmp_path_factory):
     model_dir = write_demo_model(tmp_path_factory.mktemp("router") / "demo-model")
     config = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
                          cache_tokens=2048, page_size=PAGE_SIZE, max_batch_size=16, max_queue_size=16,
-                         grpc_port=_free_port(), http_port=_free_port(), app_name="routed", router="prefix",
+                         grpc_port=free_port(), http_port=free_port(), app_name="routed", router="prefix",
                          routing_stats_period_s=0.5)
     local.start_cluster(config)
     try:

@@ -8,12 +8,12 @@ at the caller) for the queue-full case. The replica-kill test runs last: it take
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fakes import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -22,12 +22,6 @@ pytest.importorskip("ray.serve")
 
 LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps and listening to "
                "the sea below the rocks while the lamp warmed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +33,10 @@ def served(tmp_path_factory):
     model_dir = write_demo_model(tmp_path_factory.mktemp("serving") / "demo-model")
     main = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
                        cache_tokens=4096, page_size=16, max_batch_size=32, max_queue_size=32,
-                       grpc_port=_free_port(), http_port=_free_port(), app_name="folio")
+                       grpc_port=free_port(), http_port=free_port(), app_name="folio")
     small = main.replace(app_name="small", num_replicas=1, num_cpus=0.2, ingress_num_cpus=0.1, cache_tokens=1024,
                          max_batch_size=1, max_queue_size=1, max_queued_requests=1)
-    metrics_port = _free_port()
+    metrics_port = free_port()
     local.start_cluster(main, metrics_export_port=metrics_port)
     try:
         local.deploy(main)

@@ -1,0 +1,28 @@
+"""Small stand-ins shared by the router and serving tests."""
+
+from __future__ import annotations
+
+import socket
+
+PAGE_SIZE = 16
+
+
+class FakePool:
+    """The PagePool attributes a routing digest reads."""
+
+    def __init__(self, hashes=(), num_pages: int = 1024, page_size: int = PAGE_SIZE) -> None:
+        self.hashes = list(hashes)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_free = num_pages - len(self.hashes)
+        self.num_allocatable = num_pages
+
+    def cached_hashes(self):
+        return iter(tuple(self.hashes))
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
