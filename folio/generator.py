@@ -6,6 +6,7 @@ picks tokens, and each job turns its tokens into results. See DESIGN.md "How a r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -24,7 +25,9 @@ from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
 from folio.results import Result
 from folio.sampling import RowParams, SamplerSettings, sample
-from folio.sampling.history import TokenHistory
+from folio.sampling.device_history import DeviceHistories
+from folio.sampling.penalties import window_size
+from folio.sampling.host import to_device
 from folio.sampling.rng import uniform, uniforms
 from folio.scheduler import Chunk, Scheduler, SeqState, StepPlan, validate_fits
 from folio.tokenizer import Tokenizer
@@ -44,6 +47,14 @@ class _Staged:
     failure: Result | None = None  # the job failed at staging: emit this result instead
 
 
+@dataclass
+class _Ahead:
+    """A decode step launched before the tokens it feeds were read back (decode_ahead): its plan and logits."""
+
+    plan: StepPlan
+    logits: torch.Tensor
+
+
 class QueueFull(RuntimeError):
     """More jobs are waiting than the generator's `max_q_size` allows; retry once some have started."""
 
@@ -61,12 +72,16 @@ class DynamicGenerator:
     overlap_emit: hand a step's sampled tokens to their jobs (text, stop strings, results) during the NEXT step, while
         the device computes it, instead of before planning it (None: on with CUDA graphs). Results then arrive one
         step later; the tokens are the same. A job that a stop string ends gets one extra step computed, discarded.
+    decode_ahead: when every running job is decoding, launch the next decode step before reading back this
+        step's tokens, feeding it the sampled ids straight from the device, so the device never waits for the
+        host between decode steps (None: on with CUDA graphs). The tokens are the same; a job that a stop token
+        or string ends has a step or two computed past its end, discarded.
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  paged: bool = True, prefix_cache: bool = True, cuda_graphs: bool | None = None,
-                 overlap_emit: bool | None = None):
+                 overlap_emit: bool | None = None, decode_ahead: bool | None = None):
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -82,9 +97,12 @@ class DynamicGenerator:
         self.scheduler = Scheduler(self.pool, self.max_batch_size, self.max_chunk_size, prefix_cache)
         self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
         self.overlap_emit = self.decode_graphs is not None if overlap_emit is None else bool(overlap_emit)
+        self.decode_ahead = self.decode_graphs is not None if decode_ahead is None else bool(decode_ahead)
+        self._ahead: _Ahead | None = None  # the decode step launched ahead, sampled by the next iterate()
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
-        self._histories: dict[int, TokenHistory] = {}  # id(job) -> prompt + sampled ids, for the penalties
+        # id(job) -> prompt + sampled ids on the model's device, for the penalties (only jobs that have any)
+        self._penalty_ids = DeviceHistories(model.device)
         # id(job) -> tokens sampled so far; ahead of job.new_tokens while they wait in _staged (overlap_emit)
         self._num_sampled: dict[int, int] = {}
         self._staged: list[_Staged] = []  # sampled tokens not yet handed to their jobs
@@ -93,6 +111,7 @@ class DynamicGenerator:
         # threads take them with drain_page_events() (deque appends and pops are thread-safe).
         self._page_events: deque = deque(maxlen=MAX_BUFFERED_PAGE_EVENTS)
         self.num_steps = 0
+        self.num_steps_ahead = 0  # decode steps launched ahead (decode_ahead)
         self.last_step_time = time.monotonic()  # time.monotonic() at the end of the last step
 
     # --- construction steps ---
@@ -161,7 +180,8 @@ class DynamicGenerator:
         job.bind(next(self._serials), self.tokenizer)
         seq = SeqState(job=job, token_ids=list(job.input_ids))
         self._seqs[id(job)] = seq
-        self._histories[id(job)] = TokenHistory(job.input_ids)
+        if job.gen_settings.penalty_window != 0:
+            self._penalty_ids.add(id(job), job.input_ids, job.prompt_tokens + job.max_new_tokens)
         self._num_sampled[id(job)] = 0
         self.scheduler.add(seq)
         return job.serial
@@ -180,7 +200,7 @@ class DynamicGenerator:
     def cancel(self, job: DynamicJob) -> None:
         """Drop a job in any state; its pages are released now. No result is emitted."""
         seq = self._seqs.pop(id(job), None)
-        self._histories.pop(id(job), None)
+        self._penalty_ids.remove(id(job))
         self._num_sampled.pop(id(job), None)
         if seq is None:
             return
@@ -192,11 +212,13 @@ class DynamicGenerator:
             self.cancel(seq.job)
         self._staged.clear()
         self._deferred.clear()
+        self._ahead = None
 
     def reset_page_table(self) -> None:
         """Forget every cached page (the queue must be empty)."""
         if self.num_remaining_jobs():
             raise RuntimeError("reset_page_table() needs an empty queue")
+        self._ahead = None
         self.pool.reset()
 
     def warmup(self) -> None:
@@ -230,21 +252,25 @@ class DynamicGenerator:
 
     def _run_step(self) -> list[Result]:
         results: list[Result] = []
-        plan = self.scheduler.plan()
-        results.extend(seq.job.started_result() for seq in plan.started)
-        for seq in plan.started:
-            seq.job.state = JobState.ACTIVE
-        if plan.empty:
-            results.extend(self._emit(self._take_staged()))
-            return results
-        try:
-            logits = self._forward(plan)
-        except Exception as error:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
-            results.extend(self._emit(self._take_staged()))
-            for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
-                if id(seq.job) in self._seqs:
-                    results.append(self._fail(seq, error))
-            return results
+        ahead = self._take_ahead()
+        if ahead is not None:
+            plan, logits = ahead.plan, ahead.logits
+        else:
+            plan = self.scheduler.plan()
+            results.extend(seq.job.started_result() for seq in plan.started)
+            for seq in plan.started:
+                seq.job.state = JobState.ACTIVE
+            if plan.empty:
+                results.extend(self._emit(self._take_staged()))
+                return results
+            try:
+                logits = self._forward(plan)
+            except Exception as error:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
+                results.extend(self._emit(self._take_staged()))
+                for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
+                    if id(seq.job) in self._seqs:
+                        results.append(self._fail(seq, error))
+                return results
         self.scheduler.commit(plan)
         results.extend(self._prefill_results(plan))
         sampled = [c for c in plan.chunks if c.wants_logits]
@@ -254,19 +280,68 @@ class DynamicGenerator:
             results.extend(self._emit(self._take_staged()))
         return results
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+    def _take_ahead(self) -> _Ahead | None:
+        """The step launched ahead, without the rows of jobs that ended or left since (their logits are dropped);
+        None when there is none or nothing of it is still wanted."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        active = {id(seq) for seq in self.scheduler.active}
+        live = [i for i, c in enumerate(ahead.plan.chunks) if id(c.seq) in active and c.wants_logits]
+        if not live:
+            return None
+        if len(live) < len(ahead.plan.chunks):
+            ahead.plan.chunks = [ahead.plan.chunks[i] for i in live]
+            ahead.logits = ahead.logits[to_device(live, torch.int64, ahead.logits.device)]
+        return ahead
+
+    def _launch_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor) -> _Ahead | None:
+        """Plan and launch the decode step that follows this one, if every running job takes part in it as a
+        decode row: the rows of `chunks` (this step's sampled rows; token_ids their sampled ids, on the device)
+        whose jobs do not end by length with this token. None when the next step is anything else (queued jobs
+        to admit, prompts to prefill) or the pages for it are not free."""
+        if len(chunks) != len(self.scheduler.active):
+            return None
+        rows = [i for i, c in enumerate(chunks)
+                if self._num_sampled[id(c.seq.job)] + 1 < c.seq.job.max_new_tokens]
+        # Queued jobs wait for a free batch slot: plan the usual way as soon as one may open by length. (One that
+        # a stop token frees is taken a step later.)
+        if not rows or (self.scheduler.pending and (len(rows) < len(chunks) or
+                                                    len(chunks) < self.max_batch_size)):
+            return None
+        plan = self.scheduler.plan_ahead([chunks[i].seq for i in rows])
+        if plan is None:
+            return None
+        index = to_device(rows, torch.int64, token_ids.device) if len(rows) < len(chunks) else None
+        # -1 (a row where nothing could be picked: that job fails at staging) must not reach the embedding
+        ids = (token_ids if index is None else token_ids[index]).clamp(min=0)
+        try:
+            logits = self._forward(plan, ids)
+        except Exception:  # noqa: BLE001 — this step is only an optimisation: plan the next step the usual way
+            return None
+        self.num_steps_ahead += 1
+        return _Ahead(plan, logits)
+
+    def _forward(self, plan: StepPlan, ahead_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the plan's chunks. ahead_ids: the input ids of a plan_ahead() plan, on the device (its chunks'
+        tokens are not in their sequences yet)."""
         for copy in plan.copies:
             ops.copy_page_slots(self.cache.k, self.cache.v, copy.src_page, copy.dst_page, copy.num_slots)
         if not plan.chunks:
             return None
-        if self.decode_graphs is not None and all(c.end - c.start == 1 for c in plan.chunks):
-            return self.decode_graphs.run([c.seq.token_ids[c.start] for c in plan.chunks],
+        if self.decode_graphs is not None and all(c.end - c.start == 1 for c in plan.chunks) and (
+                self.decode_graphs.bucket_for(len(plan.chunks)) is not None):
+            return self.decode_graphs.run(ahead_ids if ahead_ids is not None else
+                                          [c.seq.token_ids[c.start] for c in plan.chunks],
                                           [c.start for c in plan.chunks],
                                           [c.seq.block_table for c in plan.chunks])
-        chunks = [SeqChunk(token_ids=c.seq.token_ids[c.start:c.end], start_pos=c.start,
-                           block_table=c.seq.block_table, logits="last" if c.wants_logits else "none")
+        chunks = [SeqChunk(token_ids=c.seq.token_ids[c.start:c.end] if ahead_ids is None else (0,),
+                           start_pos=c.start, block_table=c.seq.block_table,
+                           logits="last" if ahead_ids is not None or c.wants_logits else "none")
                   for c in plan.chunks]
         batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
+        if ahead_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=ahead_ids)
         return self.model.forward(batch, self.cache)
 
     def _prefill_results(self, plan: StepPlan) -> list[Result]:
@@ -286,7 +361,10 @@ class DynamicGenerator:
         jobs = [c.seq.job for c in chunks]
         draws = uniforms([j.seed for j in jobs], [self._num_sampled[id(j)] for j in jobs])
         rows = [self._row_params(c.seq, u) for c, u in zip(chunks, draws)]
-        output = sample(logits, rows)
+        output = sample(logits, rows, self._penalty_windows(jobs, logits.shape[1]))
+        self._record_sampled(jobs, output.token_ids)
+        if self.decode_ahead:
+            self._ahead = self._launch_ahead(chunks, output.token_ids)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
         results = self._emit(self._take_staged()) if self.overlap_emit else []
         # The one intended host sync of a step: the sampled ids decide what every job does next.
@@ -313,6 +391,30 @@ class DynamicGenerator:
             return results
         return results + self._emit(staged)
 
+    def _penalty_windows(self, jobs: list[DynamicJob], num_columns: int) -> torch.Tensor | None:
+        """The rows' penalty ids gathered on the device, or None when no row has penalties."""
+        history = self._penalty_ids
+        keys = [id(j) if id(j) in history else None for j in jobs]
+        sizes = [0 if k is None else window_size(j.gen_settings, j.prompt_tokens + self._num_sampled[k])
+                 for k, j in zip(keys, jobs)]
+        if not any(sizes):
+            return None
+        lengths = [j.prompt_tokens + self._num_sampled[id(j)] for j in jobs]
+        return history.windows(keys, lengths, sizes, num_columns)
+
+    def _record_sampled(self, jobs: list[DynamicJob], token_ids: torch.Tensor) -> None:
+        """Append each sampled id to its job's device history, on the device (a job that turns out to have ended
+        leaves a harmless extra id past its end)."""
+        history = self._penalty_ids
+        rows = [i for i, j in enumerate(jobs) if id(j) in history]
+        if not rows:
+            return
+        keys = [id(jobs[i]) for i in rows]
+        lengths = [jobs[i].prompt_tokens + self._num_sampled[id(jobs[i])] for i in rows]
+        if len(rows) < len(jobs):
+            token_ids = token_ids[to_device(rows, torch.int64, token_ids.device)]
+        history.append(keys, lengths, token_ids)
+
     def _stage(self, seq: SeqState, token_id: int, extras: _TokenExtras) -> _Staged:
         """Append a sampled token to its sequence so the next step can be planned; a job that this token ends
         (max_new_tokens, a stop token) leaves the scheduler now. Its text and result come in `_emit`."""
@@ -322,7 +424,6 @@ class DynamicGenerator:
                 "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
         try:
             self.scheduler.append_token(seq, token_id)
-            self._histories[id(job)].append(token_id)
         except Exception as error:  # noqa: BLE001 — one job's failure must not take down the batch
             return _Staged(seq, token_id, extras, failure=self._fail(seq, error))
         num_sampled = self._num_sampled[id(job)] = self._num_sampled[id(job)] + 1
@@ -361,7 +462,7 @@ class DynamicGenerator:
         return RowParams.unchecked(
             settings=job.gen_settings,
             u=uniform(job.seed, num_sampled) if u is None else u,
-            history_ids=self._histories[id(job)].view(),
+            history_ids=(),  # the penalties read DeviceHistories (see _penalty_windows)
             # stop tokens are blocked below min_new_tokens (job.blocked_tokens, counted at sampling time)
             blocked_ids=tuple(job.stop_tokens) if num_sampled < job.min_new_tokens else (),
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
@@ -371,7 +472,7 @@ class DynamicGenerator:
 
     def _forget(self, job: DynamicJob) -> None:
         self._seqs.pop(id(job), None)
-        self._histories.pop(id(job), None)
+        self._penalty_ids.remove(id(job))
         self._num_sampled.pop(id(job), None)
 
     def _fail(self, seq: SeqState, error: BaseException) -> Result:

@@ -173,6 +173,24 @@ class Scheduler:
     def append_token(self, seq: SeqState, token_id: int) -> None:
         seq.token_ids.append(token_id)
 
+    def plan_ahead(self, seqs: list[SeqState]) -> StepPlan | None:
+        """The decode step after the current one, planned before its input tokens are known: each of `seqs`
+        (all active, all of their tokens cached) will feed the token it is about to sample, at position
+        len(token_ids). Their chunks [len, len + 1) become whole once `append_token` adds that token. Pages for
+        the new positions are allocated now; None (and nothing allocated) when the pool has too few free pages,
+        since planning ahead must never preempt."""
+        size = self.page_size
+        new_pages = [seq for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table)]
+        if len(new_pages) > self.pool.num_allocatable:
+            return None
+        plan = StepPlan()
+        for seq in seqs:
+            position = len(seq.token_ids)
+            if not self._ensure_pages(seq, position + 1, plan):
+                raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
+            plan.chunks.append(Chunk(seq, position, position + 1))
+        return plan
+
     # --- admission ---
 
     def _admit(self, plan: StepPlan) -> None:

@@ -149,6 +149,35 @@ def test_return_logits_match_transformers(peaked):
         assert all(p == pytest.approx(1.0) for p in r.token_probs)  # top-k 1 leaves one candidate
 
 
+@pytest.mark.parametrize("settings", [
+    folio.SamplerSettings.greedy(token_repetition_penalty=1.3, token_frequency_penalty=0.2),
+    folio.SamplerSettings.greedy(token_repetition_penalty=1.2, token_presence_penalty=0.5,
+                                 token_repetition_range=3, token_repetition_decay=4),
+])
+def test_penalised_logits_match_transformers_with_host_penalties(peaked, settings):
+    """The generator keeps penalty histories on the device (prompt copied once, sampled ids appended there);
+    its penalised logits equal transformers' logits penalised by the host path over prompt + generated ids."""
+    from folio.sampling.penalties import apply_penalties
+
+    ids = peaked.tokenizer.encode("The keeper lit the lamp, the lamp, the lamp")
+    jobs = [folio.DynamicJob(input_ids=ids, max_new_tokens=10, gen_settings=settings, stop_conditions=[],
+                             return_logits=True),
+            folio.DynamicJob(input_ids=ids[:5], max_new_tokens=6, gen_settings=GREEDY, stop_conditions=[])]
+    res = run_to_end(peaked.generator(decode_ahead=True, overlap_emit=True), jobs)[jobs[0].serial]
+    ours = torch.cat([r.logits for r in res if r.stage == Stage.STREAMING and r.logits is not None])
+    full = ids + jobs[0].generated_ids
+    raw = hf_logits(load_hf_model(peaked.path), full)[len(ids) - 1:len(full) - 1]
+    want = torch.nn.functional.pad(raw, (0, 1))
+    apply_penalties(want, [settings] * len(raw), [full[:len(ids) + i] for i in range(len(raw))])
+    want = want[:, :-1]
+    vocab = peaked.tokenizer.vocab_size
+    assert ours.shape == want.shape
+    scale = want[:, :vocab].abs().max()
+    assert (ours[:, :vocab] - want[:, :vocab]).abs().max() / scale <= 1e-4
+    # and the penalties did change something
+    assert (raw[:, :vocab] - want[:, :vocab]).abs().max() / scale > 1e-2
+
+
 # --- capacity ---
 
 def test_cache_smaller_than_worst_case_still_runs_every_job(peaked):
@@ -429,6 +458,47 @@ def test_overlapped_emission_gives_the_same_results(demo):
     assert runs[True] == runs[False]
     reasons = {r[2] for r in runs[True]}
     assert EosReason.MAX_NEW_TOKENS in reasons and EosReason.STOP_STRING in reasons
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_ahead_gives_the_same_results(demo, overlap):
+    """Steps launched before the previous tokens are read back (fed from the device) change no token, text or
+    result, with a queue longer than the batch, stop tokens and strings, and the pool checked every step."""
+    runs = {}
+    for ahead in (False, True):
+        gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap,
+                             decode_ahead=ahead)
+        runs[ahead] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
+        assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
+        assert (gen.num_steps_ahead > 0) is ahead
+    assert runs[True] == runs[False]
+
+
+def test_decode_ahead_with_a_small_cache_and_cancel(demo):
+    """Too few free pages for a step ahead means planning the usual way (which may preempt); a cancel between
+    steps drops the cancelled job's row of the step already launched."""
+    jobs = _overlap_jobs(demo.tokenizer)
+    plain = _summary(run_to_end(demo.generator(num_tokens=128, page_size=16, max_batch_size=4,
+                                               decode_ahead=False), _overlap_jobs(demo.tokenizer)))
+    gen = demo.generator(num_tokens=128, page_size=16, max_batch_size=4, decode_ahead=True)
+    ahead = _summary(run_to_end(gen, jobs))
+    assert gen.num_steps_ahead > 0 and gen.scheduler.num_preemptions > 0
+    # Preemptions fall on other steps (planning ahead never preempts), so re-prefilled K/V, and with them the
+    # probabilities, may differ in the last bits; tokens, text and reasons may not.
+    assert [r[:4] for r in ahead] == [r[:4] for r in plain]
+    for want, got in zip(plain, ahead):
+        assert got[4] == pytest.approx(want[4], rel=1e-5)
+    jobs = _overlap_jobs(demo.tokenizer)[:3]
+    for job in jobs:
+        gen.enqueue(job)
+    while gen.num_steps_ahead == 0 or gen._ahead is None:
+        gen.iterate()
+    gen.cancel(jobs[1])
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert r.job is not jobs[1]
+        gen.pool.check()
+    assert jobs[1].state == JobState.CANCELLED and gen.pool.num_in_use == 0
 
 
 def test_overlapped_emission_cancel_and_generate(demo):

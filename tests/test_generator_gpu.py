@@ -1,5 +1,5 @@
 """The generator on CUDA, end to end with the native kernels: greedy generation equals CPU fp32 (or diverges only
-at a near-tie), CUDA-graph decode equals eager decode, and a step makes no host synchronisation before the sampled
+at a near-tie), CUDA-graph decode equals eager decode (and steps launched ahead equal plain ones), and a step makes no host synchronisation before the sampled
 tokens are read."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ NEW_TOKENS = 64
 PROMPTS = [list(range(5, 40)), list(range(60, 61)), [7, 3, 9] * 20, list(range(100, 180))]
 
 
-def greedy_run(path, device, dtype, page_size=16, cuda_graphs=None, prompts=PROMPTS):
+def greedy_run(path, device, dtype, page_size=16, cuda_graphs=None, prompts=PROMPTS, **gen_kwargs):
     model = folio.Model.from_pretrained(path, device=device, dtype=dtype, progress=False)
     tokenizer = folio.Tokenizer.from_pretrained(path)
     cache = folio.Cache(model, num_tokens=4096, page_size=page_size)
     kwargs = {} if device == "cpu" else {"cuda_graphs": cuda_graphs}
     gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=8,
-                                 max_seq_len=512, **kwargs)
+                                 max_seq_len=512, **kwargs, **gen_kwargs)
     jobs = [folio.DynamicJob(input_ids=p, max_new_tokens=NEW_TOKENS, gen_settings=GREEDY, stop_conditions=[],
                              return_logits=True) for p in prompts]
     for job in jobs:
@@ -89,6 +89,18 @@ def test_graph_decode_equals_eager(tiny_models, page_size):
         assert_same_or_near_tie(want, got, 2e-2)
 
 
+def test_decode_ahead_equals_plain_graph_decode(tiny_models):
+    """Steps launched ahead from the device-side sampled ids run the same graphs on the same inputs."""
+    with ops.use_backend("native"):
+        ahead, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True)
+        assert gen.decode_ahead and gen.num_steps_ahead > NEW_TOKENS // 2
+        plain, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True, decode_ahead=False)
+        assert gen.num_steps_ahead == 0
+    for want, got in zip(plain, ahead):
+        assert want[0] == got[0]
+        assert torch.equal(want[1], got[1])
+
+
 def test_decode_step_makes_no_host_sync(tiny_models):
     path = tiny_models["llama"]
     model = folio.Model.from_pretrained(path, device="cuda", dtype=torch.bfloat16, progress=False)
@@ -97,8 +109,10 @@ def test_decode_step_makes_no_host_sync(tiny_models):
                                  tokenizer=tokenizer, max_batch_size=8, max_seq_len=512)
     for p in PROMPTS:
         gen.enqueue(folio.DynamicJob(input_ids=p, max_new_tokens=NEW_TOKENS,
-                                     gen_settings=folio.SamplerSettings(temperature=0.9, top_p=0.9),
+                                     gen_settings=folio.SamplerSettings(temperature=0.9, top_p=0.9,
+                                                                        token_repetition_penalty=1.1),
                                      stop_conditions=[]))
+    gen.decode_ahead = False  # planned by hand below
     for _ in range(4):  # through prefill, into steady decode
         gen.iterate()
     torch.cuda.synchronize()
@@ -109,7 +123,15 @@ def test_decode_step_makes_no_host_sync(tiny_models):
     try:
         logits = gen._forward(plan)
         rows = [gen._row_params(c.seq) for c in plan.chunks]
-        out = sample(logits, rows)
+        jobs = [c.seq.job for c in plan.chunks]
+        windows = gen._penalty_windows(jobs, logits.shape[1])
+        out = sample(logits, rows, windows)
+        gen._record_sampled(jobs, out.token_ids)
+        gen.scheduler.commit(plan)
+        # the next step, launched ahead from the sampled ids on the device: no sync either
+        ahead = gen._launch_ahead(plan.chunks, out.token_ids)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.token_ids.shape == (len(plan.chunks),)
+    assert ahead is not None and ahead.logits.shape[0] == len(plan.chunks)
+    assert windows is not None and windows.shape[0] == len(plan.chunks)

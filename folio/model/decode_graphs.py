@@ -49,13 +49,11 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_idx = torch.arange(n, dtype=torch.int64, device=device)
-        # Host staging, pinned so the copies are queued on the stream instead of blocking.
-        self._host_ids = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
-        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
-        self._np_ids = self._host_ids.numpy()
-        self._np_lens = self._host_lens.numpy()
-        self._np_tables = self._host_tables.numpy()
+        # Host staging, pinned so the copies are queued on the stream instead of blocking. Two sets, used in
+        # turn: a step launched ahead (before the previous one's tokens were read back) fills one set while the
+        # previous step's copies from the other may still be queued on the device.
+        self._staging = [_HostStaging(n, self.max_blocks) for _ in range(2)]
+        self._next_staging = 0
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
@@ -85,17 +83,22 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
-            ) -> torch.Tensor:
-        """One decode step: row i feeds token_ids[i] at positions[i] through block_tables[i]. Returns fp32 logits
-        [len(token_ids), vocab] (a view into graph memory, valid until the next run)."""
-        num_seqs = len(token_ids)
+    def run(self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int],
+            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One decode step: row i feeds token_ids[i] at positions[i] through block_tables[i]. token_ids may be a
+        device tensor (int64, ids >= 0: tokens sampled by a step whose results the host has not read yet).
+        Returns fp32 logits [len(positions), vocab] (a view into graph memory, valid until the next run)."""
+        num_seqs = len(positions)
         b = self.bucket_for(num_seqs)
         if b is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch ({self.buckets[-1]})")
+        staging = self._staging[self._next_staging]
+        self._next_staging = 1 - self._next_staging
         size = self.page_size
-        ids, lens, tables = self._np_ids, self._np_lens, self._np_tables
-        ids[0, :num_seqs] = token_ids
+        ids, lens, tables = staging.np_ids, staging.np_lens, staging.np_tables
+        on_device = isinstance(token_ids, torch.Tensor)
+        if not on_device:
+            ids[0, :num_seqs] = token_ids
         ids[1, :num_seqs] = positions
         pos = ids[1, :num_seqs]
         for i, table in enumerate(block_tables):
@@ -110,10 +113,24 @@ class DecodeGraphs:
         ids[:, num_seqs:b] = 0
         ids[2, num_seqs:b] = -1
         lens[num_seqs:b] = 1
-        self.input_ids[:b].copy_(self._host_ids[0, :b], non_blocking=True)
-        self.positions[:b].copy_(self._host_ids[1, :b], non_blocking=True)
-        self.slot_mapping[:b].copy_(self._host_ids[2, :b], non_blocking=True)
-        self.context_lens[:b].copy_(self._host_lens[:b], non_blocking=True)
-        self.block_tables[:b].copy_(self._host_tables[:b], non_blocking=True)
+        self.input_ids[:b].copy_(staging.ids[0, :b], non_blocking=True)
+        if on_device:
+            self.input_ids[:num_seqs].copy_(token_ids)
+        self.positions[:b].copy_(staging.ids[1, :b], non_blocking=True)
+        self.slot_mapping[:b].copy_(staging.ids[2, :b], non_blocking=True)
+        self.context_lens[:b].copy_(staging.lens[:b], non_blocking=True)
+        self.block_tables[:b].copy_(staging.tables[:b], non_blocking=True)
         self._graphs[b].replay()
         return self._logits[b][:num_seqs]
+
+
+class _HostStaging:
+    """Pinned host buffers of one step's graph inputs, with numpy views to fill them cheaply."""
+
+    def __init__(self, n: int, max_blocks: int):
+        self.ids = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self.lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32).pin_memory()
+        self.np_ids = self.ids.numpy()
+        self.np_lens = self.lens.numpy()
+        self.np_tables = self.tables.numpy()

@@ -22,8 +22,7 @@ History = Sequence[int] | torch.Tensor
 
 
 def _window_size(settings: SamplerSettings, history: History) -> int:
-    window = settings.penalty_window
-    return len(history) if window is None else min(window, len(history))
+    return window_size(settings, len(history))
 
 
 def _history_windows(histories: Sequence[History], sizes: list[int], width: int, dump_column: int,
@@ -40,15 +39,29 @@ def _history_windows(histories: Sequence[History], sizes: list[int], width: int,
     return to_device(torch.from_numpy(ids), torch.int64, device)
 
 
-def apply_penalties(work: torch.Tensor, settings: Sequence[SamplerSettings], histories: Sequence[History]) -> None:
-    """Penalise `work` [B, V + 1] in place; its last column is a scratch column that absorbs skipped entries."""
-    sizes = [_window_size(s, h) for s, h in zip(settings, histories)]
-    width = max(sizes)
-    if width == 0:
-        return
+def window_size(settings: SamplerSettings, history_len: int) -> int:
+    """How many of a history's newest ids the penalties read."""
+    window = settings.penalty_window
+    return history_len if window is None else min(window, history_len)
+
+
+def apply_penalties(work: torch.Tensor, settings: Sequence[SamplerSettings], histories: Sequence[History] = (),
+                    windows: torch.Tensor | None = None) -> None:
+    """Penalise `work` [B, V + 1] in place; its last column is a scratch column that absorbs skipped entries.
+    The ids come from `histories` (host sequences, windowed here) or from `windows`: [B, width] ids on the
+    device, already windowed, right-aligned and padded with the scratch column's index (DeviceHistories)."""
     device = work.device
     batch, dump_column = work.shape[0], work.shape[1] - 1
-    ids = _history_windows(histories, sizes, width, dump_column, device)
+    if windows is None:
+        sizes = [_window_size(s, h) for s, h in zip(settings, histories)]
+        width = max(sizes)
+        if width == 0:
+            return
+        ids = _history_windows(histories, sizes, width, dump_column, device)
+    else:
+        ids, width = windows, windows.shape[1]
+        if width == 0:
+            return
 
     per_row = to_device([v for s in settings for v in (
         s.token_repetition_range if s.token_repetition_range >= 0 else width, s.token_repetition_decay,

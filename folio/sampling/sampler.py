@@ -113,8 +113,11 @@ def _check_call(logits: torch.Tensor, rows: Sequence[RowParams]) -> None:
                 raise ValueError(f"sample(): row {b} token_bias id {token_id} outside [0, {num_columns})")
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
-    """Pick one token per row of `logits` [B, V] fp32 (left unchanged) following each row's RowParams."""
+def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: torch.Tensor | None = None
+           ) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V] fp32 (left unchanged) following each row's RowParams.
+    penalty_windows: the rows' penalty ids already on the device ([B, width], see DeviceHistories.windows, with
+    V as the padding id), used instead of the rows' history_ids."""
     _check_call(logits, rows)
     num_columns = logits.shape[1]
     width = _plain_greedy_width(rows, num_columns)
@@ -127,7 +130,10 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams]) -> SampleOutput:
         return SampleOutput(torch.where(pickable, ids, -1), pickable.float())
     # Working copy with one extra column: scatters aim the entries they must skip at it.
     work = torch.nn.functional.pad(logits, (0, 1))
-    apply_penalties(work, [row.settings for row in rows], [row.history_ids for row in rows])
+    if penalty_windows is None:
+        apply_penalties(work, [row.settings for row in rows], [row.history_ids for row in rows])
+    else:
+        apply_penalties(work, [row.settings for row in rows], windows=penalty_windows)
     _apply_bias_and_blocks(work, rows)
     x = work[:, :num_columns]
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
