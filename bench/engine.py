@@ -263,7 +263,10 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
     try:
         gen.enqueue(jobs)
         remaining = len(jobs)
+        trace = StepTrace.from_options()
         while remaining:
+            if trace is not None:
+                trace.before_step(profile.steps)
             s0 = time.perf_counter()
             results = gen.iterate()
             profile.steps += 1
@@ -280,6 +283,71 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
     tpot = [(j.time_last_token - j.time_first_token) / (j.new_tokens - 1) for j in jobs if j.new_tokens > 1]
     return RunResult(wall, sum(j.new_tokens for j in jobs), ttft, tpot,
                      {"steps": profile.steps, "per_step_ms": profile.per_step_ms()}, profile.steps)
+
+
+class StepTrace:
+    """--trace-steps A:B: torch.profiler over steps [A, B) of the next folio run, then a summary of the device's
+    timeline: how busy it was, its idle gaps, and the kernels that took the time."""
+
+    def __init__(self, first: int, end: int):
+        self.first, self.end = first, end
+        self._profiler = None
+        self._t0 = 0.0
+
+    @classmethod
+    def from_options(cls) -> StepTrace | None:
+        spec = OPTIONS.pop("trace_steps", None)  # one run per request
+        if not spec or not torch.cuda.is_available():
+            return None
+        first, end = (int(x) for x in spec.split(":"))
+        return cls(first, end)
+
+    def before_step(self, step: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.first:
+            torch.cuda.synchronize()
+            self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+            self._t0 = time.perf_counter()
+        elif step == self.end and self._profiler is not None:
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - self._t0) * 1e6
+            self._profiler.__exit__(None, None, None)
+            self._summarise(self._profiler, wall_us, self.end - self.first)
+            self._profiler = None
+
+    @staticmethod
+    def _summarise(prof, wall_us: float, steps: int) -> None:
+        spans, totals, counts = [], {}, {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            spans.append((e.time_range.start, e.time_range.end))
+            totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+            counts[e.name] = counts.get(e.name, 0) + 1
+        if not spans:
+            log("  trace: no device events")
+            return
+        spans.sort()
+        busy, gaps = 0.0, []
+        cur_start, cur_end = spans[0]
+        for start, end in spans[1:]:
+            if start > cur_end:
+                busy += cur_end - cur_start
+                gaps.append(start - cur_end)
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        busy += cur_end - cur_start
+        window = spans[-1][1] - spans[0][0]
+        big = [g for g in gaps if g > 20]
+        log(f"  trace of {steps} steps: wall {wall_us / steps / 1e3:.3f} ms/step, device timeline "
+            f"{window / steps / 1e3:.3f} ms/step, busy {busy / steps / 1e3:.3f} ms/step ({100 * busy / window:.0f}%), "
+            f"{len(big)} gaps > 20 us totalling {sum(big) / steps / 1e3:.3f} ms/step, largest "
+            f"{sorted(big)[-5:] if big else []} us")
+        for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
+            log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
 
 
 def decode_step_gpu_ms(gen: DynamicGenerator, batch: int) -> float | None:
@@ -676,9 +744,12 @@ def main() -> None:
     parser.add_argument("--no-overlap", action="store_true", help="DynamicGenerator(overlap_emit=False)")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
+    parser.add_argument("--trace-steps", default="", help="A:B: profile steps [A, B) of each workload's first "
+                        "folio run and print the device timeline (busy share, idle gaps, top kernels)")
     args = parser.parse_args()
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
+    trace_spec = args.trace_steps
     out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
     torch.manual_seed(0)
@@ -703,6 +774,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             pairs[shape] = build_pair(shape, device)
         log(f"{name} ...")
+        OPTIONS["trace_steps"] = trace_spec
         t0 = time.perf_counter()
         try:
             fn(pairs[shape], args, ceilings, rows)

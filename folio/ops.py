@@ -121,6 +121,23 @@ def resolve(op_name: str, device_type: str) -> Callable[..., Any]:
     return getattr(reference_ops, op_name)
 
 
+# Sampling kernels: their reference is folio.sampling's torch code (same definition; the native sampler may decide
+# differently only where a cut-off falls within rounding of a boundary), so they have no entry in reference_ops and
+# callers ask for them explicitly.
+SAMPLING_OP_NAMES = ("sample_rows", "apply_penalties")
+
+
+def native_sampling_op(op_name: str, device_type: str) -> Callable[..., Any] | None:
+    """The native kernel of a sampling op for `device_type` tensors, or None when backend "reference" is chosen or
+    no native module exports it (the caller then runs folio.sampling's torch code)."""
+    if op_name not in SAMPLING_OP_NAMES:
+        raise ValueError(f"unknown sampling op {op_name!r}; expected one of {SAMPLING_OP_NAMES}")
+    if _choice.name == "reference":
+        return None
+    module = _load_native(device_type)
+    return getattr(module, op_name, None) if module is not None else None
+
+
 def implementation_name(op_name: str, device_type: str) -> str:
     """"native" or "reference": which one `resolve` picks (for tests, benchmarks and logs)."""
     return "reference" if resolve(op_name, device_type) is getattr(reference_ops, op_name) else "native"

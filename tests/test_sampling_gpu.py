@@ -58,3 +58,69 @@ def test_sample_does_not_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.shape == (num_rows,)
+
+
+def test_native_sampler_agrees_with_the_torch_sampler():
+    """Without candidate reports, CUDA samples with the native kernels (penalties; radix-select truncation and
+    draw). They implement the same definition: processed logits agree, and so does every token whose draw is not
+    within rounding of a cut-off (margins from the row-by-row reference in tests/native_reference.py)."""
+    from native_reference import sample_rows_reference
+
+    from folio import ops
+    from folio.sampling.device_history import DeviceHistories
+
+    assert ops.native_sampling_op("sample_rows", "cuda") is not None
+    num_rows, num_columns = 192, 8192
+    logits = torch.randn(num_rows, num_columns, generator=torch.Generator().manual_seed(5)) * 3
+    rows = [RowParams(r.settings, r.u, r.history_ids, r.blocked_ids, r.vocab_size, 0, True)
+            for r in mixed_rows(num_rows, num_columns, seed=6)]
+    torch_path = sample(logits, rows)  # CPU: the torch code
+    native = sample(logits.cuda(), rows)
+    histories = DeviceHistories("cuda")
+    for b, row in enumerate(rows):
+        histories.add(b, list(row.history_ids), len(row.history_ids) + 1)
+    sizes = [min(len(r.history_ids), r.settings.penalty_window if r.settings.penalty_window is not None
+                 else len(r.history_ids)) for r in rows]
+    windows = histories.windows(range(num_rows), [len(r.history_ids) for r in rows], sizes, num_columns)
+    from_device = sample(logits.cuda(), [RowParams(r.settings, r.u, (), r.blocked_ids, r.vocab_size, 0, True)
+                                         for r in rows], windows)
+    assert torch.equal(from_device.token_ids, native.token_ids)
+    torch.testing.assert_close(native.logits.cpu(), torch_path.logits, rtol=1e-5, atol=1e-5)
+
+    def column(fn, dtype=torch.float32):
+        return torch.tensor([fn(r.settings) for r in rows], dtype=dtype)
+
+    draws = sample_rows_reference(
+        torch_path.logits, column(lambda s: 0.0 if s.is_greedy else s.temperature),
+        column(lambda s: 1 if s.is_greedy else s.top_k, torch.int32),
+        column(lambda s: s.top_p if s.top_p_active else 2.0), column(lambda s: s.min_p),
+        torch.tensor([r.u for r in rows]))
+    compared = 0
+    for b, draw in enumerate(draws):
+        if draw.margin < 1e-5:
+            continue
+        compared += 1
+        assert int(native.token_ids[b]) == int(torch_path.token_ids[b]), f"row {b}: {rows[b].settings}"
+        assert float(native.token_probs[b]) == pytest.approx(float(torch_path.token_probs[b]), abs=1e-4)
+    assert compared >= 0.9 * num_rows
+
+
+def test_native_sampler_with_device_windows_does_not_synchronize():
+    from folio.sampling.device_history import DeviceHistories
+
+    num_rows, num_columns = 64, 32000
+    logits = torch.randn(num_rows, num_columns, device="cuda")
+    rows = [RowParams(SamplerSettings(), 0.25) for _ in range(num_rows)]
+    histories = DeviceHistories("cuda")
+    for b in range(num_rows):
+        histories.add(b, list(range(b, b + 100)), 200)
+    args = (range(num_rows), [100] * num_rows, [100] * num_rows, num_columns)
+    sample(logits, rows, histories.windows(*args))  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(logits, rows, histories.windows(*args))
+        histories.append(range(num_rows), [100] * num_rows, out.token_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (num_rows,)

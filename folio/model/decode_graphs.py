@@ -11,6 +11,7 @@ logits are dropped. The attention kernels size their grid from the block-table w
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -101,13 +102,18 @@ class DecodeGraphs:
             ids[0, :num_seqs] = token_ids
         ids[1, :num_seqs] = positions
         pos = ids[1, :num_seqs]
-        for i, table in enumerate(block_tables):
-            used = int(pos[i]) // size + 1
-            if used > self.max_blocks:
-                raise ValueError(f"position {int(pos[i])} is beyond the captured context "
-                                 f"({self.max_blocks * size} tokens)")
-            tables[i, :used] = table[:used]
-            ids[2, i] = table[used - 1] * size + int(pos[i]) % size
+        used = pos // size + 1  # pages each row reads
+        if int(used.max()) > self.max_blocks:
+            raise ValueError(f"position {int(pos.max())} is beyond the captured context "
+                             f"({self.max_blocks * size} tokens)")
+        # All rows' pages in one flat array, scattered into the table rows (a Python loop of numpy slice
+        # assignments costs ~3 us a row: most of a 256-row step's input preparation).
+        flat = np.fromiter(itertools.chain.from_iterable(
+            itertools.islice(table, n) for table, n in zip(block_tables, used.tolist())), dtype=np.int32)
+        row_of = np.repeat(np.arange(num_seqs), used)
+        starts = np.cumsum(used) - used
+        tables[row_of, np.arange(flat.shape[0]) - np.repeat(starts, used)] = flat
+        ids[2, :num_seqs] = flat[starts + used - 1].astype(np.int64) * size + pos % size
         lens[:num_seqs] = pos + 1
         # Padding rows: write nowhere, read one slot of page 0.
         ids[:, num_seqs:b] = 0

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from folio import ops
 from folio.sampling.host import to_device
-from folio.sampling.penalties import History, apply_penalties
+from folio.sampling.penalties import History, _history_windows, _window_size, apply_penalties
 from folio.sampling.settings import SamplerSettings
 
 # Mass within this distance of top_p counts as reaching it: fp32 sums of probabilities that are exactly p in
@@ -128,6 +129,10 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
         values, ids = logits[:, :width].max(dim=1)
         pickable = values > -math.inf  # False for rows of -inf (nothing to pick) or NaN, as in _pick
         return SampleOutput(torch.where(pickable, ids, -1), pickable.float())
+    if logits.device.type == "cuda" and not any(row.return_top_tokens for row in rows):
+        native = _sample_native(logits, rows, penalty_windows)
+        if native is not None:
+            return native
     # Working copy with one extra column: scatters aim the entries they must skip at it.
     work = torch.nn.functional.pad(logits, (0, 1))
     if penalty_windows is None:
@@ -146,6 +151,67 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
     top_k_probs = final_probs[:, :num_top] if num_top else None
     logits_out = x if any(row.return_logits for row in rows) else None
     return SampleOutput(token_ids, token_probs, top_k_tokens, top_k_probs, logits_out)
+
+
+def _sample_native(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: torch.Tensor | None
+                   ) -> SampleOutput | None:
+    """The same steps with the native kernels: one for the penalties, one for truncation and the draw (a radix
+    select instead of a sort). On CUDA a step's sampling is then a handful of launches instead of ~90, which is
+    what bounds large-batch decode on the host. None when the kernels are not available (the caller runs the torch
+    code). Candidates are not reported (rows asking for top tokens take the torch code)."""
+    device = logits.device
+    sample_rows = ops.native_sampling_op("sample_rows", device.type)
+    penalise = ops.native_sampling_op("apply_penalties", device.type)
+    if sample_rows is None or penalise is None:
+        return None
+    num_rows, num_columns = logits.shape
+    if penalty_windows is None:
+        sizes = [_window_size(row.settings, row.history_ids) for row in rows]
+        width = max(sizes)
+    else:
+        width = penalty_windows.shape[1]
+    if width > _MAX_NATIVE_PENALTY_WINDOW:
+        return None
+    # One table row per distinct settings object, gathered per row on the device; one transfer for everything.
+    table_index: dict[int, int] = {}
+    table: list[float] = []
+    row_index: list[int] = []
+    for row in rows:
+        key = id(row.settings)
+        if key not in table_index:
+            table_index[key] = len(table_index)
+            st = row.settings
+            temperature, top_p, min_p, top_k = _truncation(st)
+            table += [temperature, top_p, min_p, top_k, st.token_repetition_penalty, st.token_frequency_penalty,
+                      st.token_presence_penalty,
+                      st.token_repetition_range if st.token_repetition_range >= 0 else width,
+                      st.token_repetition_decay]
+        row_index.append(table_index[key])
+    packed = to_device(table + [row.u for row in rows] + row_index, torch.float64, device)
+    size = len(table)
+    per_row = packed[:size].view(-1, 9)[packed[size + num_rows:].long()]
+    floats = per_row.float()
+    ints = per_row.int()
+
+    work = logits.clone()
+    if width:
+        ids = penalty_windows if penalty_windows is not None else _history_windows(
+            [row.history_ids for row in rows], sizes, width, num_columns, device)  # padding id V: ignored
+        penalise(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
+                 ints[:, 7].contiguous(), ints[:, 8].contiguous())
+    _apply_bias_and_blocks(work, rows)
+    if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
+        vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
+        work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
+    u = packed[size: size + num_rows].float()
+    token_ids, token_probs = sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
+                                         floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
+    logits_out = work if any(row.return_logits for row in rows) else None
+    return SampleOutput(token_ids, token_probs, None, None, logits_out)
+
+
+# The native penalty kernel reads at most this many ids per row (its shared-memory bound).
+_MAX_NATIVE_PENALTY_WINDOW = 16384
 
 
 def _plain_greedy_width(rows: Sequence[RowParams], num_columns: int) -> int | None:
