@@ -320,8 +320,11 @@ class StepTrace:
     @staticmethod
     def _summarise(prof, wall_us: float, steps: int) -> None:
         spans, totals, counts = [], {}, {}
+        runtime: dict[str, list[float]] = {}  # host-side CUDA runtime/driver calls: where the host may block
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA:
+                if e.name.startswith(("cuda", "cu")):
+                    runtime.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
                 continue
             spans.append((e.time_range.start, e.time_range.end))
             totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
@@ -348,6 +351,9 @@ class StepTrace:
             f"{sorted(big)[-5:] if big else []} us")
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
+        log("  host runtime calls (us/step, calls/step, longest us):")
+        for name, times in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            log(f"    {sum(times) / steps:9.1f}  x{len(times) / steps:5.1f}  max {max(times):8.1f}  {name}")
 
 
 def decode_step_gpu_ms(gen: DynamicGenerator, batch: int) -> float | None:

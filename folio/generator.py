@@ -26,9 +26,10 @@ from folio.model.model import Model
 from folio.results import Result
 from folio.sampling import RowParams, SamplerSettings, sample
 from folio.sampling.device_history import DeviceHistories
-from folio.sampling.penalties import window_size
 from folio.sampling.host import to_device
+from folio.sampling.penalties import window_size
 from folio.sampling.rng import uniform, uniforms
+from folio.sampling.sampler import SampleOutput
 from folio.scheduler import Chunk, Scheduler, SeqState, StepPlan, validate_fits
 from folio.tokenizer import Tokenizer
 
@@ -53,6 +54,45 @@ class _Ahead:
 
     plan: StepPlan
     logits: torch.Tensor
+
+
+class _SampledOnHost:
+    """A step's sampler outputs that the host reads, copied to the host as soon as they are computed: on CUDA into
+    pinned memory without blocking, with an event to wait on; on the CPU they are already there."""
+
+    def __init__(self, output: SampleOutput, probs: bool, top: bool, logits_rows: list[int]):
+        device = output.token_ids.device
+        self._event = None
+        self._logits_rows = {row: k for k, row in enumerate(logits_rows)}
+        self.token_ids = self._fetch(output.token_ids)
+        self.probs = self._fetch(output.token_probs) if probs else None
+        self.top_tokens = self._fetch(output.top_k_tokens) if top else None
+        self.top_probs = self._fetch(output.top_k_probs) if top else None
+        self.logits = None
+        if logits_rows:
+            rows = logits_rows if len(logits_rows) < output.logits.shape[0] else slice(None)
+            if isinstance(rows, list):
+                rows = to_device(rows, torch.int64, device)
+            self.logits = self._fetch(output.logits[rows])
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @staticmethod
+    def _fetch(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def logits_of(self, row: int) -> torch.Tensor:
+        """Row `row`'s processed logits, fp32 on the CPU (a copy: the pinned buffer is not handed out)."""
+        return self.logits[self._logits_rows[row]].to(torch.float32, copy=True)
 
 
 class QueueFull(RuntimeError):
@@ -363,16 +403,20 @@ class DynamicGenerator:
         rows = [self._row_params(c.seq, u) for c, u in zip(chunks, draws)]
         output = sample(logits, rows, self._penalty_windows(jobs, logits.shape[1]))
         self._record_sampled(jobs, output.token_ids)
+        # Queue the copies of what the host reads before any step launched ahead: reading them then waits for this
+        # step's sampler only, not for the step queued behind it.
+        fetched = _SampledOnHost(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
+                                 [i for i, j in enumerate(jobs) if j.return_logits])
         if self.decode_ahead:
             self._ahead = self._launch_ahead(chunks, output.token_ids)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
         results = self._emit(self._take_staged()) if self.overlap_emit else []
         # The one intended host sync of a step: the sampled ids decide what every job does next.
-        token_ids = output.token_ids.tolist()
-        probs = output.token_probs.tolist() if any(j.return_probs for j in jobs) else None
-        want_top = any(j.return_top_tokens for j in jobs)
-        top_tokens = output.top_k_tokens.tolist() if want_top else None
-        top_probs = output.top_k_probs.tolist() if want_top else None
+        fetched.wait()
+        token_ids = fetched.token_ids.tolist()
+        probs = fetched.probs.tolist() if fetched.probs is not None else None
+        top_tokens = fetched.top_tokens.tolist() if fetched.top_tokens is not None else None
+        top_probs = fetched.top_probs.tolist() if fetched.top_probs is not None else None
         staged = []
         for i, chunk in enumerate(chunks):
             seq, job = chunk.seq, chunk.seq.job
@@ -383,7 +427,7 @@ class DynamicGenerator:
                 prob=probs[i] if probs is not None else None,
                 top_k_tokens=top_tokens[i][:k] if k else None,
                 top_k_probs=top_probs[i][:k] if k else None,
-                logits=output.logits[i].to("cpu", torch.float32) if job.return_logits else None,
+                logits=fetched.logits_of(i) if job.return_logits else None,
             )
             staged.append(self._stage(seq, token_ids[i], extras))
         if self.overlap_emit:
