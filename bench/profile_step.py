@@ -111,23 +111,11 @@ def main() -> None:
     gen, cache = make_generator(pair, max(batches), args.context + 64, 1,
                                 cache_tokens=max(batches) * (args.context + 512))
     cfg = pair.model.config
-    layer_bytes = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
+    log(f"weights read per step: {pair.weight_bytes / 1e9:.2f} GB")
     for batch in batches:
         fb = decode_batch(gen, batch, min(args.context, 400) if batch == 1 else args.context, cfg.vocab_size)
         rows, total = kernel_table(lambda: pair.model.forward(fb, cache), 5)
         print_kernels(f"{args.shape} decode step, batch {batch}", rows, total)
-        log(f"weights/step {(layer_bytes * cfg.num_layers + cfg.vocab_size * cfg.hidden_size) * 2 / 1e9:.2f} GB")
-        if gen.decode_graphs is not None and gen.decode_graphs.bucket_for(batch) is not None:
-            graph = gen.decode_graphs._graphs[gen.decode_graphs.bucket_for(batch)]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            print(f"graph replay, batch {batch}: {start.elapsed_time(end) / 20:.3f} ms")
     del gen, cache
     for batch in batches:
         sampler_times(batch, 1024, cfg.vocab_size, device)
