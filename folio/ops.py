@@ -30,6 +30,7 @@ OP_NAMES = (
     "paged_attention",
     "paged_attention_decode",
     "copy_page_slots",
+    "linear",
 )
 BACKENDS = ("auto", "native", "reference")
 NATIVE_MODULES = {"cuda": "folio._native_cuda", "cpu": "folio._native_cpu"}
@@ -202,3 +203,50 @@ def copy_page_slots(
     k_cache: torch.Tensor, v_cache: torch.Tensor, src_page: int, dst_page: int, num_slots: int
 ) -> None:
     _call("copy_page_slots", (k_cache, v_cache, src_page, dst_page, num_slots))
+
+
+# The native CUDA linear is a matrix-vector product for decode (native/cuda/gemv.cu): one kernel that streams the
+# weight once, where cuBLAS runs split-K GEMMs for a few rows. It refuses more rows than this.
+LINEAR_MAX_ROWS = 8
+_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear: x [M, K], weight [N, K], bias [N] or None -> [M, N] in x.dtype.
+
+    The native CUDA kernel takes at most LINEAR_MAX_ROWS rows (it raises otherwise); callers use it where
+    `linear_supported` holds and F.linear elsewhere."""
+    return _call("linear", (x, weight, bias))
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the native CUDA linear takes these arguments on its fast path. Host-side checks only (no device access,
+    capture-safe), the cheapest first:
+
+    x [M, K] with M <= LINEAR_MAX_ROWS and weight [N, K] on one CUDA device, of one dtype (bfloat16, float16 or
+    float32); K a multiple of 16 bytes' worth of elements (8, float32: 4); last dims dense and rows starting on 16
+    bytes; bias None or a contiguous [N] of that dtype on that device.
+
+    The kernel also accepts other K, row strides and alignments (through an element-wise path, slower); this check
+    leaves those to F.linear.
+    """
+    if x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.device.type != "cuda":
+        return False
+    if x.dtype not in _LINEAR_DTYPES or weight.dtype != x.dtype or weight.dim() != 2 or weight.device != x.device:
+        return False
+    per_16_bytes = 16 // x.element_size()
+    if weight.shape[1] != x.shape[1] or x.shape[1] % per_16_bytes != 0:
+        return False
+    if not (_aligned_dense_rows(x, per_16_bytes) and _aligned_dense_rows(weight, per_16_bytes)):
+        return False
+    return bias is None or (
+        bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.device == x.device
+        and bias.is_contiguous()
+    )
+
+
+def _aligned_dense_rows(t: torch.Tensor, per_16_bytes: int) -> bool:
+    """A 2-D tensor whose last dim is dense and whose every row starts on a 16-byte boundary."""
+    dense = t.stride(1) == 1 or t.shape[1] <= 1
+    row_stride_ok = t.shape[0] <= 1 or t.stride(0) % per_16_bytes == 0
+    return dense and row_stride_ok and t.data_ptr() % 16 == 0

@@ -37,6 +37,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(xf[:, :half]) * xf[:, half:]).to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K], weight: [N, K], bias: [N] or None -> x @ weight.T + bias : [M, N] in x.dtype.
+
+    torch.nn.functional.linear itself (cuBLAS on CUDA), not an fp32 recomputation: it is what the model runs when the
+    native GEMV does not apply. The native kernel is tested against fp32 math directly."""
+    return F.linear(x, weight, bias)
+
+
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] fp32; cos, sin: [T, D/2] fp32. Rotates pairs (i, i + D/2) (HF rotate_half convention)."""
     half = x.shape[-1] // 2

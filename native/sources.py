@@ -22,6 +22,7 @@ CUDA_SOURCES = [
     "native/cuda/attention.cu",
     "native/cuda/page_copy.cu",
     "native/cuda/sampling.cu",
+    "native/cuda/gemv.cu",
 ]
 
 # Compute capabilities built by default: Hopper plus the common Ampere/Ada parts. FOLIO_CUDA_ARCHS="9.0"

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model
 
+from folio import ops
 from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
@@ -22,7 +23,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch, overrides", [("llama", {"rope_parameters": LLAMA3_ROPE}), ("qwen2", {}),
                                              ("qwen3", {"tie": True})])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_cuda_prefill_and_decode_match_transformers(tmp_path, arch, overrides, dtype, tolerance) -> None:
+def test_cuda_prefill_and_decode_match_transformers(tmp_path, monkeypatch, arch, overrides, dtype, tolerance) -> None:
+    linear_rows = []  # rows of every input that the model sends to the decode GEMV (ops.linear)
+    real_linear = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda x, w, b=None: linear_rows.append(x.shape[0]) or real_linear(x, w, b))
     path = make_hf_model(tmp_path, arch, **overrides)
     want = hf_logits(load_hf_model(path), PROMPT)
     model = Model.from_pretrained(path, device="cuda", dtype=dtype, progress=False)
@@ -39,6 +43,8 @@ def test_cuda_prefill_and_decode_match_transformers(tmp_path, arch, overrides, d
     got = torch.cat([prefill, *decode])
     assert got.device == model.device and got.dtype == torch.float32
     assert rel_err(got, want) <= tolerance
+    # prefill (37 rows) stays on F.linear; each decode step sends qkv, o_proj, gate_up, down and lm_head
+    assert linear_rows == [1] * (len(decode) * (4 * model.config.num_layers + 1))
 
 
 def test_cache_sized_from_free_memory(tmp_path) -> None:

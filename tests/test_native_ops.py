@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from folio import ops
 from folio import reference_ops as ref
 import native_reference as sref
 
@@ -560,3 +561,149 @@ def test_cuda_sampling_large_vocab_matches_cpu_kernel(_):
     assert mismatches <= 2, f"{mismatches} of 256 rows differ"
     same = ids_cpu == ids_gpu.cpu()
     torch.testing.assert_close(probs_gpu.cpu()[same], probs_cpu[same], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- linear (CUDA: decode GEMV)
+
+# (out_features N, in_features K): small and odd ones, then Llama-3-8B's qkv, o_proj, gate_up, down and lm_head
+LINEAR_SHAPES = [(8, 24), (1000, 520), (13, 40), (3, 8), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                 (128256, 4096)]
+LINEAR_ROWS = (1, 2, 5, 8)
+
+
+def _linear_inputs(rows, out_features, in_features, dtype, seed):
+    """x [rows, K], weight [N, K], bias [N] on the GPU; weight scaled so that outputs are ~N(0, 1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g, device="cuda").to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=g, device="cuda") * in_features**-0.5).to(dtype)
+    bias = torch.randn(out_features, generator=g, device="cuda").to(dtype)
+    return x, weight, bias
+
+
+def _linear_oracle(x, weight, bias=None):
+    """fp32 math on the CPU (no TF32) over the rounded inputs."""
+    out = x.cpu().float() @ weight.cpu().float().T
+    return out + bias.cpu().float() if bias is not None else out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_features,in_features", LINEAR_SHAPES)
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_matches_fp32_math(_, dtype, out_features, in_features):
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(max(LINEAR_ROWS), out_features, in_features, dtype, out_features + in_features)
+    expected = _linear_oracle(x, weight)
+    for rows in LINEAR_ROWS:
+        for b in (None, bias):
+            poison_next_alloc((rows, out_features), dtype, "cuda")
+            out = native.linear(x[:rows], weight, b)
+            assert out.dtype == dtype and out.shape == (rows, out_features) and out.is_contiguous()
+            want = expected[:rows] + (bias.cpu().float() if b is not None else 0.0)
+            assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_is_deterministic_and_batch_invariant(_, dtype):
+    """The summation order depends on K only: row m's result is bitwise the same for any number of rows, any run."""
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(8, 4096, 14336, dtype, 3)
+    full = native.linear(x, weight, bias)
+    assert torch.equal(native.linear(x, weight, bias), full)
+    for rows in (1, 2, 5):
+        assert torch.equal(native.linear(x[:rows], weight, bias), full[:rows])
+    assert torch.equal(native.linear(x[3:4], weight, bias), full[3:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_strided_misaligned_and_odd_k(_, dtype):
+    """Layouts off the vectorized path: row strides, K not a multiple of 8, rows not on 16 bytes. All accepted."""
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(5, 33, 304, dtype, 9)  # views below keep the row stride 304
+    cases = {
+        "strided rows": (x[:, :296], weight[:, :296]),  # still 16-byte aligned rows: the vectorized path
+        "odd K": (x[:, :37].contiguous(), weight[:, :37].contiguous()),
+        "odd K, strided": (x[:, :37], weight[:, :37]),
+        "rows off 16 bytes": (x[:, 1:297], weight[:, 1:297]),
+        "x rows off 16 bytes": (x[:, 1:297], weight[:, :296]),
+        "K = 1": (x[:, :1].contiguous(), weight[:, :1].contiguous()),
+    }
+    for name, (xs, ws) in cases.items():
+        for b in (None, bias):
+            err = rel_err(native.linear(xs, ws, b), _linear_oracle(xs, ws, b))
+            assert err <= TOLERANCE[dtype], f"{name}, bias={b is not None}: rel err {err:.3g}"
+    empty = native.linear(x[:0], weight, bias)
+    assert empty.shape == (0, 33)
+    zero_k = native.linear(x[:, :0], weight[:, :0], bias)
+    assert torch.equal(zero_k, bias.expand(5, 33))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_rejects_unsupported_arguments(_):
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(9, 16, 64, torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        native.linear(x, weight, bias)
+    x = x[:2]
+    with pytest.raises(TypeError, match="'weight'"):
+        native.linear(x, weight.half(), bias)
+    with pytest.raises(TypeError, match="'bias'"):
+        native.linear(x, weight, bias.float())
+    with pytest.raises(TypeError, match="'x'"):
+        native.linear(x.int(), weight.int(), None)
+    with pytest.raises(ValueError, match="'weight'"):
+        native.linear(x, weight[:, :32], bias)
+    with pytest.raises(ValueError, match="'bias'"):
+        native.linear(x, weight, bias[:8])
+    with pytest.raises(ValueError, match="'x'"):
+        native.linear(x[0], weight, bias)
+    with pytest.raises(ValueError, match="'x' must have a contiguous last dimension"):
+        native.linear(x.repeat(1, 2)[:, ::2], weight, bias)
+    with pytest.raises(ValueError, match="'weight' must have a contiguous last dimension"):
+        native.linear(x, weight.t().contiguous().t(), bias)
+    with pytest.raises(ValueError, match="'x'"):
+        native.linear(x.cpu(), weight, bias)
+    with pytest.raises(ValueError, match="'bias'"):
+        native.linear(x, weight, bias.cpu())
+    assert native.LINEAR_MAX_ROWS == ops.LINEAR_MAX_ROWS
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_replays_in_a_cuda_graph(_):
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(4, 1000, 520, torch.bfloat16, 6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        native.linear(x, weight, bias)  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = native.linear(x, weight, bias)
+    for seed in range(3):
+        x.copy_(_linear_inputs(4, 1, 520, torch.bfloat16, 100 + seed)[0])
+        graph.replay()
+        assert_close(out, _linear_oracle(x, weight, bias), torch.bfloat16)
+
+
+def test_linear_supported_states_the_fast_path_conditions():
+    """ops.linear_supported: CPU tensors never; on a GPU, only what the native kernel takes on its fast path."""
+    x, weight = torch.randn(1, 64), torch.randn(32, 64)
+    assert not ops.linear_supported(x, weight)
+    torch.testing.assert_close(ops.linear(x, weight), torch.nn.functional.linear(x, weight))  # reference on CPU
+    if not torch.cuda.is_available():
+        return
+    x, weight, bias = _linear_inputs(8, 32, 64, torch.bfloat16, 5)
+    assert ops.linear_supported(x, weight) and ops.linear_supported(x, weight, bias)
+    assert ops.linear_supported(x[:1], weight, bias)
+    nine = torch.cat([x, x[:1]])
+    assert not ops.linear_supported(nine, weight, bias)  # prefill / larger batches: cuBLAS
+    assert not ops.linear_supported(x[:, :60], weight[:, :60])  # K % 8
+    assert not ops.linear_supported(x[:, 1:57], weight[:, :56])  # x rows off 16 bytes
+    assert not ops.linear_supported(x.float(), weight)  # dtypes differ
+    assert not ops.linear_supported(x, weight, bias[:16])
+    assert ops.linear_supported(x.float(), weight.float(), bias.float())
+    assert not ops.linear_supported(x.float()[:, :62], weight.float()[:, :62])  # fp32: K % 4
+    if NATIVE["cuda"] is not None:
+        assert_close(ops.linear(x, weight, bias), _linear_oracle(x, weight, bias), torch.bfloat16)

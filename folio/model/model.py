@@ -87,7 +87,7 @@ class Model:
             x = self._mlp(layer, h)
         ops.fused_add_rms_norm(x, residual, w.final_norm, eps)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
-        return F.linear(x[batch.logits_idx], w.lm_head).float()
+        return self._linear(x[batch.logits_idx], w.lm_head).float()
 
     def _prefill_plan(self, batch: ForwardBatch, cache: Cache) -> flash.PrefillPlan | None:
         """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here."""
@@ -104,7 +104,7 @@ class Model:
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens, head_dim = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm:
             q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
@@ -126,11 +126,19 @@ class Model:
                 q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
                 self.attention_scale, batch.max_q_len,
             )
-        return F.linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
+        return self._linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(ops.silu_and_mul(self._linear(x, layer.gate_up)), layer.down)
 
     @staticmethod
-    def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear; decode-sized inputs (at most ops.LINEAR_MAX_ROWS rows on CUDA, see ops.linear_supported) go
+        through the native GEMV, which streams the weight once in a single kernel where cuBLAS runs split-K GEMMs.
+        Prefill and larger decode batches stay on cuBLAS."""
+        if ops.linear_supported(x, weight, bias):
+            return ops.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _check_cache(self, cache: Cache) -> None:
         cfg = self.config

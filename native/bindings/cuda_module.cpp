@@ -172,6 +172,52 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
   C10_CUDA_CHECK(cuda::mask_tokens(p, current_stream(logits)));
 }
 
+// linear for decode: x [M, K] with M <= kLinearMaxRows, weight [N, K] (F.linear's layout), bias [N] or None; all of
+// one float dtype on one device, last dims dense (any row strides and alignment; the fast path wants 16-byte aligned
+// rows and K % 8 == 0, float32 K % 4 == 0). folio.ops.linear_supported says when the model calls it: these checks
+// plus the fast-path conditions.
+at::Tensor linear(const at::Tensor& x,                    // [M, K] float
+                  const at::Tensor& weight,               // [N, K] x's dtype
+                  const std::optional<at::Tensor>& bias)  // [N] x's dtype, or None
+{
+  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  if (b != nullptr) {
+    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {b, "bias"}});
+  } else {
+    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}});
+  }
+  cuda::LinearParams p{};
+  p.dtype = float_type(x, "x");
+  check_same_dtype(weight, "weight", x, "x");
+  check_dim(x, "x", 2, "[num_rows, in_features]");
+  check_dim(weight, "weight", 2, "[out_features, in_features]");
+  check_size(weight, "weight", 1, x.size(1), "in_features (x.size(1))");
+  FOLIO_CHECK_VALUE(x.size(0) <= cuda::kLinearMaxRows, "CUDA linear is a matrix-vector product for decode: 'x' may "
+                    "have at most ", cuda::kLinearMaxRows, " rows, got shape ", shape_str(x),
+                    " (use torch.nn.functional.linear)");
+  check_inner_contiguous(x, "x");
+  check_inner_contiguous(weight, "weight");
+  if (b != nullptr) {
+    check_same_dtype(*b, "bias", x, "x");
+    check_dim(*b, "bias", 1, "[out_features]");
+    check_size(*b, "bias", 0, weight.size(0), "out_features (weight.size(0))");
+    check_contiguous(*b, "bias");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto out = at::empty({x.size(0), weight.size(0)}, x.options());  // [M, N] x's dtype, contiguous
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.x_row_stride = x.stride(0);
+  p.weight = weight.data_ptr();
+  p.weight_row_stride = weight.stride(0);
+  p.bias = b != nullptr ? b->data_ptr() : nullptr;
+  p.num_rows = x.size(0);
+  p.out_features = weight.size(0);
+  p.in_features = x.size(1);
+  C10_CUDA_CHECK(cuda::linear(p, current_stream(x)));
+  return out;
+}
+
 }  // namespace
 }  // namespace folio::bind
 
@@ -197,4 +243,6 @@ PYBIND11_MODULE(_native_cuda, m) {
   m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
         py::arg("pres"), py::arg("sustain"), py::arg("decay"));
   m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.attr("LINEAR_MAX_ROWS") = folio::cuda::kLinearMaxRows;
 }

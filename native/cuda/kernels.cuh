@@ -41,4 +41,22 @@ cudaError_t apply_penalties(const PenaltyParams& p, cudaStream_t stream);
 
 cudaError_t mask_tokens(const MaskTokensParams& p, cudaStream_t stream);
 
+// linear for decode-sized inputs (gemv.cu): out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for
+// m < num_rows <= kLinearMaxRows, accumulated in fp32 and rounded once. One launch, no workspace, no atomics; the
+// result does not depend on num_rows or out_features (the summation order is fixed by in_features).
+// Any in_features, row strides and alignment work; the fast path needs 16-byte aligned rows of x and weight and
+// in_features a multiple of 8 (float32: 4). Returns cudaErrorInvalidValue for num_rows > kLinearMaxRows.
+constexpr int64_t kLinearMaxRows = 8;
+struct LinearParams {
+  void* out;                  // [num_rows, out_features] dtype, contiguous
+  const void* x;              // [num_rows, in_features] dtype
+  int64_t x_row_stride;
+  const void* weight;         // [out_features, in_features] dtype (F.linear's layout)
+  int64_t weight_row_stride;
+  const void* bias;           // [out_features] dtype; nullptr: none
+  int64_t num_rows, out_features, in_features;
+  ScalarType dtype;           // float32, float16 or bfloat16 (float16/bfloat16 need sm_80+: tensor-core mma)
+};
+cudaError_t linear(const LinearParams& p, cudaStream_t stream);
+
 }  // namespace folio::cuda

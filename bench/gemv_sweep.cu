@@ -1,0 +1,84 @@
+// Stand-alone timing of folio's GEMV (native/cuda/gemv.cu) on the 8B decode shapes, no torch: bench/gemv_sweep.sh
+// builds it once per tuning variant. Prints GB/s of weight read per shape and the time of one 8B decode step's
+// projections (32 x (qkv, o, gate_up, down) + lm_head). Each shape rotates over enough weight copies to exceed L2.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "../native/cuda/kernels.cuh"
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t n, k;
+  int per_step;
+};
+
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    cudaError_t e = (call);                                                              \
+    if (e != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));     \
+      return 1;                                                                          \
+    }                                                                                    \
+  } while (0)
+
+}  // namespace
+
+int main() {
+  const Shape shapes[] = {{"qkv", 6144, 4096, 32}, {"o_proj", 4096, 4096, 32}, {"gate_up", 28672, 4096, 32},
+                          {"down", 4096, 14336, 32}, {"lm_head", 128256, 4096, 1}};
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  void *x, *out;
+  CHECK(cudaMalloc(&x, 8 * 14336 * 2));
+  CHECK(cudaMalloc(&out, 8 * 128256 * 2));
+  CHECK(cudaMemset(x, 0, 8 * 14336 * 2));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  double step_us = 0;
+  for (const Shape& s : shapes) {
+    const size_t bytes = static_cast<size_t>(s.n) * s.k * 2;
+    const int copies = static_cast<int>(std::max<size_t>(1, (256u << 20) / bytes + 1));
+    std::vector<void*> weights(copies);
+    for (auto& w : weights) {
+      CHECK(cudaMalloc(&w, bytes));
+      CHECK(cudaMemset(w, 0x11, bytes));
+    }
+    folio::cuda::LinearParams p{};
+    p.out = out;
+    p.x = x;
+    p.x_row_stride = s.k;
+    p.weight_row_stride = s.k;
+    p.num_rows = 1;
+    p.out_features = s.n;
+    p.in_features = s.k;
+    p.dtype = folio::ScalarType::kBFloat16;
+    const int reps = 40 * copies;
+    for (int r = 0; r < copies; ++r) {
+      p.weight = weights[r];
+      CHECK(folio::cuda::linear(p, stream));
+    }
+    CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < reps; ++r) {
+      p.weight = weights[r % copies];
+      CHECK(folio::cuda::linear(p, stream));
+    }
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    const double us = 1e3 * ms / reps;
+    step_us += us * s.per_step;
+    std::printf("  %-8s %6lld x %5lld: %7.1f us  %6.0f GB/s\n", s.name, static_cast<long long>(s.n),
+                static_cast<long long>(s.k), us, bytes / us / 1e3);
+    for (auto& w : weights) CHECK(cudaFree(w));
+  }
+  std::printf("  8B decode step, projections + lm_head: %.0f us\n", step_us);
+  return 0;
+}
