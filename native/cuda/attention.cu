@@ -90,7 +90,6 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N],
 // eight heads (four in fp32) need more registers and get two.
 template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL>
 __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) attention_kernel(KernelArgs a) {
-  allow_dependent_launch();  // the next kernel may be a GEMV that preloads its weights meanwhile
   constexpr int kWorkersPerWarp = 32 / LANES_PER_TOKEN;
   constexpr int kWorkers = kWarps * kWorkersPerWarp;
   constexpr int kKeysPerIter = kWorkers * UNROLL;
@@ -309,7 +308,6 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
 // sum 0, accumulator 0), so nothing uninitialized is read.
 template <typename T>
 __global__ void combine_kernel(KernelArgs a) {
-  allow_dependent_launch();  // the next kernel may be a GEMV that preloads its weights meanwhile
   const PagedAttentionParams& p = a.p;
   const int64_t row_head = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
   const float* ml = a.partial_ml + 2 * row_head * a.num_splits;

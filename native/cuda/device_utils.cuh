@@ -100,22 +100,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
-// Programmatic dependent launch (Hopper). A kernel launched with launch_programmatic() may start while the kernel
-// before it in the stream is still running, once every block of that one has called allow_dependent_launch() (or
-// exited). It must call wait_for_previous_grid() before touching anything the previous kernel writes or reads:
-// that waits for the previous grid to complete and its writes to be visible. Both are no-ops without PDL and below
-// sm_90, so kernels call them unconditionally.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Runs fn(T{}) with T the CUDA storage type named by `type` (host side).

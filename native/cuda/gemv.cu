@@ -121,23 +121,12 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
 
   // Two accumulator chains (elements 0..3 and 4..7 of each chunk) halve the serial mma latency per step.
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // W depends on no earlier kernel: the first step's loads go out before waiting for the previous grid (launched
-  // programmatically, this block may already run while that kernel finishes); x and out wait for it.
-  const int64_t first_step = static_cast<int64_t>(warp) * kWarpStepChunks;
-  uint4 wv[kUnroll];
+  for (int64_t step = static_cast<int64_t>(warp) * kWarpStepChunks; step < num_chunks;
+       step += kWarps * kWarpStepChunks) {
+    uint4 wv[kUnroll], xv[kUnroll];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    wv[u] = load_chunk16<VEC, true>(w_row, min(first_step + 4 * u + t, num_chunks - 1), K);
-  }
-  wait_for_previous_grid();
-  allow_dependent_launch();
-  for (int64_t step = first_step; step < num_chunks; step += kWarps * kWarpStepChunks) {
-    uint4 xv[kUnroll];
-    if (step != first_step) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        wv[u] = load_chunk16<VEC, true>(w_row, min(step + 4 * u + t, num_chunks - 1), K);
-      }
+    for (int u = 0; u < kUnroll; ++u) {
+      wv[u] = load_chunk16<VEC, true>(w_row, min(step + 4 * u + t, num_chunks - 1), K);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -192,7 +181,6 @@ __device__ __forceinline__ float4 load_chunk32(const float* row, int64_t c, int6
 // adds its lanes' sums (shuffle tree).
 template <bool VEC>
 __global__ void __launch_bounds__(kThreads) linear_f32_kernel(LinearParams p) {
-  wait_for_previous_grid();
   const int lane = threadIdx.x & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (n >= p.out_features) return;  // whole warps only
@@ -239,24 +227,6 @@ __global__ void __launch_bounds__(kThreads) linear_f32_kernel(LinearParams p) {
   }
 }
 
-// Launches with programmatic stream serialization on sm_90+ (see allow_dependent_launch in device_utils.cuh), a
-// plain launch elsewhere. Captured into CUDA graphs as a programmatic edge.
-void launch_programmatic(void (*kernel)(LinearParams), unsigned blocks, cudaStream_t stream, const LinearParams& p) {
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;
-  cudaLaunchKernelEx(&config, kernel, p);
-}
-
 // Rows of `width` elements at `base`, `row_stride` apart, all start on 16 bytes and hold whole 16-byte chunks.
 bool rows_vectorizable(const void* base, int64_t row_stride, int64_t width, int64_t per_16_bytes) {
   return aligned16(base) && row_stride % per_16_bytes == 0 && width % per_16_bytes == 0;
@@ -284,9 +254,9 @@ cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
       }
     } else {
       if (vec) {
-        launch_programmatic(linear_mma_kernel<T, true>, blocks, stream, p);
+        linear_mma_kernel<T, true><<<blocks, kThreads, 0, stream>>>(p);
       } else {
-        launch_programmatic(linear_mma_kernel<T, false>, blocks, stream, p);
+        linear_mma_kernel<T, false><<<blocks, kThreads, 0, stream>>>(p);
       }
     }
   });

@@ -12,7 +12,6 @@ constexpr int kNormThreads = 256;
 // reference's order), reading each row twice: the second read hits L2.
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams p) {
-  allow_dependent_launch();  // the next kernel may be a GEMV that preloads its weights meanwhile
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
@@ -72,7 +71,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams p)
 
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(SiluAndMulParams p) {
-  allow_dependent_launch();  // the next kernel may be a GEMV that preloads its weights meanwhile
   const int64_t row = blockIdx.y;
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (i >= p.half_width) return;
