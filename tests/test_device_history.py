@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folio.sampling.device_history import DeviceHistories
-from folio.sampling.penalties import _history_windows
+from folio.sampling.penalties import history_windows
 
 DUMP = 50  # ids >= DUMP (and negative ones) count as outside the vocabulary
 
@@ -39,7 +39,7 @@ def test_windows_equal_host_windows_through_growth_and_reuse():
         sizes = [min(len(host[k]), rng.choice([0, 3, 17, 10_000])) for k in rows]
         if not any(sizes):
             continue
-        want = _history_windows([host[k] for k in rows], sizes, max(sizes), DUMP, torch.device("cpu"))
+        want = history_windows([host[k] for k in rows], sizes, max(sizes), DUMP, torch.device("cpu"))
         got = device_hist.windows(rows, [len(host[k]) for k in rows], sizes, DUMP)
         assert torch.equal(got, want)
 

@@ -21,11 +21,7 @@ from folio.sampling.settings import SamplerSettings
 History = Sequence[int] | torch.Tensor
 
 
-def _window_size(settings: SamplerSettings, history: History) -> int:
-    return window_size(settings, len(history))
-
-
-def _history_windows(histories: Sequence[History], sizes: list[int], width: int, dump_column: int,
+def history_windows(histories: Sequence[History], sizes: list[int], width: int, dump_column: int,
                      device: torch.device) -> torch.Tensor:
     """[B, width] ids, each row's window right-aligned (newest last), left-padded with `dump_column`; ids outside
     [0, dump_column) also become `dump_column`, so that they change nothing. Built in one host array (numpy slice
@@ -53,11 +49,11 @@ def apply_penalties(work: torch.Tensor, settings: Sequence[SamplerSettings], his
     device = work.device
     batch, dump_column = work.shape[0], work.shape[1] - 1
     if windows is None:
-        sizes = [_window_size(s, h) for s, h in zip(settings, histories)]
+        sizes = [window_size(s, len(h)) for s, h in zip(settings, histories)]
         width = max(sizes)
         if width == 0:
             return
-        ids = _history_windows(histories, sizes, width, dump_column, device)
+        ids = history_windows(histories, sizes, width, dump_column, device)
     else:
         ids, width = windows, windows.shape[1]
         if width == 0:

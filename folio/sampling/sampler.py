@@ -20,7 +20,7 @@ import torch
 
 from folio import ops
 from folio.sampling.host import to_device
-from folio.sampling.penalties import History, _history_windows, _window_size, apply_penalties
+from folio.sampling.penalties import History, apply_penalties, history_windows, window_size
 from folio.sampling.settings import SamplerSettings
 
 # Mass within this distance of top_p counts as reaching it: fp32 sums of probabilities that are exactly p in
@@ -164,38 +164,23 @@ def _sample_native(logits: torch.Tensor, rows: Sequence[RowParams], penalty_wind
     penalise = ops.native_sampling_op("apply_penalties", device.type)
     if sample_rows is None or penalise is None:
         return None
-    num_rows, num_columns = logits.shape
+    num_columns = logits.shape[1]
     if penalty_windows is None:
-        sizes = [_window_size(row.settings, row.history_ids) for row in rows]
+        sizes = [window_size(row.settings, len(row.history_ids)) for row in rows]
         width = max(sizes)
     else:
         width = penalty_windows.shape[1]
     if width > _MAX_NATIVE_PENALTY_WINDOW:
         return None
-    # One table row per distinct settings object, gathered per row on the device; one transfer for everything.
-    table_index: dict[int, int] = {}
-    table: list[float] = []
-    row_index: list[int] = []
-    for row in rows:
-        key = id(row.settings)
-        if key not in table_index:
-            table_index[key] = len(table_index)
-            st = row.settings
-            temperature, top_p, min_p, top_k = _truncation(st)
-            table += [temperature, top_p, min_p, top_k, st.token_repetition_penalty, st.token_frequency_penalty,
-                      st.token_presence_penalty,
-                      st.token_repetition_range if st.token_repetition_range >= 0 else width,
-                      st.token_repetition_decay]
-        row_index.append(table_index[key])
-    packed = to_device(table + [row.u for row in rows] + row_index, torch.float64, device)
-    size = len(table)
-    per_row = packed[:size].view(-1, 9)[packed[size + num_rows:].long()]
+    per_row, u, _ = _per_row_settings(rows, lambda st: (
+        *_truncation(st), st.token_repetition_penalty, st.token_frequency_penalty, st.token_presence_penalty,
+        st.token_repetition_range if st.token_repetition_range >= 0 else width, st.token_repetition_decay), device)
     floats = per_row.float()
     ints = per_row.int()
 
     work = logits.clone()
     if width:
-        ids = penalty_windows if penalty_windows is not None else _history_windows(
+        ids = penalty_windows if penalty_windows is not None else history_windows(
             [row.history_ids for row in rows], sizes, width, num_columns, device)  # padding id V: ignored
         penalise(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
                  ints[:, 7].contiguous(), ints[:, 8].contiguous())
@@ -203,7 +188,6 @@ def _sample_native(logits: torch.Tensor, rows: Sequence[RowParams], penalty_wind
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
         work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
-    u = packed[size: size + num_rows].float()
     token_ids, token_probs = sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
                                          floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
     logits_out = work if any(row.return_logits for row in rows) else None
@@ -273,26 +257,33 @@ class _PickParams:
     max_top_k: int | None  # None: some row has top-k off and needs the full sort
 
 
-def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.device) -> _PickParams:
-    """One small table per distinct settings object (rows often share one), gathered per row on the device; the
-    table, the draws and the row -> table index travel in a single transfer."""
+def _per_row_settings(rows: Sequence[RowParams], entry, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[tuple]]:
+    """Per-row numbers derived from each row's settings, on the device: one table entry per distinct settings
+    object (rows often share one), gathered per row there; the table, the draws and the row -> entry index travel
+    in a single transfer. Returns [B, E] float64 per row, the draws [B] float32, and the host table."""
     table_index: dict[int, int] = {}
-    table: list[tuple[float, float, float, int]] = []
+    table: list[tuple] = []
     row_index: list[int] = []
     for row in rows:
         key = id(row.settings)
         if key not in table_index:
             table_index[key] = len(table)
-            table.append(_truncation(row.settings))
+            table.append(entry(row.settings))
         row_index.append(table_index[key])
-    flat = [v for t in table for v in (t[0], t[1], t[2], t[3] or num_columns)]
+    flat = [v for t in table for v in t]
     packed = to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
-    num_rows, table_size = len(rows), 4 * len(table)
-    per_row = packed[:table_size].view(len(table), 4)[packed[table_size + num_rows:].long()]
+    num_rows, table_size = len(rows), len(flat)
+    per_row = packed[:table_size].view(len(table), -1)[packed[table_size + num_rows:].long()]
+    return per_row, packed[table_size: table_size + num_rows].float(), table
+
+
+def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.device) -> _PickParams:
+    per_row, u, table = _per_row_settings(rows, _truncation, device)
     columns = per_row.float().split(1, dim=1)
     top_ks = [t[3] for t in table]
-    return _PickParams(temperature=columns[0], top_p=columns[1], min_p=columns[2], top_k=columns[3],
-                       u=packed[table_size: table_size + num_rows, None].float(),
+    return _PickParams(temperature=columns[0], top_p=columns[1], min_p=columns[2],
+                       top_k=torch.where(columns[3] == 0, float(num_columns), columns[3]), u=u[:, None],
                        any_greedy=any(t is _GREEDY for t in table),
                        max_top_k=None if 0 in top_ks else max(top_ks))
 
