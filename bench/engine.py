@@ -246,9 +246,11 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            max_q_size=num_jobs + 1, prefix_cache=prefix_cache,
+                           max_chunk_size=OPTIONS.get("chunk_size") or None,
                            overlap_emit=False if OPTIONS.get("no_overlap") else None)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB), batch {max_batch_size}, "
-        f"graphs {'on' if gen.decode_graphs else 'off'} ({time.perf_counter() - t0:.1f} s)")
+        f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.decode_graphs else 'off'} "
+        f"({time.perf_counter() - t0:.1f} s)")
     return gen, cache
 
 
@@ -264,6 +266,7 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
         gen.enqueue(jobs)
         remaining = len(jobs)
         trace = StepTrace.from_options()
+        step_ends = []
         while remaining:
             if trace is not None:
                 trace.before_step(profile.steps)
@@ -271,6 +274,7 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
             results = gen.iterate()
             profile.steps += 1
             profile.seconds["rest"] += time.perf_counter() - s0
+            step_ends.append(time.monotonic())
             remaining -= sum(1 for r in results if getattr(r, "eos", False))
             for r in results:
                 if getattr(r, "error", None) is not None:
@@ -281,8 +285,15 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
     profile.seconds["rest"] -= sum(v for k, v in profile.seconds.items() if k != "rest")
     ttft = [j.time_first_token - (j.time_enqueue or 0) for j in jobs]
     tpot = [(j.time_last_token - j.time_first_token) / (j.new_tokens - 1) for j in jobs if j.new_tokens > 1]
+    # the prompt phase lasts until the last job's first token; the steps after it only decode
+    last_first = max(j.time_first_token for j in jobs)
+    start = min(j.time_enqueue for j in jobs)
+    prompt_steps = sum(1 for t in step_ends if t <= last_first + 1e-6)
+    phases = {"prompt_phase_s": round(last_first - start, 3), "prompt_phase_steps": prompt_steps,
+              "decode_phase_s": round(step_ends[-1] - last_first, 3),
+              "decode_phase_steps": len(step_ends) - prompt_steps}
     return RunResult(wall, sum(j.new_tokens for j in jobs), ttft, tpot,
-                     {"steps": profile.steps, "per_step_ms": profile.per_step_ms()}, profile.steps)
+                     {"steps": profile.steps, "per_step_ms": profile.per_step_ms(), **phases}, profile.steps)
 
 
 class StepTrace:
@@ -747,6 +758,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="W2/W3 request count (0: 256)")
     parser.add_argument("--groups", type=int, default=16, help="W5 prefix groups of 16 requests (issue: 64)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chunk-size", type=int, default=0, help="W2/W3/W5: the generator's max_chunk_size "
+                        "(0: its default)")
     parser.add_argument("--no-overlap", action="store_true", help="DynamicGenerator(overlap_emit=False)")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
@@ -755,6 +768,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
+    OPTIONS["chunk_size"] = args.chunk_size
     trace_spec = args.trace_steps
     out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]

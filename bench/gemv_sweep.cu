@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "../native/cuda/kernels.cuh"
@@ -29,19 +30,27 @@ struct Shape {
 
 }  // namespace
 
+// One timing: plain, or gated (silu_gate: gate_up with the MLP's activation in its epilogue).
+struct Mode {
+  const char* name;
+  bool gated;
+};
+
 int main() {
   const Shape shapes[] = {{"qkv", 6144, 4096, 32}, {"o_proj", 4096, 4096, 32}, {"gate_up", 28672, 4096, 32},
                           {"down", 4096, 14336, 32}, {"lm_head", 128256, 4096, 1}};
+  const Mode modes[] = {{"plain", false}, {"gated", true}};
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
   void *x, *out;
   CHECK(cudaMalloc(&x, 8 * 14336 * 2));
   CHECK(cudaMalloc(&out, 8 * 128256 * 2));
   CHECK(cudaMemset(x, 0, 8 * 14336 * 2));
+  CHECK(cudaMemset(out, 0, 8 * 128256 * 2));
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
-  double step_us = 0;
+  double step_us = 0, gated_step_us = 0;
   for (const Shape& s : shapes) {
     const size_t bytes = static_cast<size_t>(s.n) * s.k * 2;
     const int copies = static_cast<int>(std::max<size_t>(1, (256u << 20) / bytes + 1));
@@ -50,35 +59,41 @@ int main() {
       CHECK(cudaMalloc(&w, bytes));
       CHECK(cudaMemset(w, 0x11, bytes));
     }
-    folio::cuda::LinearParams p{};
-    p.out = out;
-    p.x = x;
-    p.x_row_stride = s.k;
-    p.weight_row_stride = s.k;
-    p.num_rows = 1;
-    p.out_features = s.n;
-    p.in_features = s.k;
-    p.dtype = folio::ScalarType::kBFloat16;
-    const int reps = 40 * copies;
-    for (int r = 0; r < copies; ++r) {
-      p.weight = weights[r];
-      CHECK(folio::cuda::linear(p, stream));
+    for (const Mode& mode : modes) {
+      if (mode.gated && std::string(s.name) != "gate_up") continue;
+      folio::cuda::LinearParams p{};
+      p.out = out;
+      p.x = x;
+      p.x_row_stride = s.k;
+      p.weight_row_stride = s.k;
+      p.num_rows = 1;
+      p.out_features = s.n;
+      p.in_features = s.k;
+      p.dtype = folio::ScalarType::kBFloat16;
+      p.silu_gate = mode.gated;
+      const int reps = 40 * copies;
+      for (int r = 0; r < copies; ++r) {
+        p.weight = weights[r];
+        CHECK(folio::cuda::linear(p, stream));
+      }
+      CHECK(cudaEventRecord(start, stream));
+      for (int r = 0; r < reps; ++r) {
+        p.weight = weights[r % copies];
+        CHECK(folio::cuda::linear(p, stream));
+      }
+      CHECK(cudaEventRecord(stop, stream));
+      CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start, stop));
+      const double us = 1e3 * ms / reps;
+      if (!mode.gated) step_us += us * s.per_step;
+      if (mode.gated || std::string(s.name) != "gate_up") gated_step_us += us * s.per_step;
+      std::printf("  %-8s %6lld x %5lld %-5s: %7.1f us  %6.0f GB/s\n", s.name, static_cast<long long>(s.n),
+                  static_cast<long long>(s.k), mode.name, us, bytes / us / 1e3);
     }
-    CHECK(cudaEventRecord(start, stream));
-    for (int r = 0; r < reps; ++r) {
-      p.weight = weights[r % copies];
-      CHECK(folio::cuda::linear(p, stream));
-    }
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    const double us = 1e3 * ms / reps;
-    step_us += us * s.per_step;
-    std::printf("  %-8s %6lld x %5lld: %7.1f us  %6.0f GB/s\n", s.name, static_cast<long long>(s.n),
-                static_cast<long long>(s.k), us, bytes / us / 1e3);
     for (auto& w : weights) CHECK(cudaFree(w));
   }
-  std::printf("  8B decode step, projections + lm_head: %.0f us\n", step_us);
+  std::printf("  8B decode step, projections + lm_head: %.0f us, %.0f us with gate_up gated\n", step_us,
+              gated_step_us);
   return 0;
 }

@@ -170,6 +170,12 @@ def rotary_cache_write(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    """Rotary on q [T, Hq, D] and k [T, Hkv, D] in place, then k and v [T, Hkv, D] into the paged caches.
+
+    q, k and v need a dense last dim only: the column slices of one fused [T, (Hq + 2*Hkv) * D] QKV output, each
+    `.unflatten(-1, (H, D))`, go in as they are and q, k are rotated inside that buffer. The native ops refuse
+    layouts where q or k share an element with themselves or with each other or v (ValueError).
+    """
     _call("rotary_cache_write", (q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping))
 
 
@@ -211,12 +217,17 @@ LINEAR_MAX_ROWS = 8
 _LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_gate: bool = False
+) -> torch.Tensor:
     """F.linear: x [M, K], weight [N, K], bias [N] or None -> [M, N] in x.dtype.
+
+    silu_gate: weight is a fused gate_up ([gate; up] halves) and the result is silu_and_mul of the product,
+    [M, N / 2] (the native kernel gates in its epilogue, bit-identical to the two ops; 16-bit dtypes there).
 
     The native CUDA kernel takes at most LINEAR_MAX_ROWS rows (it raises otherwise); callers use it where
     `linear_supported` holds and F.linear elsewhere."""
-    return _call("linear", (x, weight, bias))
+    return _call("linear", (x, weight, bias, silu_gate))
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

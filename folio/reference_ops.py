@@ -37,12 +37,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(xf[:, :half]) * xf[:, half:]).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_gate: bool = False
+) -> torch.Tensor:
     """x: [M, K], weight: [N, K], bias: [N] or None -> x @ weight.T + bias : [M, N] in x.dtype.
 
     torch.nn.functional.linear itself (cuBLAS on CUDA), not an fp32 recomputation: it is what the model runs when the
-    native GEMV does not apply. The native kernel is tested against fp32 math directly."""
-    return F.linear(x, weight, bias)
+    native GEMV does not apply. The native kernel is tested against fp32 math directly.
+
+    silu_gate: weight is [gate; up] and the result is silu_and_mul of the product, [M, N / 2] (the native GEMV's
+    fusion, spelled out)."""
+    y = F.linear(x, weight, bias)
+    return silu_and_mul(y) if silu_gate else y
 
 
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,8 @@ def rotary_cache_write(
 
     positions: [T] int64; inv_freq: [D/2] fp32; k_cache, v_cache: [P, S, Hkv, D];
     slot_mapping: [T] int64 flat slot in [0, P*S), or < 0 to skip writing that token.
+    q, k and v may be strided views, e.g. `qkv.split([Hq*D, Hkv*D, Hkv*D], dim=-1)` of one fused [T, (Hq+2*Hkv)*D]
+    projection, each `.unflatten(-1, (H, D))`: the rotated q and k are written through the views into that buffer.
     """
     angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()

@@ -26,7 +26,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_cuda_prefill_and_decode_match_transformers(tmp_path, monkeypatch, arch, overrides, dtype, tolerance) -> None:
     linear_rows = []  # rows of every input that the model sends to the decode GEMV (ops.linear)
     real_linear = ops.linear
-    monkeypatch.setattr(ops, "linear", lambda x, w, b=None: linear_rows.append(x.shape[0]) or real_linear(x, w, b))
+    monkeypatch.setattr(ops, "linear",
+                        lambda x, w, b=None, **fused: linear_rows.append(x.shape[0]) or real_linear(x, w, b, **fused))
     path = make_hf_model(tmp_path, arch, **overrides)
     want = hf_logits(load_hf_model(path), PROMPT)
     model = Model.from_pretrained(path, device="cuda", dtype=dtype, progress=False)
@@ -87,3 +88,4 @@ def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
                                          batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+

@@ -187,6 +187,108 @@ def test_rotary_cache_write(device, dtype, num_tokens, q_heads, kv_heads, head_d
         assert flat[untouched].isnan().all(), "a slot outside slot_mapping was written"
 
 
+def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bitwise equality, NaN included (a cache slot that is not written keeps the NaN it was poisoned with)."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    return (actual.shape == expected.shape and actual.dtype == expected.dtype
+            and torch.equal(actual.view(as_int).cpu(), expected.view(as_int).cpu()))
+
+
+def rotary_views(layout, num_tokens, q_heads, kv_heads, head_dim, dtype, device, g):
+    """q, k, v [T, H, D] with a dense last dim laid out as `layout`, and the memory around them that the op must
+    leave alone. "fused": the column slices of one [T, (Hq + 2 Hkv) D] QKV output, as the model hands them over;
+    "fused-offset": the same inside a wider buffer, so neither the base nor the token stride is 16-byte aligned;
+    "padded-heads": head stride D + 6; "head-major": [H, T, D] buffers transposed (token stride D)."""
+    widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if layout in ("fused", "fused-offset"):
+        pad = 3 if layout == "fused-offset" else 0
+        buf = randn(num_tokens, pad + sum(widths) + pad, dtype=dtype, device=device, g=g)
+        qkv = buf[:, pad : pad + sum(widths)]
+        views = [x.unflatten(-1, (-1, head_dim)) for x in qkv.split(widths, dim=-1)]
+        return views, [buf[:, :pad], buf[:, pad + sum(widths) :]]
+    views, gaps = [], []
+    for heads in (q_heads, kv_heads, kv_heads):
+        if layout == "padded-heads":
+            buf = randn(num_tokens, heads, head_dim + 6, dtype=dtype, device=device, g=g)
+            views.append(buf[..., :head_dim])
+            gaps.append(buf[..., head_dim:])
+        else:
+            views.append(randn(heads, num_tokens, head_dim, dtype=dtype, device=device, g=g).transpose(0, 1))
+    return views, gaps
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("layout", ["fused", "fused-offset", "padded-heads", "head-major"])
+@pytest.mark.parametrize(
+    "num_tokens,q_heads,kv_heads,head_dim,page_size",
+    [(1, 4, 2, 64, 16), (300, 8, 2, 128, 16), (9, 3, 1, 10, 4)],
+)
+def test_rotary_cache_write_strided_views_match_contiguous(device, dtype, layout, num_tokens, q_heads, kv_heads,
+                                                           head_dim, page_size):
+    g = gen(num_tokens + head_dim)
+    (q, k, v), gaps = rotary_views(layout, num_tokens, q_heads, kv_heads, head_dim, dtype, device, g)
+    dense = [x.clone(memory_format=torch.contiguous_format) for x in (q, k, v)]
+    v_before, gaps_before = v.clone(), [gap.clone() for gap in gaps]
+    num_pages = 2 + num_tokens // page_size
+    positions = torch.randint(0, 40000, (num_tokens,), generator=g).to(device)
+    slots = torch.randperm(num_pages * page_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.2] = -1
+    slots = slots.to(device)
+    inv_freq = _inv_freq(head_dim, 10000.0, False).to(device)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
+
+    with ops.use_backend("native"):  # the public entry point takes the views as they are
+        ops.rotary_cache_write(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
+    NATIVE[device].rotary_cache_write(*dense, positions, inv_freq, caches[2], caches[3], slots)
+
+    assert same_bits(q, dense[0]) and same_bits(k, dense[1]), "q, k rotated in place differ from the dense run"
+    assert same_bits(caches[0], caches[2]) and same_bits(caches[1], caches[3]), "caches differ from the dense run"
+    assert same_bits(v, v_before), "v was written"
+    assert all(same_bits(gap, before) for gap, before in zip(gaps, gaps_before)), "memory beside q, k, v written"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_cache_write_rejects_overlapping_layouts(device):
+    native = NATIVE[device]
+    g = gen(6)
+    num_tokens, q_heads, kv_heads, head_dim = 4, 4, 2, 16
+    widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = randn(num_tokens, sum(widths), dtype=torch.float32, device=device, g=g)
+    q, k, v = [x.unflatten(-1, (-1, head_dim)) for x in qkv.split(widths, dim=-1)]
+    positions = torch.arange(num_tokens, device=device)
+    inv_freq = _inv_freq(head_dim, 10000.0, False).to(device)
+    k_cache = torch.zeros(2, 16, kv_heads, head_dim, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(num_tokens, device=device)
+    before = qkv.clone()
+
+    def call(q_, k_, v_):
+        native.rotary_cache_write(q_, k_, v_, positions, inv_freq, k_cache, v_cache, slots)
+
+    flat = randn(num_tokens * q_heads * head_dim * 2, dtype=torch.float32, device=device, g=g)
+    with pytest.raises(ValueError, match="'q' must have a contiguous last dimension"):
+        call(flat.view(num_tokens, q_heads, 2 * head_dim)[..., ::2], k, v)
+    with pytest.raises(ValueError, match="'q' is written in place but its elements overlap"):
+        call(q[:1].expand(num_tokens, -1, -1), k, v)  # token stride 0
+    with pytest.raises(ValueError, match="'k' is written in place but its elements overlap"):
+        call(q, flat.as_strided((num_tokens, kv_heads, head_dim), (kv_heads * head_dim, head_dim // 2, 1)), v)
+    with pytest.raises(ValueError, match="'k' is written in place but its elements overlap"):
+        call(q, flat.as_strided((num_tokens, kv_heads, head_dim), (head_dim, head_dim, 1)), v)  # tokens share heads
+    with pytest.raises(ValueError, match="'q' and 'k' share memory"):
+        call(q, q[:, :kv_heads], v)
+    with pytest.raises(ValueError, match="'q' and 'k' share memory"):  # k's slice starts one column early
+        shifted = qkv[:, q_heads * head_dim - 1 : (q_heads + kv_heads) * head_dim - 1]
+        call(q, shifted.unflatten(-1, (kv_heads, head_dim)), v)
+    with pytest.raises(ValueError, match="'q' and 'v' share memory"):
+        call(q, k, q[:, -kv_heads:])
+    with pytest.raises(ValueError, match="'k' and 'v' share memory"):
+        call(q, k, k)
+    assert torch.equal(qkv, before), "a refused call wrote"
+    # v is only read: one element may stand for several (here every head of a token reads the same one)
+    call(q, k, v[:, :1].expand(-1, kv_heads, -1))
+
+
 # ---------------------------------------------------------------------------------------------- paged attention
 
 
@@ -228,6 +330,35 @@ def test_paged_attention_decode(device, dtype, context_lens, group, kv_heads, he
     poison_next_alloc(q.shape, dtype, device)
     out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
     assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale), dtype)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=_marks("cuda"), id="cuda")])
+def test_cuda_paged_attention_split_merge_repeats_and_replays(_):
+    """The last split of each (row, head group) merges in the kernel and resets its arrival counter: calls in a
+    row, of other shapes in between, and replays of a captured graph all give the same bits."""
+    native = NATIVE["cuda"]
+    g = gen(77)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([1, 300, 2049, 64], 16, 2, 128, torch.bfloat16, "cuda", g)
+    q = randn(4, 8, 128, dtype=torch.bfloat16, device="cuda", g=g)
+    first = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+    assert_close(first, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1),
+                 torch.bfloat16)
+    other = make_paged_kv([5, 700], 256, 2, 128, torch.bfloat16, "cuda", g)  # fewer rows, other splits
+    native.paged_attention_decode(q[:2], *other, 0.1)
+    for _ in range(3):
+        assert torch.equal(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1), first)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, first)
 
 
 @pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16,)))
@@ -563,6 +694,120 @@ def test_cuda_sampling_large_vocab_matches_cpu_kernel(_):
     torch.testing.assert_close(probs_gpu.cpu()[same], probs_cpu[same], rtol=1e-5, atol=1e-7)
 
 
+def _assert_cuda_sampling_matches_cpu_kernel(batch, max_mismatches: int) -> None:
+    """Both kernels on the same CPU batch. Ids must agree except in up to max_mismatches rows (the two exps may
+    differ by an ulp, which can only flip a decision that sits on a boundary); probs to those ulps."""
+    if NATIVE["cpu"] is None:
+        pytest.skip("folio._native_cpu is not built")
+    ids_cpu, probs_cpu = NATIVE["cpu"].sample_rows(*batch)
+    poison_next_alloc((batch[0].shape[0],), torch.int64, "cuda")
+    ids_gpu, probs_gpu = NATIVE["cuda"].sample_rows(*[t.cuda() for t in batch])
+    ids_gpu, probs_gpu = ids_gpu.cpu(), probs_gpu.cpu()
+    assert not probs_gpu.isnan().any()
+    differ = (ids_cpu != ids_gpu).nonzero().flatten().tolist()
+    detail = f"rows {differ}: cuda {ids_gpu[differ].tolist()}, cpu {ids_cpu[differ].tolist()}"
+    assert len(differ) <= max_mismatches, detail
+    same = ids_cpu == ids_gpu
+    torch.testing.assert_close(probs_gpu[same], probs_cpu[same], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 50, 1000, 1024, 1025])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_sampling_top_k_short_list_matches_cpu_kernel(_, top_k):
+    """2 <= top_k <= 1024 takes the short-list path, whose radix select stops as soon as the elements at or above
+    its bucket fit in shared memory; 1025 the full select, 1 the argmax. Logit scales from flat to peaked make that
+    stop come after one to four histogram passes."""
+    g = gen(1000 + top_k)
+    vocab = 128256
+    settings = [(scale, t, p, m) for scale in (0.3, 1.0, 3.0, 8.0)
+                for t, p, m in ((0.5, 1.0, 0.0), (0.8, 0.8, 0.0), (1.0, 0.95, 0.05), (1.7, 1.0, 0.02))]
+    rows = len(settings)
+
+    def column(i, dtype=torch.float32):
+        return torch.tensor([s[i] for s in settings], dtype=dtype)
+
+    logits = torch.randn(rows, vocab, generator=g) * column(0)[:, None]
+    batch = [logits, column(1), torch.full((rows,), top_k, dtype=torch.int32), column(2), column(3),
+             torch.rand(rows, generator=g)]
+    _assert_cuda_sampling_matches_cpu_kernel(batch, max_mismatches=1)
+
+
+def _tied_sampling_rows(vocab: int, g: torch.Generator):
+    """(logits row, top_k) pairs with exact ties where the short-list path decides: at the top-k boundary (fitting
+    after the first or the second radix pass, or never: the fallback resolves the tie by index), at the top, the
+    short list exactly full, every logit equal, and -inf logits (zero weights tied at the boundary)."""
+    def levels(*counts_values):
+        row = torch.randn(vocab, generator=g) - 20  # background far below the levels (weights ~e^-25, not denormal)
+        perm = torch.randperm(vocab, generator=g)  # each level at random positions, across threads and chunks
+        start = 0
+        for count, value in counts_values:
+            row[perm[start:start + count]] = value
+            start += count
+        return row
+
+    def finite_among_inf(count):
+        row = torch.full((vocab,), float("-inf"))
+        row[torch.randperm(vocab, generator=g)[:count]] = torch.randn(count, generator=g) * 3
+        return row
+
+    # weights at temperature 1 (0.8): 5.0 -> 1.0, 4.0 -> 0x3ebc5ab1 (0x3e92b0c1), 3.9 -> 0x3eaa6e15 (0x3e817431):
+    # 4.0 and 3.9 share the top byte and differ in the next one
+    return [
+        (levels((40, 5.0), (100, 4.0)), 50),  # 140 at or above the first bucket: fits at once, tie at the boundary
+        (levels((40, 5.0), (500, 4.0), (1000, 3.9)), 300),  # 1540, then 540 after the second pass
+        (levels((40, 5.0), (1500, 4.0)), 50),  # 1540 share the bucket down to the last byte: fallback, tie walk
+        (levels((2000, 5.0)), 50),  # tied at the top, more than fit: fallback
+        (levels((3, 5.0)), 2),  # two of three tied maxima, by index
+        (levels((1023, 5.0), (5000, 4.0)), 1023),  # exactly the 1023 that fit
+        (levels((1023, 5.0), (5000, 4.0)), 1024),  # one of the 5000 tied: fallback
+        (levels((1024, 5.0)), 1024),  # the short list exactly full
+        (levels((1025, 5.0)), 1024),  # one more than fit: fallback
+        (levels((1025, 5.0)), 1025),  # top_k past the short list: the full select
+        (torch.full((vocab,), 0.5), 2),  # every logit equal: every weight 1, every key tied
+        (torch.full((vocab,), 0.5), 50),
+        (torch.full((vocab,), 0.5), 1024),
+        (torch.full((vocab,), 0.5), 1025),
+        (finite_among_inf(30), 50),  # 20 of the zero weights complete the top-k, by index: fallback
+        (finite_among_inf(100), 50),
+        (finite_among_inf(1000), 1000),  # the boundary is the smallest nonzero weight
+        (finite_among_inf(1000), 1024),  # 24 zero weights, by index: fallback
+    ]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_sampling_top_k_ties_match_cpu_kernel(_, temperature):
+    """Exact ties at the top-k boundary are cut by index, as the CPU kernel's stable sort does, whether the short
+    list holds every tied element or the select falls back to walking the tie."""
+    g = gen(int(temperature * 10))
+    vocab = 128256
+    cases = _tied_sampling_rows(vocab, g)
+    # each case under several filters: top-p and min-p cut the sorted short list, the draw lands anywhere in it
+    filters = [(1.0, 0.0), (0.8, 0.0), (0.9, 0.1), (0.5, 0.0)]
+    rows = [(row, k, p, m) for row, k in cases for p, m in filters]
+    n = len(rows)
+    batch = [torch.stack([r[0] for r in rows]), torch.full((n,), temperature),
+             torch.tensor([r[1] for r in rows], dtype=torch.int32), torch.tensor([r[2] for r in rows]),
+             torch.tensor([r[3] for r in rows]), torch.rand(n, generator=g)]
+    _assert_cuda_sampling_matches_cpu_kernel(batch, max_mismatches=0)
+
+
+@pytest.mark.parametrize("vocab,top_k", [(7, 5), (1000, 999), (1024, 1023), (1025, 1024), (1030, 1024), (3000, 2)])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_sampling_top_k_small_vocab_matches_cpu_kernel(_, vocab, top_k):
+    """A vocabulary of at most 1024 always fits the short list at once (its whole row is sorted); just above, the
+    select may have to narrow first. Rows end inside a chunk of the passes."""
+    g = gen(vocab + top_k)
+    rows = 12
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    logits[::3, : vocab // 2] = logits[::3, :1]  # half the row tied
+    logits[1::3, ::2] = float("-inf")
+    batch = [logits, torch.tensor([0.5, 0.8, 1.0, 1.7])[torch.arange(rows) % 4],
+             torch.full((rows,), top_k, dtype=torch.int32), torch.tensor([1.0, 0.9, 0.8])[torch.arange(rows) % 3],
+             torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0])[torch.arange(rows) % 6], torch.rand(rows, generator=g)]
+    _assert_cuda_sampling_matches_cpu_kernel(batch, max_mismatches=0)
+
+
 # ---------------------------------------------------------------------------------------------- linear (CUDA: decode GEMV)
 
 # (out_features N, in_features K): small and odd ones, then Llama-3-8B's qkv, o_proj, gate_up, down and lm_head
@@ -707,3 +952,44 @@ def test_linear_supported_states_the_fast_path_conditions():
     assert not ops.linear_supported(x.float()[:, :62], weight.float()[:, :62])  # fp32: K % 4
     if NATIVE["cuda"] is not None:
         assert_close(ops.linear(x, weight, bias), _linear_oracle(x, weight, bias), torch.bfloat16)
+
+
+# ------------------------------------------------------------------ linear's fusion: the MLP's SiLU gate
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_features,in_features", [(26, 40), (2000, 520), (28672, 4096), (8, 24)])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_silu_gate_is_bitwise_linear_then_silu_and_mul(_, dtype, out_features, in_features):
+    """silu_gate: weight is [gate; up]; each block pairs gate rows with their up rows and gates in its epilogue."""
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(8, out_features, in_features, dtype, out_features - in_features)
+    for rows in LINEAR_ROWS:
+        for b in (None, bias):
+            poison_next_alloc((rows, out_features // 2), dtype, "cuda")
+            got = native.linear(x[:rows], weight, b, silu_gate=True)
+            assert got.shape == (rows, out_features // 2) and got.is_contiguous()
+            assert torch.equal(got, native.silu_and_mul(native.linear(x[:rows], weight, b)))
+    # off the vectorized path too (K not a multiple of 8)
+    odd_x, odd_w = x[:3, :37].contiguous(), weight[:, :37].contiguous()
+    got = native.linear(odd_x, odd_w, None, silu_gate=True)
+    assert torch.equal(got, native.silu_and_mul(native.linear(odd_x, odd_w)))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_linear_silu_gate_rejects_bad_arguments(_):
+    native = NATIVE["cuda"]
+    x, weight, bias = _linear_inputs(4, 16, 64, torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="even number of rows"):
+        native.linear(x, weight[:15], bias[:15], silu_gate=True)
+    with pytest.raises(ValueError, match="silu_gate takes float16 or bfloat16"):
+        native.linear(x.float(), weight.float(), None, silu_gate=True)
+
+
+def test_reference_linear_silu_gate_is_the_composition():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    weight, bias = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
+    product = torch.nn.functional.linear(x, weight, bias)
+    assert torch.equal(ops.linear(x, weight, bias, silu_gate=True), ref.silu_and_mul(product))
+    assert torch.equal(ops.linear(x, weight, bias), product)

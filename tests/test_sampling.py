@@ -424,3 +424,23 @@ def test_plain_greedy_fast_path_equals_the_full_path() -> None:
     assert fast.token_probs.tolist() == full.token_probs.tolist()
     assert fast.token_ids[1] == -1 and fast.token_ids[3] == 5
     assert fast.top_k_tokens is None and fast.logits is None
+
+
+def test_first_max_matches_max_with_ties_nan_and_inf():
+    """The greedy fast path's two-stage max: the same values and first indices as torch's max, ties across and
+    within chunks, NaN and all -inf rows included; narrow or indivisible widths go straight to torch."""
+    from folio.sampling.sampler import _first_max
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 128 * 70, generator=g)
+    x[1, 3000] = x[1, 8000] = 50.0  # tie across chunks: the first wins
+    x[2, 10] = x[2, 11] = 40.0  # tie within a chunk
+    x[3] = -math.inf
+    x[4, 500] = math.nan
+    x[5, :] = 7.0  # all equal
+    values, ids = _first_max(x)
+    want_values, want_ids = x.max(dim=1)
+    assert torch.equal(ids, want_ids) and torch.allclose(values, want_values, equal_nan=True)
+    assert ids[1] == 3000 and ids[2] == 10 and ids[5] == 0
+    narrow = torch.randn(3, 100, generator=g)
+    assert torch.equal(_first_max(narrow)[1], narrow.max(dim=1)[1])

@@ -109,14 +109,15 @@ class Model:
         if cfg.qk_norm:
             q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)
-        # ops take contiguous tensors; rotary_cache_write updates q and k in place
-        q = q.contiguous().view(num_tokens, cfg.num_q_heads, head_dim)
-        k = k.contiguous().view(num_tokens, cfg.num_kv_heads, head_dim)
-        v = v.contiguous().view(num_tokens, cfg.num_kv_heads, head_dim)
+        # Views into qkv (rotary_cache_write updates q and k in place, through their row strides): no copies. The
+        # FlashAttention prefill gets a dense q, as its callers promise (a copy that prefill's matmuls dwarf).
+        q = q.view(num_tokens, cfg.num_q_heads, head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, head_dim)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
         ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
         if prefill is not None:
-            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale)
+            out = flash.attention(q.contiguous(), k_cache, v_cache, batch, prefill, self.attention_scale)
         elif batch.max_q_len == 1:
             out = ops.paged_attention_decode(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
@@ -129,7 +130,12 @@ class Model:
         return self._linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(ops.silu_and_mul(self._linear(x, layer.gate_up)), layer.down)
+        if x.dtype != torch.float32 and ops.linear_supported(x, layer.gate_up):
+            # decode: the GEMV gates in its epilogue (bit-identical to silu_and_mul after it), one launch fewer
+            activation = ops.linear(x, layer.gate_up, silu_gate=True)
+        else:
+            activation = ops.silu_and_mul(self._linear(x, layer.gate_up))
+        return self._linear(activation, layer.down)
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -175,10 +175,12 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
 // linear for decode: x [M, K] with M <= kLinearMaxRows, weight [N, K] (F.linear's layout), bias [N] or None; all of
 // one float dtype on one device, last dims dense (any row strides and alignment; the fast path wants 16-byte aligned
 // rows and K % 8 == 0, float32 K % 4 == 0). folio.ops.linear_supported says when the model calls it: these checks
-// plus the fast-path conditions.
+// plus the fast-path conditions. silu_gate (16-bit x only): weight is gate_up ([gate; up]) and the result is
+// silu_and_mul of the product, [M, N / 2], bit-identical to running silu_and_mul after it.
 at::Tensor linear(const at::Tensor& x,                    // [M, K] float
                   const at::Tensor& weight,               // [N, K] x's dtype
-                  const std::optional<at::Tensor>& bias)  // [N] x's dtype, or None
+                  const std::optional<at::Tensor>& bias,  // [N] x's dtype, or None
+                  bool silu_gate)
 {
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
   if (b != nullptr) {
@@ -203,8 +205,15 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
     check_size(*b, "bias", 0, weight.size(0), "out_features (weight.size(0))");
     check_contiguous(*b, "bias");
   }
+  if (silu_gate) {
+    FOLIO_CHECK_VALUE(x.scalar_type() != at::kFloat, "CUDA linear's silu_gate takes float16 or bfloat16 'x', got ",
+                      x.scalar_type());
+    FOLIO_CHECK_VALUE(weight.size(0) % 2 == 0, "CUDA linear's silu_gate needs 'weight' of [gate; up] halves (an "
+                      "even number of rows), got shape ", shape_str(weight));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto out = at::empty({x.size(0), weight.size(0)}, x.options());  // [M, N] x's dtype, contiguous
+  // [M, N] (silu_gate: [M, N / 2]) x's dtype, contiguous
+  const auto out = at::empty({x.size(0), weight.size(0) / (silu_gate ? 2 : 1)}, x.options());
   p.out = out.data_ptr();
   p.x = x.data_ptr();
   p.x_row_stride = x.stride(0);
@@ -214,6 +223,7 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
   p.num_rows = x.size(0);
   p.out_features = weight.size(0);
   p.in_features = x.size(1);
+  p.silu_gate = silu_gate;
   C10_CUDA_CHECK(cuda::linear(p, current_stream(x)));
   return out;
 }
@@ -243,6 +253,7 @@ PYBIND11_MODULE(_native_cuda, m) {
   m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
         py::arg("pres"), py::arg("sustain"), py::arg("decay"));
   m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
-  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("silu_gate") = false);
   m.attr("LINEAR_MAX_ROWS") = folio::cuda::kLinearMaxRows;
 }

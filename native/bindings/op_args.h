@@ -3,6 +3,11 @@
 // host-side checks of index tensors that a GPU could only do with a synchronization).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
 #include "tensor_checks.h"
 
 namespace folio::bind {
@@ -99,6 +104,60 @@ void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache,
   p.page_size = page_size;
 }
 
+// rotary_cache_write takes q, k and v as any [T, H, D] views with a dense last dim: the column slices of one
+// fused [T, (Hq + 2 * Hkv) * D] QKV projection (token stride (Hq + 2 * Hkv) * D, no copies), padded heads,
+// head-major buffers. What it refuses is an element that one (token, head, i) writes and another reads or
+// writes: the result would hang on the order of the writes (a race on CUDA), so it would differ per backend.
+
+// Offset in elements of t's last element from its first (t non-empty; torch strides are never negative).
+inline int64_t last_offset(const at::Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return last;
+}
+
+// No two indices of t reach one element. With the dims of size > 1 taken by increasing stride, each stride must
+// clear every offset the smaller ones reach: exact for the layouts above, conservative for exotic ones.
+inline void check_no_self_overlap(const at::Tensor& t, const char* name) {
+  if (t.numel() == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;
+  for (const auto& [stride, size] : dims) {
+    FOLIO_CHECK_VALUE(stride > reach, "argument '", name, "' is written in place but its elements overlap (shape ",
+                      shape_str(t), ", strides ", t.strides(), "): heads must lie at least head_dim apart and "
+                      "tokens must not reach into each other's heads");
+    reach += (size - 1) * stride;
+  }
+}
+
+// The [T, H, D] views a and b (same dtype) share no element. Separate buffers differ in address range. Views into
+// one buffer with a common token stride S, as the fused QKV slices are, repeat every S elements: they are disjoint
+// iff each one's row span (H - 1) * head stride + D fits in S and the two spans do not meet modulo S. Any other
+// layout that shares a buffer is refused; no caller needs one, and telling them apart would cost more than this.
+inline void check_disjoint(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  if (a.numel() == 0 || b.numel() == 0) return;
+  const int64_t elem = a.element_size();  // in bytes, so that the addresses of both compare directly
+  const auto a_begin = static_cast<int64_t>(reinterpret_cast<intptr_t>(a.data_ptr()));
+  const auto b_begin = static_cast<int64_t>(reinterpret_cast<intptr_t>(b.data_ptr()));
+  if (a_begin + (last_offset(a) + 1) * elem <= b_begin || b_begin + (last_offset(b) + 1) * elem <= a_begin) return;
+  const int64_t row = a.stride(0) * elem;
+  const int64_t a_span = ((a.size(1) - 1) * a.stride(1) + a.size(2)) * elem;
+  const int64_t b_span = ((b.size(1) - 1) * b.stride(1) + b.size(2)) * elem;
+  bool disjoint = false;
+  if (a.size(0) > 1 && b.stride(0) == a.stride(0) && a_span <= row && b_span <= row) {  // so row > 0
+    const int64_t shift = ((b_begin - a_begin) % row + row) % row;  // where b's row starts within a's
+    disjoint = shift >= a_span && shift + b_span <= row;
+  }
+  FOLIO_CHECK_VALUE(disjoint, "arguments '", a_name, "' and '", b_name, "' share memory (strides ", a.strides(),
+                    " and ", b.strides(), ", ", b_begin - a_begin, " bytes apart): q and k are written in place "
+                    "and v is read, so they must be separate tensors or disjoint column slices of one "
+                    "[num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] buffer");
+}
+
 inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& positions, const at::Tensor& inv_freq,
                                                       const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -118,6 +177,11 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
   check_inner_contiguous(q, "q");
   check_inner_contiguous(k, "k");
   check_inner_contiguous(v, "v");
+  check_no_self_overlap(q, "q");
+  check_no_self_overlap(k, "k");
+  check_disjoint(q, "q", k, "k");
+  check_disjoint(q, "q", v, "v");
+  check_disjoint(k, "k", v, "v");
   check_dtype(positions, "positions", at::kLong);
   check_dim(positions, "positions", 1, "[num_tokens]");
   check_size(positions, "positions", 0, num_tokens, "num_tokens (q.size(0))");

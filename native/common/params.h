@@ -50,6 +50,8 @@ struct SiluAndMulParams {
 };
 
 // Neox rotary (pairs i, i + D/2) on q and k in place, then k and v copied into the paged caches.
+// q, k and v may be strided views, e.g. the column slices of one fused [T, (Hq + 2 * Hkv) * D] QKV output
+// (token stride (Hq + 2 * Hkv) * D, head stride D); the binding checks that no written element is shared.
 struct RotaryCacheWriteParams {
   void* q;                    // [T, Hq, D] dtype
   int64_t q_stride_token, q_stride_head;

@@ -16,6 +16,12 @@
 //  * Any K, strides and alignment are accepted: rows that are 16-byte aligned with K a multiple of 8 (fp32: 4) take
 //    the vector loads, others an element-wise path (correct, slower; no real model has such shapes).
 // float32 has no exact tensor-core path: one warp per row of W, FMAs over float4 loads, a warp-shuffle sum.
+//
+// silu_gate (16-bit types) folds the MLP's activation into its gate_up projection: W is [gate; up] (I rows each)
+// and the result is silu(gate) * up, [M, I]. Block b takes gate rows 4b..4b+3 and the matching up rows
+// I+4b..I+4b+3 as its 8 rows of W, so both factors of an output meet in its epilogue, each rounded to the dtype
+// first and then combined with silu_and_mul's arithmetic: bit-identical to the product followed by silu_and_mul
+// (a row's dot product is summed in the same order either way: it depends on K only), one launch fewer.
 #include <type_traits>
 
 #include "device_utils.cuh"
@@ -103,7 +109,7 @@ __device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a
 // 0..3 and 4..7 as their k positions {2t, 2t+1, 2t+8, 2t+9}, the same on both operands. The warp's loop count is
 // uniform (mma.sync needs the whole warp). __launch_bounds__(.., 2) lets ptxas keep all 2 * kUnroll loads of a step
 // in flight (with a tighter register budget it interleaves them with the mmas, one round trip each).
-template <typename T, bool VEC>
+template <typename T, bool VEC, bool GATED>
 __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_kernel(LinearParams p) {
   __shared__ float partial[kWarps][kMaxRows][kTileRows];  // per warp: y[m][n0 + j] over its part of K
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -114,8 +120,14 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
   // Lanes past the last row of W or of x read row 0 instead: the mma keeps rows of D apart (D[m][n] reads only
   // row m of A and column n of B), and those rows of D are never stored. Loads are unconditional (chunks past K
   // re-read the last chunk, then count as zero) so that the compiler keeps all of them in flight.
+  const int64_t half = p.out_features / 2;  // GATED: I
+  int64_t w_row_index = n0 + g;
+  if constexpr (GATED) {  // gate rows 4b .. 4b+3, then their up rows
+    const int64_t gate_row = static_cast<int64_t>(blockIdx.x) * 4 + (g & 3);
+    w_row_index = gate_row < half ? gate_row + (g < 4 ? 0 : half) : p.out_features;
+  }
   const uint16_t* w_row = static_cast<const uint16_t*>(p.weight) +
-                          (n0 + g < p.out_features ? (n0 + g) * p.weight_row_stride : 0);
+                          (w_row_index < p.out_features ? w_row_index * p.weight_row_stride : 0);
   const uint16_t* x_row = static_cast<const uint16_t*>(p.x) + (g < p.num_rows ? g * p.x_row_stride : 0);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
@@ -145,6 +157,27 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
   partial[warp][g][2 * t] = acc[0];
   partial[warp][g][2 * t + 1] = acc[1];
   __syncthreads();
+  if constexpr (GATED) {
+    if (threadIdx.x < kMaxRows * 4) {
+      const int m = threadIdx.x / 4, j = threadIdx.x % 4;
+      const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + j;  // output column: gate row i, up row I + i
+      if (m < p.num_rows && i < half) {
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          gate += partial[w][m][j];
+          up += partial[w][m][j + 4];
+        }
+        if (p.bias != nullptr) {
+          gate += to_float(static_cast<const T*>(p.bias)[i]);
+          up += to_float(static_cast<const T*>(p.bias)[half + i]);
+        }
+        const float g_r = to_float(from_float<T>(gate)), u_r = to_float(from_float<T>(up));  // as stored unfused
+        static_cast<T*>(p.out)[m * half + i] = from_float<T>(g_r / (1.0f + expf(-g_r)) * u_r);
+      }
+    }
+    return;
+  }
   if (threadIdx.x < kMaxRows * kTileRows) {
     const int m = threadIdx.x / kTileRows, j = threadIdx.x % kTileRows;
     const int64_t n = n0 + j;
@@ -242,8 +275,12 @@ cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
   const bool vec =
       rows_vectorizable(p.weight, p.out_features > 1 ? p.weight_row_stride : 0, p.in_features, per_16_bytes) &&
       rows_vectorizable(p.x, p.num_rows > 1 ? p.x_row_stride : 0, p.in_features, per_16_bytes);
+  if (p.silu_gate && (p.dtype == ScalarType::kFloat32 || p.out_features % 2)) {
+    return cudaErrorInvalidValue;  // 16-bit types; [gate; up] halves
+  }
   static_assert(kTileRows == kWarps, "both kernels cover 8 rows of W per block");
-  const auto blocks = static_cast<unsigned>((p.out_features + kTileRows - 1) / kTileRows);
+  const auto blocks = static_cast<unsigned>(p.silu_gate ? (p.out_features / 2 + 3) / 4
+                                                        : (p.out_features + kTileRows - 1) / kTileRows);
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
@@ -252,12 +289,16 @@ cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
       } else {
         linear_f32_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
       }
-    } else {
+    } else if (p.silu_gate) {
       if (vec) {
-        linear_mma_kernel<T, true><<<blocks, kThreads, 0, stream>>>(p);
+        linear_mma_kernel<T, true, true><<<blocks, kThreads, 0, stream>>>(p);
       } else {
-        linear_mma_kernel<T, false><<<blocks, kThreads, 0, stream>>>(p);
+        linear_mma_kernel<T, false, true><<<blocks, kThreads, 0, stream>>>(p);
       }
+    } else if (vec) {
+      linear_mma_kernel<T, true, false><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      linear_mma_kernel<T, false, false><<<blocks, kThreads, 0, stream>>>(p);
     }
   });
   return cudaGetLastError();

@@ -27,8 +27,10 @@ struct AttentionPlan {
 // Head-dim / alignment support of the CUDA kernels; returns nullptr when supported, else the reason.
 const char* attention_unsupported_reason(const PagedAttentionParams& p);
 AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms);
+// merge_in_kernel: the last split of each (row, head group) merges the partials (no second launch; not for
+// launches that may overlap on other streams: see attention.cu), else a second kernel does.
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
-                            float* workspace, cudaStream_t stream);
+                            float* workspace, cudaStream_t stream, bool merge_in_kernel = true);
 
 cudaError_t copy_page_slots(const PageCopyParams& p, cudaStream_t stream);
 
@@ -56,6 +58,9 @@ struct LinearParams {
   const void* bias;           // [out_features] dtype; nullptr: none
   int64_t num_rows, out_features, in_features;
   ScalarType dtype;           // float32, float16 or bfloat16 (float16/bfloat16 need sm_80+: tensor-core mma)
+  // 16-bit types: weight is [gate; up] (out_features = 2I rows) and out [num_rows, I] gets silu(gate) * up, each
+  // factor rounded to dtype first (bit-identical to the product followed by silu_and_mul).
+  bool silu_gate;
 };
 cudaError_t linear(const LinearParams& p, cudaStream_t stream);
 

@@ -19,6 +19,8 @@ constexpr int64_t kRotaryTargetBlocks = 1024;   // past about this many blocks, 
 // reach arguments where fast intrinsics lose digits), so no shared memory or barriers are needed. Prefill
 // raises units_per_row so that sincosf is amortized over several heads rather than redone per head. A thread
 // that rotates a k pair also writes it, rounded, to the cache, so the cache holds exactly the k left in `k`.
+// q, k and v are addressed through their token and head strides only, so a caller can pass the slices of a fused
+// QKV output as they are, without copies; the binding has checked that no two threads touch one element.
 template <typename T>
 __global__ void __launch_bounds__(kRotaryMaxThreads)
     rotary_cache_write_kernel(RotaryCacheWriteParams p, int units_per_row) {

@@ -10,6 +10,12 @@
 // they are gathered into shared memory and sorted there, and top-p, min-p and the draw finish on that short
 // list. Masses are integers (floor(w * 2^40)), so every sum is exact and independent of the order in which
 // threads add it up: the result does not depend on the launch shape, and matches the CPU kernel.
+//
+// The passes are bound by memory latency (one block per row, a few blocks per SM), not bandwidth: each thread
+// loads kUnroll elements of a chunk before it uses any. The common case, 2 <= top-k <= kCompactCap, usually
+// takes three or four passes instead of eight: the argmax, the keys (which build the first radix histogram on
+// the way), a histogram pass or two only if needed, and the gather, as soon as the elements at or above the
+// selected radix bucket fit the short list (sample_short_top_k).
 #include <climits>
 #include <cstdint>
 
@@ -22,6 +28,10 @@ namespace {
 constexpr int kSampleThreads = 512;
 constexpr int kSampleWarps = kSampleThreads / 32;
 constexpr int kCompactCap = 1024;
+// Elements per thread in flight in a pass over a row: a chunk is kUnroll slices of kSampleThreads contiguous
+// elements, slice j of every thread loaded before any is used.
+constexpr int kUnroll = 8;
+constexpr int64_t kChunk = static_cast<int64_t>(kSampleThreads) * kUnroll;
 constexpr double kTopPSlack = 1e-6;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -42,8 +52,9 @@ struct SampleShared {
   unsigned long long scratch_u64[kSampleWarps];
   float scratch_value[kSampleWarps];
   long long scratch_index[kSampleWarps];
-  int bucket;
+  int bucket;                    // pick_bucket's choice, the amount in the buckets above it, and in it
   unsigned long long above;
+  unsigned long long in_bucket;
   int count;
   // short list: ((0xffffffff - key) << 32) | index, so that ascending order is the candidates' order
   unsigned long long ranked[kCompactCap];
@@ -57,6 +68,23 @@ __device__ __forceinline__ unsigned long long mass_of_key(uint32_t key) {
 __device__ __forceinline__ uint32_t weight_key(float logit, float temperature, float max_z) {
   const float w = expf(logit / temperature - max_z);
   return __float_as_uint(isnan(w) ? 0.0f : w);
+}
+
+// The index of this thread's element in slice j of the chunk at `base`. A thread's elements come in increasing
+// index order (base, then j), which the first-index tie-breaks below rely on.
+__device__ __forceinline__ int64_t chunk_index(int64_t base, int j) {
+  return base + static_cast<int64_t>(j) * kSampleThreads + threadIdx.x;
+}
+
+// This thread's kUnroll elements of the chunk at `base`, `fill` past the end of the row: all loads are issued
+// before any value is used, so that each thread has kUnroll of them in flight.
+template <typename T>
+__device__ __forceinline__ void load_chunk(const T* row, int64_t vocab, int64_t base, T fill, T (&out)[kUnroll]) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const int64_t i = chunk_index(base, j);
+    out[j] = i < vocab ? row[i] : fill;
+  }
 }
 
 __device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& sh) {
@@ -94,10 +122,15 @@ __device__ __forceinline__ void take_better(float& best, long long& best_index, 
 __device__ long long block_argmax(const float* logits, int64_t vocab, SampleShared& sh) {
   float best = -INFINITY;
   long long best_index = -1;
-  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
-    if (logits[i] > best) {  // a thread visits indices in increasing order: strict keeps the first
-      best = logits[i];
-      best_index = i;
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    float v[kUnroll];
+    load_chunk(logits, vocab, base, -INFINITY, v);  // -inf never wins
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (v[j] > best) {  // a thread visits its indices in increasing order: strict keeps the first
+        best = v[j];
+        best_index = chunk_index(base, j);
+      }
     }
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -119,11 +152,29 @@ __device__ long long block_argmax(const float* logits, int64_t vocab, SampleShar
 
 __device__ unsigned long long kept_mass(const uint32_t* keys, int64_t vocab, const Boundary& kept, SampleShared& sh) {
   unsigned long long mass = 0;
-  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
-    const uint32_t k = keys[i];
-    if (kept.keeps(k, i)) mass += mass_of_key(k);
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    uint32_t k[kUnroll];
+    load_chunk(keys, vocab, base, 0u, k);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = chunk_index(base, j);
+      if (i < vocab && kept.keeps(k[j], i)) mass += mass_of_key(k[j]);
+    }
   }
   return block_sum_u64(mass, sh);
+}
+
+// keys[i] = the weight key of logits[i], for the whole row.
+__device__ void write_keys(const float* logits, uint32_t* keys, int64_t vocab, float temperature, float max_z) {
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    float v[kUnroll];
+    load_chunk(logits, vocab, base, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = chunk_index(base, j);
+      if (i < vocab) keys[i] = weight_key(v[j], temperature, max_z);
+    }
+  }
 }
 
 // The index of the n-th (1-based) kept element with key == key, in index order.
@@ -184,63 +235,100 @@ __device__ __forceinline__ void histogram_add(SampleShared& sh, int bucket, unsi
   if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&sh.histogram[bucket], total);
 }
 
+// Adds to sh.histogram (zeroed by the caller, read after a barrier) the count (by_mass false) or mass of every
+// element of `kept` whose key bits above byte `shift` equal `prefix`, in the bucket of that byte.
+__device__ void histogram_pass(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass, int shift,
+                               uint32_t prefix, SampleShared& sh) {
+  const uint32_t high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+  for (int64_t base = 0; base < vocab; base += kChunk) {  // uniform trip count: whole warps shuffle
+    uint32_t k[kUnroll];
+    load_chunk(keys, vocab, base, 0u, k);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = chunk_index(base, j);
+      int bucket = -1;
+      unsigned long long amount = 0;
+      if (i < vocab && (k[j] & high_mask) == prefix && kept.keeps(k[j], i)) {
+        bucket = static_cast<int>((k[j] >> shift) & 255u);
+        amount = by_mass ? mass_of_key(k[j]) : 1ull;
+      }
+      histogram_add(sh, bucket, amount, by_mass);
+    }
+  }
+}
+
+// Warp 0, once sh.histogram is complete: the bucket in which the running amount (`above` before the highest
+// bucket) first reaches `target`, into sh.bucket, with the amount above it (sh.above) and in it (sh.in_bucket).
+// Every thread reads them after the next barrier.
+__device__ void pick_bucket(unsigned long long above, unsigned long long target, SampleShared& sh) {
+  const int lane = threadIdx.x & 31;
+  // lane L owns buckets 255 - 8L .. 248 - 8L (descending)
+  unsigned long long local[8], lane_total = 0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    local[e] = sh.histogram[255 - (lane * 8 + e)];
+    lane_total += local[e];
+  }
+  unsigned long long inclusive = lane_total;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const unsigned long long v = __shfl_up_sync(kFull, inclusive, offset);
+    if (lane >= offset) inclusive += v;
+  }
+  const unsigned ballot = __ballot_sync(kFull, above + inclusive >= target);
+  const int first = ballot ? __ffs(ballot) - 1 : 31;  // empty ballot: target past the total (defensive)
+  if (lane == first) {
+    // the first of the lane's buckets that reaches target (its last one, defensively), unrolled so that local[]
+    // stays in registers
+    unsigned long long running = above + inclusive - lane_total, in_bucket = local[7];
+    int e = 7;
+    bool found = false;
+#pragma unroll
+    for (int q = 0; q < 7; ++q) {
+      if (!found) {
+        if (running + local[q] >= target) {
+          found = true;
+          e = q;
+          in_bucket = local[q];
+        } else {
+          running += local[q];
+        }
+      }
+    }
+    sh.bucket = 255 - (lane * 8 + e);
+    sh.above = running;
+    sh.in_bucket = in_bucket;
+  }
+}
+
+// The end of a radix select whose four passes narrowed the key to `prefix`, with `above` kept before it: the
+// element with that key at which the count or mass reaches `target`.
+__device__ Boundary boundary_at_key(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass,
+                                    unsigned long long target, uint32_t prefix, unsigned long long above,
+                                    SampleShared& sh) {
+  const unsigned long long need = target - above;  // >= 1: still needed from elements with key == prefix
+  const unsigned long long unit = by_mass ? mass_of_key(prefix) : 1ull;
+  const unsigned long long n = unit > 0 ? (need + unit - 1) / unit : 1;
+  return Boundary{prefix, nth_with_key(keys, vocab, kept, prefix, n, sh)};
+}
+
 // The element of the order at which the kept count (by_mass false) or kept mass (true) first reaches
 // `target` (1 <= target <= the kept total).
 __device__ Boundary select_boundary(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass,
                                     unsigned long long target, SampleShared& sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t prefix = 0;
   unsigned long long above = 0;  // kept amount in buckets above the current one
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
     __syncthreads();
-    const uint32_t high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
-    for (int64_t base = 0; base < vocab; base += kSampleThreads) {  // uniform trip count: whole warps shuffle
-      const int64_t i = base + threadIdx.x;
-      int bucket = -1;
-      unsigned long long amount = 0;
-      if (i < vocab) {
-        const uint32_t k = keys[i];
-        if ((k & high_mask) == prefix && kept.keeps(k, i)) {
-          bucket = static_cast<int>((k >> shift) & 255u);
-          amount = by_mass ? mass_of_key(k) : 1ull;
-        }
-      }
-      histogram_add(sh, bucket, amount, by_mass);
-    }
+    histogram_pass(keys, vocab, kept, by_mass, shift, prefix, sh);
     __syncthreads();
-    if (warp == 0) {
-      // lane L owns buckets 255 - 8L .. 248 - 8L (descending)
-      unsigned long long local[8], lane_total = 0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        local[e] = sh.histogram[255 - (lane * 8 + e)];
-        lane_total += local[e];
-      }
-      unsigned long long inclusive = lane_total;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const unsigned long long v = __shfl_up_sync(kFull, inclusive, offset);
-        if (lane >= offset) inclusive += v;
-      }
-      const unsigned ballot = __ballot_sync(kFull, above + inclusive >= target);
-      const int first = ballot ? __ffs(ballot) - 1 : 31;  // empty ballot: target past the total (defensive)
-      if (lane == first) {
-        unsigned long long running = above + inclusive - lane_total;
-        int e = 0;
-        while (e < 7 && running + local[e] < target) running += local[e++];
-        sh.bucket = 255 - (lane * 8 + e);
-        sh.above = running;
-      }
-    }
+    if (threadIdx.x < 32) pick_bucket(above, target, sh);
     __syncthreads();
     prefix |= static_cast<uint32_t>(sh.bucket) << shift;
     above = sh.above;
   }
-  const unsigned long long need = target - above;  // >= 1: still needed from elements with key == prefix
-  const unsigned long long unit = by_mass ? mass_of_key(prefix) : 1ull;
-  const unsigned long long n = unit > 0 ? (need + unit - 1) / unit : 1;
-  return Boundary{prefix, nth_with_key(keys, vocab, kept, prefix, n, sh)};
+  return boundary_at_key(keys, vocab, kept, by_mass, target, prefix, above, sh);
 }
 
 __device__ __forceinline__ unsigned long long ranked_mass(const SampleShared& sh, int r) {
@@ -276,18 +364,13 @@ __device__ unsigned long long warp_ranked_sum(const SampleShared& sh, int count)
   return total;
 }
 
-// Gathers the `count` kept elements of `kept` into sh.ranked and sorts them into the candidates' order.
-__device__ void gather_short_list(const uint32_t* keys, int64_t vocab, const Boundary& kept, int count,
-                                  SampleShared& sh) {
-  if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
-    const uint32_t k = keys[i];
-    if (kept.keeps(k, i)) {
-      const int slot = atomicAdd(&sh.count, 1);
-      if (slot < kCompactCap) sh.ranked[slot] = (static_cast<unsigned long long>(0xffffffffu - k) << 32) | i;
-    }
-  }
+__device__ __forceinline__ unsigned long long ranked_entry(uint32_t key, int64_t i) {
+  return (static_cast<unsigned long long>(0xffffffffu - key) << 32) | static_cast<unsigned long long>(i);
+}
+
+// Sorts the `count` (<= kCompactCap) entries that the block has just gathered into sh.ranked into the
+// candidates' order (ascending entries; the entries are distinct, so the order is unique).
+__device__ void sort_short_list(int count, SampleShared& sh) {
   int padded = 1;
   while (padded < count) padded <<= 1;
   __syncthreads();
@@ -309,6 +392,21 @@ __device__ void gather_short_list(const uint32_t* keys, int64_t vocab, const Bou
       __syncthreads();
     }
   }
+}
+
+// Gathers the `count` kept elements of `kept` into sh.ranked and sorts them into the candidates' order.
+__device__ void gather_short_list(const uint32_t* keys, int64_t vocab, const Boundary& kept, int count,
+                                  SampleShared& sh) {
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) {
+    const uint32_t k = keys[i];
+    if (kept.keeps(k, i)) {
+      const int slot = atomicAdd(&sh.count, 1);
+      if (slot < kCompactCap) sh.ranked[slot] = ranked_entry(k, i);
+    }
+  }
+  sort_short_list(count, sh);
 }
 
 // Warp 0 finishes a row from its sorted short list of `count` candidates (the CPU kernel's steps, verbatim).
@@ -342,6 +440,95 @@ __device__ void finish_short_list(const SampleParams& p, int64_t r, int count, c
   }
 }
 
+// Gathers into sh.ranked every element whose key bits from `shift` up are at least those of `prefix` (the
+// caller has counted them: at most kCompactCap), unsorted.
+__device__ void gather_at_or_above(const uint32_t* keys, int64_t vocab, uint32_t prefix, int shift,
+                                   SampleShared& sh) {
+  const uint32_t lowest = prefix >> shift;
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    uint32_t k[kUnroll];
+    load_chunk(keys, vocab, base, 0u, k);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = chunk_index(base, j);
+      if (i < vocab && (k[j] >> shift) >= lowest) {
+        const int slot = atomicAdd(&sh.count, 1);
+        if (slot < kCompactCap) sh.ranked[slot] = ranked_entry(k[j], i);
+      }
+    }
+  }
+}
+
+// A row with top-k, 2 <= top_k <= kCompactCap and top_k < vocab (the usual sampling settings): writes the keys,
+// selects the top_k candidates into sh.ranked and finishes the row there.
+//
+// The keys pass also builds the first radix histogram (top byte, every element: no filter yet), and the count
+// select stops as soon as the short list can hold every element at or above the selected bucket. After the pass
+// at `shift` has selected bucket b, with A elements in higher buckets and c in b, the set S of elements whose key
+// bits from `shift` up are >= those of the prefix (b included) has exactly A + c elements, and A < top_k <= A + c.
+// Every element outside S has a key strictly smaller than every key in S (they differ in those high bits), so S
+// is exactly the first A + c ranks of the order (weight descending, ties by index ascending): no tie crosses the
+// edge of S. Sorting S by (key descending, index ascending), which is the order of its ranked entries, puts those
+// ranks in sequence, and the first top_k of them are the ranks 0 .. top_k - 1: the same top_k elements, in the
+// same sequence, as the full select's Boundary{key of rank top_k - 1, its index} keeps and gather_short_list
+// sorts, ties at the boundary included (within S they are ordered by index, as the Boundary's index cut does).
+// finish_short_list reads only ranks below top_k; the entries beyond it are unused.
+//
+// When the elements at or above the bucket never fit, i.e. more than kCompactCap - A elements share the top_k-th
+// key, the four passes have computed exactly the histograms, buckets and amounts that select_boundary computes
+// (integer counts, independent of the order of the atomic adds), and the row finishes as select_boundary +
+// gather_short_list would: the tie at that key is resolved by index with nth_with_key.
+__device__ void sample_short_top_k(const SampleParams& p, int64_t r, const float* logits, uint32_t* keys,
+                                   int64_t vocab, float temperature, float max_z, int top_k, SampleShared& sh) {
+  for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < vocab; base += kChunk) {  // uniform trip count: whole warps shuffle
+    float v[kUnroll];
+    load_chunk(logits, vocab, base, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = chunk_index(base, j);
+      int bucket = -1;
+      if (i < vocab) {
+        const uint32_t k = weight_key(v[j], temperature, max_z);
+        keys[i] = k;
+        bucket = static_cast<int>(k >> 24);
+      }
+      histogram_add(sh, bucket, 1ull, false);
+    }
+  }
+  __syncthreads();  // the histogram is complete, and the block reads back keys that other threads wrote
+
+  const Boundary everything{0u, LLONG_MAX};
+  const unsigned long long target = static_cast<unsigned long long>(top_k);
+  uint32_t prefix = 0;
+  unsigned long long above = 0;  // elements in buckets above the current one
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (shift < 24) {  // the top byte's histogram came with the keys
+      for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
+      __syncthreads();
+      histogram_pass(keys, vocab, everything, false, shift, prefix, sh);
+      __syncthreads();
+    }
+    if (threadIdx.x < 32) pick_bucket(above, target, sh);
+    __syncthreads();
+    prefix |= static_cast<uint32_t>(sh.bucket) << shift;
+    above = sh.above;
+    const unsigned long long at_or_above = above + sh.in_bucket;  // the same in every thread: uniform branch
+    if (at_or_above <= kCompactCap) {
+      gather_at_or_above(keys, vocab, prefix, shift, sh);
+      sort_short_list(static_cast<int>(at_or_above), sh);
+      if (threadIdx.x < 32) finish_short_list(p, r, top_k, sh);
+      return;
+    }
+  }
+  const Boundary kept = boundary_at_key(keys, vocab, everything, false, target, prefix, above, sh);
+  gather_short_list(keys, vocab, kept, top_k, sh);
+  if (threadIdx.x < 32) finish_short_list(p, r, top_k, sh);
+}
+
 __global__ void __launch_bounds__(kSampleThreads) sample_rows_kernel(SampleParams p) {
   __shared__ SampleShared sh;
   const int64_t r = blockIdx.x;
@@ -360,18 +547,15 @@ __global__ void __launch_bounds__(kSampleThreads) sample_rows_kernel(SampleParam
   }
   uint32_t* keys = p.key_scratch + r * vocab;
   const float max_z = logits[argmax] / temperature;
-  for (int64_t i = threadIdx.x; i < vocab; i += kSampleThreads) keys[i] = weight_key(logits[i], temperature, max_z);
+  if (top_k > 0 && top_k <= kCompactCap && top_k < vocab) {
+    sample_short_top_k(p, r, logits, keys, vocab, temperature, max_z, top_k, sh);
+    return;
+  }
+  write_keys(logits, keys, vocab, temperature, max_z);
   __syncthreads();  // the block reads back what other threads wrote (global writes are visible after a barrier)
 
   Boundary kept{0u, LLONG_MAX};  // everything
-  if (top_k > 0 && top_k < vocab) {
-    kept = select_boundary(keys, vocab, kept, false, top_k, sh);
-    if (top_k <= kCompactCap) {
-      gather_short_list(keys, vocab, kept, top_k, sh);
-      if (threadIdx.x < 32) finish_short_list(p, r, top_k, sh);
-      return;
-    }
-  }
+  if (top_k > 0 && top_k < vocab) kept = select_boundary(keys, vocab, kept, false, top_k, sh);  // > kCompactCap
   const float top_p = p.top_p[r];
   if (top_p < 1.0f) {
     const unsigned long long total = kept_mass(keys, vocab, kept, sh);
