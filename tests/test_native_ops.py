@@ -334,8 +334,8 @@ def test_paged_attention_decode(device, dtype, context_lens, group, kv_heads, he
 
 @pytest.mark.parametrize("_", [pytest.param(None, marks=_marks("cuda"), id="cuda")])
 def test_cuda_paged_attention_split_merge_repeats_and_replays(_):
-    """The last split of each (row, head group) merges in the kernel and resets its arrival counter: calls in a
-    row, of other shapes in between, and replays of a captured graph all give the same bits."""
+    """Split contexts and their merge: calls in a row, of other shapes in between, and replays of a captured graph
+    all give the same bits (no state carried between launches)."""
     native = NATIVE["cuda"]
     g = gen(77)
     k_cache, v_cache, block_tables, lens = make_paged_kv([1, 300, 2049, 64], 16, 2, 128, torch.bfloat16, "cuda", g)

@@ -9,15 +9,9 @@
 // talk inside the main loop; at the end they merge through shuffles and shared memory.
 //
 // Long contexts are split over several blocks (flash-decoding). Each split writes an unnormalized partial
-// (accumulator, max, sum) to the workspace; the last split of a (row, head group) to finish, as counted by an
-// arrival counter, merges them (so a decode step pays no second launch per layer), else `combine_kernel` does.
-// Both merge with the same arithmetic, in split order. The split sizes come from each row's own context length,
-// read on the device, so no host synchronization is needed; the number of splits is fixed on the host from the
-// block-table width (an upper bound of the context).
-//
-// The arrival counters are one static array of the module: zero at load, and each (row, head group)'s counter is
-// reset by its last split. Launches that overlap in time (two streams) must not both use them: launches with more
-// (row, head group) pairs than the array holds, and callers that ask (merge_in_kernel false), take combine_kernel.
+// (accumulator, max, sum) to the workspace and `combine_kernel` merges them. The split sizes come from each
+// row's own context length, read on the device, so no host synchronization is needed; the number of splits
+// is fixed on the host from the block-table width (an upper bound of the context).
 #include <algorithm>
 
 #include "device_utils.cuh"
@@ -33,13 +27,9 @@ constexpr int kMinSplitKeys = 64;  // below this, a split's fixed costs outweigh
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-constexpr int64_t kArrivalSlots = 1 << 16;  // (row, head group) pairs that can merge in the kernel
-__device__ unsigned int g_split_arrivals[kArrivalSlots];
-
 struct KernelArgs {
   PagedAttentionParams p;
   int num_splits;
-  unsigned int* arrivals;  // [rows * gridDim.y] arrival counters (split merge in the kernel), or nullptr
   int group;         // Hq / Hkv
   int head_chunks;   // blocks along the query heads of one kv head: ceil(group / G_TILE)
   int page_shift;    // log2(page_size)
@@ -96,22 +86,6 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N],
   m = mx;
 }
 
-// The attention output of (row, head) `row_head` at dim d, merged from its splits' partials in split order. Loads
-// go through L2 (__ldcg): other blocks wrote them in this same launch when the last split merges.
-__device__ __forceinline__ float merged_splits(const KernelArgs& a, int64_t row_head, int d) {
-  const float* ml = a.partial_ml + 2 * row_head * a.num_splits;
-  float mx = -INFINITY;
-  for (int s = 0; s < a.num_splits; ++s) mx = fmaxf(mx, __ldcg(ml + 2 * s));
-  const float base = mx == -INFINITY ? 0.0f : mx;
-  float sum = 0.0f;
-  for (int s = 0; s < a.num_splits; ++s) sum += __ldcg(ml + 2 * s + 1) * exp2f(__ldcg(ml + 2 * s) - base);
-  const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const float* acc = a.partial_acc + row_head * a.num_splits * a.p.head_dim;
-  float value = 0.0f;
-  for (int s = 0; s < a.num_splits; ++s) value += __ldcg(acc + s * a.p.head_dim + d) * exp2f(__ldcg(ml + 2 * s) - base);
-  return value * inv_sum;
-}
-
 // Four resident blocks per SM (16 warps) for up to 4 heads per block: 128 registers, no spills (ptxas -v);
 // eight heads (four in fp32) need more registers and get two.
 template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL>
@@ -130,7 +104,6 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
     return smem + (((buffer * UNROLL + j) * 2 + kv) * kThreads + threadIdx.x) * kChunkBytes;
   };
   float (*sm_acc)[G_TILE][kDimPad] = reinterpret_cast<float (*)[G_TILE][kDimPad]>(smem);
-  __shared__ bool last_to_arrive;  // split merge in the kernel: this block merges the (row, head group)
   float (*sm_m)[G_TILE] = reinterpret_cast<float (*)[G_TILE]>(smem + 4 * kWarps * G_TILE * kDimPad);
   float (*sm_l)[G_TILE] = sm_m + kWarps;
 
@@ -329,23 +302,6 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
       }
     }
   }
-  if (a.num_splits == 1 || a.arrivals == nullptr) return;
-  // Arrive: partials visible device-wide first (every thread fences its own writes), then one count per block.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int* arrival = a.arrivals + row * gridDim.y + blockIdx.y;
-    last_to_arrive = atomicAdd(arrival, 1u) == static_cast<unsigned>(a.num_splits - 1);
-    if (last_to_arrive) *arrival = 0u;  // every split has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!last_to_arrive) return;
-  __threadfence();
-  for (int idx = threadIdx.x; idx < heads_here * p.head_dim; idx += kThreads) {
-    const int g = idx / p.head_dim, d = idx % p.head_dim;
-    const int64_t row_head = row * p.num_q_heads + head0 + g;
-    static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(merged_splits(a, row_head, d));
-  }
 }
 
 // grid (rows, Hq); merges the splits of one (row, head). Every split wrote its partial (empty ones: max -inf,
@@ -354,8 +310,18 @@ template <typename T>
 __global__ void combine_kernel(KernelArgs a) {
   const PagedAttentionParams& p = a.p;
   const int64_t row_head = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
+  const float* ml = a.partial_ml + 2 * row_head * a.num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < a.num_splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  const float base = mx == -INFINITY ? 0.0f : mx;
+  float sum = 0.0f;
+  for (int s = 0; s < a.num_splits; ++s) sum += ml[2 * s + 1] * exp2f(ml[2 * s] - base);
+  const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float* acc = a.partial_acc + row_head * a.num_splits * p.head_dim;
   for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(merged_splits(a, row_head, d));
+    float value = 0.0f;
+    for (int s = 0; s < a.num_splits; ++s) value += acc[s * p.head_dim + d] * exp2f(ml[2 * s] - base);
+    static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(value * inv_sum);
   }
 }
 
@@ -402,7 +368,7 @@ AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_ro
 }
 
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
-                            float* workspace, cudaStream_t stream, bool merge_in_kernel) {
+                            float* workspace, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   if (attention_unsupported_reason(p) != nullptr) return cudaErrorInvalidValue;
   KernelArgs a{};
@@ -419,13 +385,6 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_kv_heads * a.head_chunks),
                   static_cast<unsigned>(plan.num_splits));
-  if (plan.num_splits > 1 && merge_in_kernel && num_rows * grid.y <= kArrivalSlots) {
-    static unsigned int* arrivals = nullptr;  // the symbol's device address (per process: one device module)
-    if (arrivals == nullptr && cudaGetSymbolAddress(reinterpret_cast<void**>(&arrivals), g_split_arrivals) != cudaSuccess) {
-      return cudaGetLastError();
-    }
-    a.arrivals = arrivals;
-  }
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (p.head_dim == 64) {
@@ -435,7 +394,7 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
     } else {
       launch_with_dims<T, 32, false>(a, grid, g_tile, stream);
     }
-    if (plan.num_splits > 1 && a.arrivals == nullptr) {
+    if (plan.num_splits > 1) {
       const dim3 combine_grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_q_heads));
       const int threads = static_cast<int>(std::min<int64_t>(256, (p.head_dim + 31) / 32 * 32));
       combine_kernel<T><<<combine_grid, threads, 0, stream>>>(a);

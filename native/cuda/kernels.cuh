@@ -27,10 +27,8 @@ struct AttentionPlan {
 // Head-dim / alignment support of the CUDA kernels; returns nullptr when supported, else the reason.
 const char* attention_unsupported_reason(const PagedAttentionParams& p);
 AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms);
-// merge_in_kernel: the last split of each (row, head group) merges the partials (no second launch; not for
-// launches that may overlap on other streams: see attention.cu), else a second kernel does.
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
-                            float* workspace, cudaStream_t stream, bool merge_in_kernel = true);
+                            float* workspace, cudaStream_t stream);
 
 cudaError_t copy_page_slots(const PageCopyParams& p, cudaStream_t stream);
 
