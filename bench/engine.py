@@ -1,7 +1,7 @@
 """Engine benchmark (issue 8): folio against transformers on the workloads W1-W5, with the physical ceilings.
 
     python bench/engine.py [--workloads W4,W2,W3,W5,W1] [--no-peers] [--peer-requests 64] [--groups 16]
-                           [--peer-reference W2:455,W3:218] [--no-overlap] [--profile-host]
+                           [--peer-reference W2:455,W3:218] [--chunk-size 8192] [--no-overlap] [--profile-host]
     python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
     ENGINE_BENCH=1 bash bench/gpu.sh                  (after the build, the GPU tests and the kernel benchmark)
 
@@ -604,6 +604,8 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
     del gen, cache
     # decode limit at batch 256: weights once per step (attention K/V reads come on top)
     limit = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes * min(256, len(prompts))
+    if OPTIONS.get("chunk_size"):
+        note += f", max_chunk_size {OPTIONS['chunk_size']}"
     row = Row(workload, "folio", note, res.tokens_per_s, median_ms(res.ttft_s), median_ms(res.tpot_s),
               vs_limit=res.tokens_per_s / limit,
               extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
@@ -724,6 +726,8 @@ def w5(pair, args, ceilings, rows):
             f"profile {res.profile}")
     on, off = results[True], results[False]
     note = f"8B, {groups} groups x {per_group}" + (" (scaled from 64 groups)" if groups != 64 else "")
+    if OPTIONS.get("chunk_size"):
+        note += f", max_chunk_size {OPTIONS['chunk_size']}"
     rows.append(Row("W5", "folio prefix on", note, on.tokens_per_s, median_ms(on.ttft_s), median_ms(on.tpot_s),
                     vs_peer=on.wall_s and off.wall_s / on.wall_s,
                     extra={"wall_s": on.wall_s, "profile": on.profile, "vs_peer_means": "speed-up over prefix off"}))
