@@ -145,19 +145,26 @@ def bench_decode(batches, contexts, page_sizes) -> list[dict]:
                     block_tables, context_lens = pool.tables(batch, context, generator)
                     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
                     sets.append((q, block_tables, context_lens))
-                err = check_decode(sets[0][0], pool, sets[0][1], sets[0][2], scale)
-                if not err <= 1e-2:
-                    raise SystemExit(f"decode kernel wrong at batch {batch} context {context} page {page_size}: "
-                                     f"rel err {err:.3g}")
-                counter = iter(range(1 << 30))
+                row = dict(batch=batch, context=context, page_size=page_size, input_sets=num_sets)
+                # both decode kernels: tensor-core (the default) and CUDA-core (FOLIO_DECODE_ATTENTION=simt); the
+                # variable is read at each launch, so the graph captured under it holds that kernel
+                for kernel, prefix in (("simt", "simt_"), ("mma", "")):
+                    os.environ["FOLIO_DECODE_ATTENTION"] = kernel
+                    err = check_decode(sets[0][0], pool, sets[0][1], sets[0][2], scale)
+                    if not err <= 1e-2:
+                        raise SystemExit(f"{kernel} decode kernel wrong at batch {batch} context {context} page "
+                                         f"{page_size}: rel err {err:.3g}")
+                    counter = iter(range(1 << 30))
 
-                def call():
-                    q, block_tables, context_lens = sets[next(counter) % num_sets]
-                    native().paged_attention_decode(q, pool.k, pool.v, block_tables, context_lens, scale)
+                    def call():
+                        q, block_tables, context_lens = sets[next(counter) % num_sets]
+                        native().paged_attention_decode(q, pool.k, pool.v, block_tables, context_lens, scale)
 
-                seconds = time_graph(call, calls_per_replay=calls)
-                rows.append(dict(batch=batch, context=context, page_size=page_size, us=seconds * 1e6,
-                                 gbps=(kv_bytes + io_bytes) / seconds / 1e9, rel_err=err, input_sets=num_sets))
+                    seconds = time_graph(call, calls_per_replay=calls)
+                    row.update({f"{prefix}us": seconds * 1e6, f"{prefix}gbps": (kv_bytes + io_bytes) / seconds / 1e9,
+                                f"{prefix}rel_err": err})
+                os.environ.pop("FOLIO_DECODE_ATTENTION")
+                rows.append(row)
                 del sets
         del pool
         torch.cuda.empty_cache()
@@ -231,11 +238,14 @@ def main() -> None:
     copies = ", ".join(f"{k} {v / 1e9:.0f}/{copy_last[k] / 1e9:.0f}" for k, v in copy_first.items())
     print(f"\n{device}: device-to-device copy {copy_bps / 1e9:.0f} GB/s (read + write, best: {copy_method}; "
           f"GB/s before/after the kernels: {copies})")
-    print("paged_attention_decode, Llama-3-8B heads (32 q / 8 kv, d 128, bf16):")
-    print(f"{'page':>5} {'context':>8} {'batch':>6} {'us':>9} {'GB/s':>7} {'of copy':>8} {'rel err':>8}")
+    print("paged_attention_decode, Llama-3-8B heads (32 q / 8 kv, d 128, bf16): tensor-core kernel (default), "
+          "then the CUDA-core one (FOLIO_DECODE_ATTENTION=simt)")
+    print(f"{'page':>5} {'context':>8} {'batch':>6} {'us':>9} {'GB/s':>7} {'of copy':>8} {'rel err':>8} "
+          f"{'simt us':>9} {'of copy':>8} {'speedup':>8}")
     for r in decode:
         print(f"{r['page_size']:>5} {r['context']:>8} {r['batch']:>6} {r['us']:>9.1f} {r['gbps']:>7.0f} "
-              f"{r['gbps'] * 1e9 / copy_bps:>8.0%} {r['rel_err']:>8.1e}")
+              f"{r['gbps'] * 1e9 / copy_bps:>8.0%} {r['rel_err']:>8.1e} {r['simt_us']:>9.1f} "
+              f"{r['simt_gbps'] * 1e9 / copy_bps:>8.0%} {r['simt_us'] / r['us']:>7.2f}x")
     print(f"paged_attention prefill, {prefill['prompt_len']} tokens: {prefill['ms']:.2f} ms, "
           f"{prefill['tflops']:.1f} TFLOP/s (rel err {prefill['rel_err']:.1e})")
     line = f"sample_rows {sampling['batch']} x {sampling['vocab']}: {sampling['native_ms']:.3f} ms"

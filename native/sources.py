@@ -20,6 +20,7 @@ CUDA_SOURCES = [
     "native/cuda/norm.cu",
     "native/cuda/rotary.cu",
     "native/cuda/attention.cu",
+    "native/cuda/attention_mma.cu",
     "native/cuda/page_copy.cu",
     "native/cuda/sampling.cu",
     "native/cuda/gemv.cu",

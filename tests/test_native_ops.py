@@ -680,6 +680,94 @@ def test_cuda_decode_replays_in_a_cuda_graph(_):
         assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1), dtype)
 
 
+# Decode shapes for both CUDA decode kernels: the tensor-core kernel takes 16-bit caches with head_dim 64 or 128
+# and up to 16 query heads per kv head (the other rows of DECODE_SHAPES fall back to the CUDA-core kernel either way).
+BOTH_DECODE_KERNEL_SHAPES = [
+    *DECODE_SHAPES,
+    ([2048, 1, 130, 16], 16, 1, 128, 64),  # group 16: all 16 rows of the mma; splits over a long context
+    ([4000, 3], 8, 2, 64, 256),  # 4000 keys: not a whole number of 16-key tiles per split
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("context_lens,group,kv_heads,head_dim,page_size", BOTH_DECODE_KERNEL_SHAPES)
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_decode_tensor_core_and_cuda_core_kernels(
+    _, monkeypatch, dtype, context_lens, group, kv_heads, head_dim, page_size
+):
+    """FOLIO_DECODE_ATTENTION=simt selects the CUDA-core decode kernel, anything else the tensor-core one where it
+    applies; both match the CPU reference. Where the tensor-core kernel applies the two results must differ in
+    some bits (it rounds the softmax weights to the cache dtype), which shows that the switch picked it."""
+    g = gen(sum(context_lens) + 7 * group)
+    k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, "cuda", g)
+    q = randn(len(context_lens), group * kv_heads, head_dim, dtype=dtype, device="cuda", g=g)
+    scale = head_dim**-0.5
+    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale)
+    outs = {}
+    for kernel in ("mma", "simt"):
+        monkeypatch.setenv("FOLIO_DECODE_ATTENTION", kernel)
+        poison_next_alloc(q.shape, dtype, "cuda")
+        outs[kernel] = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
+        assert_close(outs[kernel], expected, dtype)
+    if head_dim in (64, 128) and group <= 16:
+        assert not torch.equal(outs["mma"], outs["simt"]), "the tensor-core kernel did not run"
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+def test_cuda_dependent_kernel_chain_matches_serialized_calls(_):
+    """The decode kernels launch early (programmatic dependent launch, sm_90) and wait on the device for the kernel
+    before them: a chain in which every kernel reads what the previous one wrote (GEMV -> attention -> GEMV ->
+    add + RMSNorm -> gated GEMV -> GEMV ...), run plainly and replayed from a CUDA graph, gives the same bits as
+    the same calls with a host synchronization after each one."""
+    native = NATIVE["cuda"]
+    dtype, hidden, heads, kv_heads, head_dim, layers = torch.bfloat16, 1024, 8, 2, 128, 6
+    g = gen(31)
+    k_cache, v_cache, block_tables, lens = make_paged_kv([700, 33], 64, kv_heads, head_dim, dtype, "cuda", g)
+    w_q = randn(heads * head_dim, hidden, dtype=dtype, device="cuda", g=g, scale=hidden**-0.5)
+    w_o = randn(hidden, heads * head_dim, dtype=dtype, device="cuda", g=g, scale=hidden**-0.5)
+    w_gate_up = randn(2 * 2048, hidden, dtype=dtype, device="cuda", g=g, scale=hidden**-0.5)
+    w_down = randn(hidden, 2048, dtype=dtype, device="cuda", g=g, scale=2048**-0.5)
+    norm_weight = randn(hidden, dtype=dtype, device="cuda", g=g)
+    x0 = randn(2, hidden, dtype=dtype, device="cuda", g=g)
+
+    def chain(x, residual, sync):
+        def done(t):
+            if sync:
+                torch.cuda.synchronize()
+            return t
+
+        for _ in range(layers):
+            q = done(native.linear(x, w_q)).view(2, heads, head_dim)
+            attn = done(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5))
+            h = done(native.linear(attn.view(2, -1), w_o))
+            done(native.fused_add_rms_norm(h, residual, norm_weight, 1e-6))
+            gated = done(native.linear(h, w_gate_up, silu_gate=True))
+            x = done(native.linear(gated, w_down))
+        return x
+
+    expected = chain(x0.clone(), x0.clone(), sync=True)
+    for attempt in range(3):
+        got = chain(x0.clone(), x0.clone(), sync=False)
+        diff = (got.float() - expected.float()).abs().max()
+        assert torch.equal(got, expected), f"eager run {attempt}: max diff {diff}"
+    x, residual = x0.clone(), x0.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(x.clone(), residual.clone(), sync=False)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, residual, sync=False)
+    for replay in range(3):
+        x.copy_(x0)
+        residual.copy_(x0)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"replay {replay}: max diff {(out.float() - expected.float()).abs().max()}"
+
+
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
 def test_cuda_sampling_large_vocab_matches_cpu_kernel(_):
     """CUDA and CPU kernels share the integer-mass definition: same tokens except at exp() rounding boundaries."""

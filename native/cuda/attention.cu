@@ -12,10 +12,15 @@
 // (accumulator, max, sum) to the workspace and `combine_kernel` merges them. The split sizes come from each
 // row's own context length, read on the device, so no host synchronization is needed; the number of splits
 // is fixed on the host from the block-table width (an upper bound of the context).
+//
+// Decode over 16-bit caches with head_dim 64 or 128 (every Llama shape) runs on tensor cores instead
+// (attention_mma.cu), writing the same partials; this kernel covers prefill rows, fp32 and other head dims.
 #include <algorithm>
 
+#include "attention_mma.cuh"
 #include "device_utils.cuh"
 #include "kernels.cuh"
+#include "launch.cuh"
 
 namespace folio::cuda {
 namespace {
@@ -107,6 +112,8 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
   float (*sm_m)[G_TILE] = reinterpret_cast<float (*)[G_TILE]>(smem + 4 * kWarps * G_TILE * kDimPad);
   float (*sm_l)[G_TILE] = sm_m + kWarps;
 
+  grid_dependency_wait();  // q and the cache slots of the new tokens come from the previous kernel (launch.cuh)
+  allow_dependent_launch();
   const PagedAttentionParams& p = a.p;
   const int64_t row = blockIdx.x;
   const int kv_head = blockIdx.y / a.head_chunks;
@@ -308,6 +315,8 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
 // sum 0, accumulator 0), so nothing uninitialized is read.
 template <typename T>
 __global__ void combine_kernel(KernelArgs a) {
+  grid_dependency_wait();
+  allow_dependent_launch();
   const PagedAttentionParams& p = a.p;
   const int64_t row_head = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
   const float* ml = a.partial_ml + 2 * row_head * a.num_splits;
@@ -335,10 +344,10 @@ template <typename T, int LANES, bool EXACT>
 void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, cudaStream_t stream) {
   constexpr int kUnroll = sizeof(T) == 4 ? 2 : 4;
   switch (g_tile) {
-    case 1: attention_kernel<T, LANES, EXACT, 1, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
-    case 2: attention_kernel<T, LANES, EXACT, 2, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
-    case 4: attention_kernel<T, LANES, EXACT, 4, kUnroll><<<grid, kThreads, 0, stream>>>(a); break;
-    default: attention_kernel<T, LANES, EXACT, 8, 2><<<grid, kThreads, 0, stream>>>(a); break;
+    case 1: launch_kernel(attention_kernel<T, LANES, EXACT, 1, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
+    case 2: launch_kernel(attention_kernel<T, LANES, EXACT, 2, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
+    case 4: launch_kernel(attention_kernel<T, LANES, EXACT, 4, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
+    default: launch_kernel(attention_kernel<T, LANES, EXACT, 8, 2>, grid, dim3(kThreads), 0, stream, a); break;
   }
 }
 
@@ -385,9 +394,14 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_kv_heads * a.head_chunks),
                   static_cast<unsigned>(plan.num_splits));
+  // Decode with 16-bit caches goes to the tensor-core kernel (attention_mma.cu); it writes the same partials.
+  const bool mma = decode_attention_mma_applies(p);
+  cudaError_t status = cudaSuccess;
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.head_dim == 64) {
+    if (mma) {
+      status = decode_attention_mma(p, num_rows, plan.num_splits, a.page_shift, a.partial_acc, a.partial_ml, stream);
+    } else if (p.head_dim == 64) {
       launch_with_dims<T, 8, true>(a, grid, g_tile, stream);
     } else if (p.head_dim == 128) {
       launch_with_dims<T, 16, true>(a, grid, g_tile, stream);
@@ -397,9 +411,10 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
     if (plan.num_splits > 1) {
       const dim3 combine_grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_q_heads));
       const int threads = static_cast<int>(std::min<int64_t>(256, (p.head_dim + 31) / 32 * 32));
-      combine_kernel<T><<<combine_grid, threads, 0, stream>>>(a);
+      launch_kernel(combine_kernel<T>, combine_grid, dim3(threads), 0, stream, a);
     }
   });
+  if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 

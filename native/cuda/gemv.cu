@@ -26,6 +26,7 @@
 
 #include "device_utils.cuh"
 #include "kernels.cuh"
+#include "launch.cuh"
 
 namespace folio::cuda {
 namespace {
@@ -52,9 +53,11 @@ static_assert(kMaxRows <= 8, "x is the A operand of m16n8k16: rows 0..7 of a gro
 
 // 16 bytes of W: read-only, no L1 allocation, with a hint to fetch the surrounding 256 bytes into L2 (the next
 // loads of this warp read them).
+// (volatile: kept in program order with the other volatile asm, so that the first loads stay ahead of the
+// grid-dependency wait.)
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
@@ -62,13 +65,16 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
 
 // Chunk c (elements 8c .. 8c+7) of a row of 16-bit values as four words, element 2i in the low half of word i;
 // elements at k >= K read as zero. VEC: the row is 16-byte aligned and K % 8 == 0 (the chunk is whole).
+// STREAM (W) goes through the non-coherent path; x is read with plain loads: the kernel that writes x may still be
+// running when this one starts (launch.cuh), so x is not read-only over this kernel's lifetime, which is what
+// ld.global.nc requires.
 template <bool VEC, bool STREAM>
 __device__ __forceinline__ uint4 load_chunk16(const uint16_t* row, int64_t c, int64_t K) {
   if constexpr (VEC) {
     if constexpr (STREAM) {
       return load_streaming(row + 8 * c);
     } else {
-      return __ldg(reinterpret_cast<const uint4*>(row + 8 * c));
+      return *reinterpret_cast<const uint4*>(row + 8 * c);
     }
   } else {
     uint32_t w[4];
@@ -133,12 +139,24 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
 
   // Two accumulator chains (elements 0..3 and 4..7 of each chunk) halve the serial mma latency per step.
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Launched early (launch.cuh): the first step's weight loads go out while the kernel that writes x finishes;
+  // x is read only after the wait. (The element-wise path, off every real shape, just waits first.)
+  bool waited = !VEC;
+  if constexpr (!VEC) {
+    grid_dependency_wait();
+    allow_dependent_launch();
+  }
   for (int64_t step = static_cast<int64_t>(warp) * kWarpStepChunks; step < num_chunks;
        step += kWarps * kWarpStepChunks) {
     uint4 wv[kUnroll], xv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       wv[u] = load_chunk16<VEC, true>(w_row, min(step + 4 * u + t, num_chunks - 1), K);
+    }
+    if (!waited) {
+      grid_dependency_wait();
+      allow_dependent_launch();
+      waited = true;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -150,6 +168,10 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
       mma_k16<T>(acc, xv[u].x, xv[u].y, wv[u].x, wv[u].y);
       mma_k16<T>(acc_hi, xv[u].z, xv[u].w, wv[u].z, wv[u].w);
     }
+  }
+  if (!waited) {  // a warp with no chunk (K below one warp step) still waits
+    grid_dependency_wait();
+    allow_dependent_launch();
   }
   acc[0] += acc_hi[0];
   acc[1] += acc_hi[1];
@@ -201,7 +223,7 @@ __device__ __forceinline__ float4 load_chunk32(const float* row, int64_t c, int6
       const uint4 v = load_streaming(row + 4 * c);
       return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
     } else {
-      return __ldg(reinterpret_cast<const float4*>(row + 4 * c));
+      return *reinterpret_cast<const float4*>(row + 4 * c);  // plain load: see load_chunk16
     }
   } else {
     const int64_t k = 4 * c;
@@ -214,6 +236,8 @@ __device__ __forceinline__ float4 load_chunk32(const float* row, int64_t c, int6
 // adds its lanes' sums (shuffle tree).
 template <bool VEC>
 __global__ void __launch_bounds__(kThreads) linear_f32_kernel(LinearParams p) {
+  grid_dependency_wait();  // before the first return: see launch.cuh
+  allow_dependent_launch();
   const int lane = threadIdx.x & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (n >= p.out_features) return;  // whole warps only
@@ -285,20 +309,20 @@ cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       if (vec) {
-        linear_f32_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
+        launch_kernel(linear_f32_kernel<true>, dim3(blocks), dim3(kThreads), 0, stream, p);
       } else {
-        linear_f32_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
+        launch_kernel(linear_f32_kernel<false>, dim3(blocks), dim3(kThreads), 0, stream, p);
       }
     } else if (p.silu_gate) {
       if (vec) {
-        linear_mma_kernel<T, true, true><<<blocks, kThreads, 0, stream>>>(p);
+        launch_kernel(linear_mma_kernel<T, true, true>, dim3(blocks), dim3(kThreads), 0, stream, p);
       } else {
-        linear_mma_kernel<T, false, true><<<blocks, kThreads, 0, stream>>>(p);
+        launch_kernel(linear_mma_kernel<T, false, true>, dim3(blocks), dim3(kThreads), 0, stream, p);
       }
     } else if (vec) {
-      linear_mma_kernel<T, true, false><<<blocks, kThreads, 0, stream>>>(p);
+      launch_kernel(linear_mma_kernel<T, true, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
     } else {
-      linear_mma_kernel<T, false, false><<<blocks, kThreads, 0, stream>>>(p);
+      launch_kernel(linear_mma_kernel<T, false, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
     }
   });
   return cudaGetLastError();

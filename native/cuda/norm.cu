@@ -1,6 +1,7 @@
 // RMSNorm (plain and fused with the residual add) and SiLU-and-mul.
 #include "device_utils.cuh"
 #include "kernels.cuh"
+#include "launch.cuh"
 
 namespace folio::cuda {
 namespace {
@@ -13,6 +14,8 @@ constexpr int kNormThreads = 256;
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams p) {
   __shared__ float scratch[32];
+  grid_dependency_wait();  // x and the residual come from the previous kernel (launch.cuh)
+  allow_dependent_launch();
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
   T* residual = p.residual ? static_cast<T*>(p.residual) + row * p.residual_row_stride : nullptr;
@@ -71,6 +74,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams p)
 
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(SiluAndMulParams p) {
+  grid_dependency_wait();
+  allow_dependent_launch();
   const int64_t row = blockIdx.y;
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (i >= p.half_width) return;
@@ -109,9 +114,9 @@ cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
     auto launch = [&](auto weight_tag) {
       using W = decltype(weight_tag);
       if (vec) {
-        rms_norm_kernel<T, W, 8><<<p.num_rows, kNormThreads, 0, stream>>>(p);
+        launch_kernel(rms_norm_kernel<T, W, 8>, dim3(p.num_rows), dim3(kNormThreads), 0, stream, p);
       } else {
-        rms_norm_kernel<T, W, 1><<<p.num_rows, kNormThreads, 0, stream>>>(p);
+        launch_kernel(rms_norm_kernel<T, W, 1>, dim3(p.num_rows), dim3(kNormThreads), 0, stream, p);
       }
     };
     if (p.weight_dtype == p.dtype) {
@@ -134,9 +139,9 @@ cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((p.half_width + threads * vec_width - 1) / (threads * vec_width)),
                     static_cast<unsigned>(p.num_rows));
     if (vec) {
-      silu_and_mul_kernel<T, 8><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(silu_and_mul_kernel<T, 8>, grid, dim3(threads), 0, stream, p);
     } else {
-      silu_and_mul_kernel<T, 1><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(silu_and_mul_kernel<T, 1>, grid, dim3(threads), 0, stream, p);
     }
   });
   return cudaGetLastError();

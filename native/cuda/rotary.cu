@@ -3,6 +3,7 @@
 
 #include "device_utils.cuh"
 #include "kernels.cuh"
+#include "launch.cuh"
 
 namespace folio::cuda {
 namespace {
@@ -24,6 +25,8 @@ constexpr int64_t kRotaryTargetBlocks = 1024;   // past about this many blocks, 
 template <typename T>
 __global__ void __launch_bounds__(kRotaryMaxThreads)
     rotary_cache_write_kernel(RotaryCacheWriteParams p, int units_per_row) {
+  grid_dependency_wait();  // before the first return: see launch.cuh
+  allow_dependent_launch();
   const int64_t t = blockIdx.x;
   const int half = static_cast<int>(p.head_dim / 2);
   const int i = threadIdx.x;
@@ -95,7 +98,8 @@ cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, cudaStream_t str
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(grid_y));
   const dim3 block(static_cast<unsigned>(lanes), static_cast<unsigned>(rows));
   dispatch_scalar(p.dtype, [&](auto tag) {
-    rotary_cache_write_kernel<decltype(tag)><<<grid, block, 0, stream>>>(p, static_cast<int>(units_per_row));
+    launch_kernel(rotary_cache_write_kernel<decltype(tag)>, grid, block, 0, stream, p,
+                  static_cast<int>(units_per_row));
   });
   return cudaGetLastError();
 }
