@@ -35,6 +35,11 @@ def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
     [(300, 45), (37, 37), (290, 1)],
     [(64, 64)],
     [(5, 1), (700, 200), (17, 1), (1, 1), (33, 2)],
+    # fresh prompts (no cached prefix) as one run: after the decoding rows, before them, alone; and split by one
+    [(290, 1), (17, 1), (37, 37), (64, 64)],
+    [(37, 37), (64, 64), (5, 1)],
+    [(37, 37), (2, 2)],
+    [(37, 37), (5, 1), (64, 64)],
 ])
 def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> None:
     monkeypatch.setattr(flash, "_flash", varlen_causal)
@@ -49,14 +54,32 @@ def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> No
         chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
         used += n
     batch = ForwardBatch.build(chunks, page_size, "cpu")
-    q = torch.randn(batch.num_tokens, 6, 16, generator=gen)
+    # q and the new tokens' K/V as the model has them: column slices of one fused QKV output (strided rows); the
+    # new K/V are what the cache holds at the batch's slots
+    qkv = torch.randn(batch.num_tokens, (6 + 2 * 2) * 16, generator=gen)
+    q = qkv[:, : 6 * 16].view(-1, 6, 16)
+    qkv[:, 6 * 16 : 8 * 16] = k_cache.view(-1, 32)[batch.slot_mapping]
+    qkv[:, 8 * 16 :] = v_cache.view(-1, 32)[batch.slot_mapping]
+    k_new, v_new = qkv[:, 6 * 16 : 8 * 16].view(-1, 2, 16), qkv[:, 8 * 16 :].view(-1, 2, 16)
     prefill = flash.plan("flash_gather", batch, page_size)
     assert prefill is not None
     assert (prefill.short_rows is None) == all(new > 1 for _, new in lens)
-    got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25)
+    long_rows = [i for i, row in enumerate(r for (ctx, new) in lens for r in [new > 1] * new) if row]
+    contiguous = long_rows[-1] + 1 - long_rows[0] == len(long_rows)
+    assert prefill.long_span == ((long_rows[0], long_rows[-1] + 1) if contiguous else None)
+    assert prefill.fresh == all(ctx == new for ctx, new in lens if new > 1)
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, 0.25, batch.max_q_len)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    for new_kv in ({}, {"k_new": k_new, "v_new": v_new}):
+        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, **new_kv)
+        assert got.shape == q.shape and got.is_contiguous()
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    if prefill.fresh and prefill.long_span is not None:
+        # the prompts' K/V come from k_new/v_new, not from the cache: poisoning their cache slots changes nothing
+        poisoned = k_cache.clone()
+        poisoned.view(-1, 32)[batch.slot_mapping[long_rows]] = float("nan")
+        got = flash.attention(q, poisoned, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_flash_gather_declines_decode_only_and_huge_batches(monkeypatch) -> None:

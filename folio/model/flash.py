@@ -6,6 +6,8 @@ tensor cores. Two ways to feed it the paged K/V:
   `_flash_attention_forward` takes `block_table`; torch 2.11's does not);
 - "flash_gather": the sequences with several new tokens get their contexts gathered into contiguous K/V (one
   index_select per layer) for FA2; one-token rows of the same step (decoding sequences) go to our decode kernel.
+  Prompts with no cached prefix whose rows form one run (the usual prefill step) skip the gather and the
+  scatter: FA2 reads the layer's new K/V and q in place, and the two outputs are concatenated.
 Varlen FA2 aligns the causal mask bottom-right, which is what a chunk continuing a cached context needs.
 
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
@@ -45,6 +47,13 @@ class PrefillPlan:
     short_rows: torch.Tensor | None = None  # [B_short] int64
     short_block_tables: torch.Tensor | None = None  # [B_short, max_blocks] int32
     short_context_lens: torch.Tensor | None = None  # [B_short] int32
+    # flash_gather: the multi-token rows are rows [start, end) of the batch (the scheduler puts running sequences
+    # before newly admitted ones, so a step's prompt chunks usually are one run): q, the new K/V and the output
+    # are then sliced instead of gathered and scattered
+    long_span: tuple[int, int] | None = None
+    # ...and every one of those sequences starts at position 0 (no cached prefix): its context is exactly its new
+    # tokens, whose K/V the layer has in hand, so nothing is gathered from the cache
+    fresh: bool = False
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
@@ -117,36 +126,89 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
     pos = torch.arange(total_k, device=device) - cu_k_t.long()[seq_of_k]
     kv_slots = long_tables[seq_of_k, pos // page_size].long() * page_size + pos % page_size
     max_q, max_k = max(q_lens[i] for i in long), max(context_lens[i] for i in long)
+    span = (long_rows[0], long_rows[-1] + 1) if long_rows[-1] + 1 - long_rows[0] == len(long_rows) else None
+    fresh = all(context_lens[i] == q_lens[i] for i in long)
     if not short:
-        return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots)
+        return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots, long_span=span, fresh=fresh)
     short_idx = _device_ints(short, torch.int64, device)
     return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots,
                        long_rows=_device_ints(long_rows, torch.int64, device),
                        short_rows=_device_ints(short_rows, torch.int64, device),
                        short_block_tables=batch.block_tables.index_select(0, short_idx),
-                       short_context_lens=batch.context_lens.index_select(0, short_idx))
+                       short_context_lens=batch.context_lens.index_select(0, short_idx),
+                       long_span=span, fresh=fresh)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, prefill: PrefillPlan,
-              scale: float) -> torch.Tensor:
-    """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache)."""
+              scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
+
+    q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
+    output) may be strided in their token and head dims. With k_new/v_new given, a plan whose prompt rows are
+    one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache."""
+    strided = strided_inputs_ok(q, k_cache)
+    if not strided:
+        q = q.contiguous()
     if prefill.mode == "flash_paged":
-        return _flash(q, k_cache, v_cache, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
-                      prefill.max_context_len, scale, block_table=batch.block_tables)
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
+        return _flash(q.contiguous(), k_cache, v_cache, prefill.cu_seqlens_q, prefill.cu_seqlens_k,
+                      prefill.max_q_len, prefill.max_context_len, scale, block_table=batch.block_tables)
+    span = prefill.long_span
     if prefill.short_rows is None:
-        return _flash(q, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
+        q_long = q
+    elif span is not None:
+        q_long = q[span[0]:span[1]]
+    else:
+        q_long = q.index_select(0, prefill.long_rows)
+    if prefill.fresh and span is not None and k_new is not None and v_new is not None:
+        k, v = k_new[span[0]:span[1]], v_new[span[0]:span[1]]
+        if not strided:
+            k, v = k.contiguous(), v.contiguous()
+    else:
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
+        v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
+    long_out = _flash(q_long, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
                       prefill.max_context_len, scale)
-    out = torch.empty_like(q)
-    long_out = _flash(q.index_select(0, prefill.long_rows), k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k,
-                      prefill.max_q_len, prefill.max_context_len, scale)
+    if prefill.short_rows is None:
+        return long_out.contiguous()  # (FA2 returns a dense output for strided inputs; the caller views it flat)
+    if span is not None and (span[0] == 0 or span[1] == q.shape[0]):  # the one-token rows are one run too
+        before = span[0] > 0
+        short_q = q[:span[0]] if before else q[span[1]:]
+        short_out = ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
+                                               prefill.short_context_lens, scale)
+        return torch.cat([short_out, long_out] if before else [long_out, short_out])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.index_copy_(0, prefill.long_rows, long_out)
     short_out = ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
                                            prefill.short_block_tables, prefill.short_context_lens, scale)
     out.index_copy_(0, prefill.short_rows, short_out)
     return out
+
+
+_strided_ok: dict[tuple, bool] = {}
+
+
+def strided_inputs_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Does FA2 here give the same result for q/k/v strided in their token dim (slices of a fused QKV output) as
+    for dense copies? Checked once per device, dtype and head layout; False means callers pass dense copies."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    key = (q.device, q.dtype, num_q_heads, num_kv_heads, head_dim)
+    if key not in _strided_ok:
+        gen = torch.Generator(device=q.device).manual_seed(1)
+        width = (num_q_heads + 2 * num_kv_heads) * head_dim
+        fused = torch.randn(40, width, device=q.device, dtype=q.dtype, generator=gen)
+        qs, ks, vs = fused.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+        qs = qs.view(40, num_q_heads, head_dim)
+        ks, vs = ks.view(40, num_kv_heads, head_dim), vs.view(40, num_kv_heads, head_dim)
+        cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=q.device)
+        try:
+            got = _flash(qs, ks, vs, cu, cu, 23, 23, 0.125)
+            want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, 23, 23, 0.125)
+            _strided_ok[key] = bool(torch.equal(got, want))
+        except (RuntimeError, TypeError, ValueError):
+            _strided_ok[key] = False
+    return _strided_ok[key]
 
 
 def _probe(mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) -> bool:

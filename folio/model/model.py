@@ -110,14 +110,14 @@ class Model:
             q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)
         # Views into qkv (rotary_cache_write updates q and k in place, through their row strides): no copies. The
-        # FlashAttention prefill gets a dense q, as its callers promise (a copy that prefill's matmuls dwarf).
+        # FlashAttention prefill takes them as they are too (flash.attention copies only where FA2 needs it).
         q = q.view(num_tokens, cfg.num_q_heads, head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, head_dim)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
         ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
         if prefill is not None:
-            out = flash.attention(q.contiguous(), k_cache, v_cache, batch, prefill, self.attention_scale)
+            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale, k_new=k, v_new=v)
         elif batch.max_q_len == 1:
             out = ops.paged_attention_decode(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
