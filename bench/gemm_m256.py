@@ -15,13 +15,18 @@ call), against FLOPs = 2 M N K.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import time_graph  # noqa: E402  (bench/kernels.py: CUDA-graph replay timing)
 
 M = 256
 SHAPES = {  # name: (N, K)
@@ -36,27 +41,8 @@ CALLS = 20
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     """Median seconds per F.linear call from graph replays that cycle through `weights`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:
-            F.linear(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            F.linear(x, weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
+    cycle = itertools.cycle(weights)
+    return time_graph(lambda: F.linear(x, next(cycle)), calls_per_replay=CALLS, replays=10)
 
 
 def sweep(label: str, inputs: dict) -> dict:
