@@ -323,9 +323,19 @@ bool mma_disabled_by_env() {
 template <typename T, int HEAD_DIM>
 cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
   constexpr int kBytes = Layout<HEAD_DIM>::kSmemBytes;
-  static const cudaError_t attribute_status = cudaFuncSetAttribute(
-      decode_attention_mma_kernel<T, HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (attribute_status != cudaSuccess) return attribute_status;
+  // More than 48 KB of dynamic shared memory must be allowed per kernel and device, once (benign race: every
+  // writer sets the same value).
+  constexpr int kMaxDevices = 64;
+  static bool allowed[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  if (device < 0 || device >= kMaxDevices || !allowed[device]) {
+    status = cudaFuncSetAttribute(decode_attention_mma_kernel<T, HEAD_DIM>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    if (status != cudaSuccess) return status;
+    if (device >= 0 && device < kMaxDevices) allowed[device] = true;
+  }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(a.p.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
   return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM>, grid, dim3(kThreads), kBytes, stream, a);

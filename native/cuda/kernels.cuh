@@ -1,6 +1,7 @@
 // CUDA launchers: host functions over raw device pointers (no torch, no pybind11). Every launcher enqueues its
 // kernels on `stream`, never synchronizes with the host, and returns the launch status (cudaGetLastError()).
-// Safe to call while a CUDA graph is being captured on `stream`.
+// Safe to call while a CUDA graph is being captured on `stream`. On sm_90+ the kernels are launched with
+// programmatic dependent launch (launch.cuh): each may start while the previous kernel on the stream finishes.
 #pragma once
 
 #include <cuda_runtime_api.h>
