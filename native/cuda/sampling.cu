@@ -312,6 +312,24 @@ __device__ Boundary boundary_at_key(const uint32_t* keys, int64_t vocab, const B
   return Boundary{prefix, nth_with_key(keys, vocab, kept, prefix, n, sh)};
 }
 
+// One step of a radix select: the histogram of key byte `shift` over the kept elements whose higher bytes match
+// `prefix` (unless the caller has already built it in sh.histogram), then the bucket in which the running
+// amount reaches `target`. Adds that bucket to `prefix` and sets `above` to the amount in the buckets above it.
+__device__ void radix_step(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass,
+                           unsigned long long target, int shift, bool histogram_built, uint32_t& prefix,
+                           unsigned long long& above, SampleShared& sh) {
+  if (!histogram_built) {
+    for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
+    __syncthreads();
+    histogram_pass(keys, vocab, kept, by_mass, shift, prefix, sh);
+    __syncthreads();
+  }
+  if (threadIdx.x < 32) pick_bucket(above, target, sh);
+  __syncthreads();
+  prefix |= static_cast<uint32_t>(sh.bucket) << shift;
+  above = sh.above;
+}
+
 // The element of the order at which the kept count (by_mass false) or kept mass (true) first reaches
 // `target` (1 <= target <= the kept total).
 __device__ Boundary select_boundary(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass,
@@ -319,14 +337,7 @@ __device__ Boundary select_boundary(const uint32_t* keys, int64_t vocab, const B
   uint32_t prefix = 0;
   unsigned long long above = 0;  // kept amount in buckets above the current one
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
-    __syncthreads();
-    histogram_pass(keys, vocab, kept, by_mass, shift, prefix, sh);
-    __syncthreads();
-    if (threadIdx.x < 32) pick_bucket(above, target, sh);
-    __syncthreads();
-    prefix |= static_cast<uint32_t>(sh.bucket) << shift;
-    above = sh.above;
+    radix_step(keys, vocab, kept, by_mass, target, shift, false, prefix, above, sh);
   }
   return boundary_at_key(keys, vocab, kept, by_mass, target, prefix, above, sh);
 }
@@ -506,16 +517,8 @@ __device__ void sample_short_top_k(const SampleParams& p, int64_t r, const float
   uint32_t prefix = 0;
   unsigned long long above = 0;  // elements in buckets above the current one
   for (int shift = 24; shift >= 0; shift -= 8) {
-    if (shift < 24) {  // the top byte's histogram came with the keys
-      for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
-      __syncthreads();
-      histogram_pass(keys, vocab, everything, false, shift, prefix, sh);
-      __syncthreads();
-    }
-    if (threadIdx.x < 32) pick_bucket(above, target, sh);
-    __syncthreads();
-    prefix |= static_cast<uint32_t>(sh.bucket) << shift;
-    above = sh.above;
+    // (the top byte's histogram came with the keys)
+    radix_step(keys, vocab, everything, false, target, shift, shift == 24, prefix, above, sh);
     const unsigned long long at_or_above = above + sh.in_bucket;  // the same in every thread: uniform branch
     if (at_or_above <= kCompactCap) {
       gather_at_or_above(keys, vocab, prefix, shift, sh);
