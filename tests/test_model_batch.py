@@ -40,6 +40,49 @@ def test_build_decode_batch() -> None:
     assert batch.block_tables.tolist() == [[3, 0, 0], [3, 0, 0], [3, 1, 0], [3, 1, 0]]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_build_matches_a_per_token_reference(seed) -> None:
+    """Random mixes of prompt chunks (fresh or continuing), decode rows and logits modes, against the definition
+    written out token by token."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def randint(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=rng))
+
+    page_size = [1, 4, 16, 256][seed % 4]
+    chunks = []
+    for _ in range(randint(1, 40)):
+        q_len = 1 if randint(0, 3) == 0 else randint(1, 300)
+        start = randint(0, 600)
+        pages = -(-(start + q_len) // page_size) + randint(0, 3)  # spare pages past the context are allowed
+        chunks.append(SeqChunk([randint(0, 50000) for _ in range(q_len)], start,
+                               [randint(0, 10**6) for _ in range(pages)], ["all", "last", "none"][randint(0, 3)]))
+    batch = ForwardBatch.build(chunks, page_size, "cpu")
+    ids, positions, slots, logits_idx, row = [], [], [], [], 0
+    for c in chunks:
+        for i, token in enumerate(c.token_ids):
+            pos = c.start_pos + i
+            ids.append(token)
+            positions.append(pos)
+            slots.append(c.block_table[pos // page_size] * page_size + pos % page_size)
+            if c.logits == "all" or (c.logits == "last" and i == len(c.token_ids) - 1):
+                logits_idx.append(row)
+            row += 1
+    context_lens = [c.start_pos + len(c.token_ids) for c in chunks]
+    width = max(-(-n // page_size) for n in context_lens)
+    tables = [list(c.block_table[: -(-n // page_size)]) for c, n in zip(chunks, context_lens)]
+    assert batch.input_ids.tolist() == ids
+    assert batch.positions.tolist() == positions
+    assert batch.slot_mapping.tolist() == slots
+    assert batch.logits_idx.tolist() == logits_idx
+    assert batch.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    assert batch.context_lens.tolist() == context_lens
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + len(c.token_ids))
+    assert batch.cu_seqlens_q.tolist() == cu
+
+
 @pytest.mark.parametrize("chunks, message", [
     ([], "at least one chunk"),
     ([SeqChunk([], 0, [0])], "chunk 0: no token_ids"),

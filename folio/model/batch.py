@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 LogitsMode = Literal["none", "last", "all"]
@@ -62,26 +64,32 @@ class ForwardBatch:
                 logits_idx.append(num_tokens + q_len - 1)
             num_tokens += q_len
 
-        max_blocks = max(-(-n // page_size) for n in context_lens)
-        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
-        for i, (chunk, context_len) in enumerate(zip(chunks, context_lens)):
-            used = -(-context_len // page_size)
-            block_tables[i, :used] = torch.tensor(chunk.block_table[:used], dtype=torch.int64)
+        # Index arithmetic in numpy: a prompt step of 16k tokens over hundreds of sequences is built while the
+        # device waits (per-sequence torch calls and torch's CPU repeat_interleave cost tens of ms there).
+        num_seqs = len(chunks)
+        used = np.fromiter((-(-n // page_size) for n in context_lens), dtype=np.int64, count=num_seqs)  # pages read
+        flat_pages = np.fromiter(
+            itertools.chain.from_iterable(itertools.islice(c.block_table, int(u)) for c, u in zip(chunks, used)),
+            dtype=np.int64, count=int(used.sum()))
+        first_of_row = np.cumsum(used) - used
+        block_tables = np.zeros((num_seqs, int(used.max())), dtype=np.int64)
+        block_tables[np.repeat(np.arange(num_seqs), used),
+                     np.arange(flat_pages.shape[0]) - np.repeat(first_of_row, used)] = flat_pages
 
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), q_lens_t)  # [T]: which chunk a row belongs to
-        cu_seqlens_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        cu_seqlens_q[1:] = q_lens_t.cumsum(0)
-        start_pos = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
-        positions = start_pos[seq_idx] + torch.arange(num_tokens) - cu_seqlens_q[seq_idx]
-        pages = block_tables[seq_idx, positions // page_size]
-        slot_mapping = pages * page_size + positions % page_size
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        q_lens_np = np.asarray(q_lens, dtype=np.int64)
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens_np)  # [T]: which chunk a row belongs to
+        cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens_np, out=cu_seqlens_q[1:])
+        start_pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_seqs)
+        positions = start_pos[seq_idx] + np.arange(num_tokens) - cu_seqlens_q[seq_idx]
+        slot_mapping = block_tables[seq_idx, positions // page_size] * page_size + positions % page_size
+        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                                count=num_tokens)
 
         on_cuda = torch.device(device).type == "cuda"
 
-        def to_device(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            t = t.to(dtype=dtype)
+        def to_device(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.from_numpy(a).to(dtype=dtype)
             # Pinned source: the copy is queued on the stream instead of making the host wait for the GPU.
             return (t.pin_memory() if on_cuda else t).to(device, non_blocking=True)
 
@@ -91,8 +99,8 @@ class ForwardBatch:
             slot_mapping=to_device(slot_mapping, torch.int64),
             block_tables=to_device(block_tables, torch.int32),
             cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
-            context_lens=to_device(torch.tensor(context_lens), torch.int32),
-            logits_idx=to_device(torch.tensor(logits_idx, dtype=torch.int64), torch.int64),
+            context_lens=to_device(np.asarray(context_lens, dtype=np.int64), torch.int32),
+            logits_idx=to_device(np.asarray(logits_idx, dtype=np.int64), torch.int64),
             max_q_len=max(q_lens),
             max_context_len=max(context_lens),
             total_context_len=sum(context_lens),

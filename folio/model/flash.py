@@ -42,7 +42,8 @@ class PrefillPlan:
     max_q_len: int
     max_context_len: int
     kv_slots: torch.Tensor | None = None  # flash_gather: [sum of their contexts] int64 flat cache slots
-    # flash_gather with one-token rows beside: which rows go to FA2 and which to the decode kernel
+    # flash_gather with one-token rows beside: which rows go to FA2 and which to the decode kernel (long_rows
+    # only when they are not one run, see long_span)
     long_rows: torch.Tensor | None = None  # [T_long] int64
     short_rows: torch.Tensor | None = None  # [B_short] int64
     short_block_tables: torch.Tensor | None = None  # [B_short, max_blocks] int32
@@ -132,7 +133,8 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
         return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots, long_span=span, fresh=fresh)
     short_idx = _device_ints(short, torch.int64, device)
     return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots,
-                       long_rows=_device_ints(long_rows, torch.int64, device),
+                       # (with a span, attention() slices instead: no 16k-element index copied each step)
+                       long_rows=_device_ints(long_rows, torch.int64, device) if span is None else None,
                        short_rows=_device_ints(short_rows, torch.int64, device),
                        short_block_tables=batch.block_tables.index_select(0, short_idx),
                        short_context_lens=batch.context_lens.index_select(0, short_idx),
