@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for A/B work on a kernel change: build for sm_90, run the native tests (optionally a -k subset),
 # the kernel benchmark, then engine workloads under environment variants. Logs go to $OUT; a short table last.
-#   TESTS_K="attention or linear" KERNELS=1 VARIANTS="base:: nopdl:FOLIO_PDL=0" ENGINE_ARGS="--workloads W1 --no-peers" \
+#   TESTS_K="attention or linear" KERNELS=1 VARIANTS="base: nopdl:FOLIO_PDL=0" ENGINE_ARGS="--workloads W1 --no-peers" \
 #     bash bench/ab.sh
-# VARIANTS: space-separated name:ENV=VALUE,ENV=VALUE entries (an empty env list is the default build's behaviour).
+# VARIANTS: space-separated name:ENV=VALUE,ENV=VALUE entries; "name:" (nothing after the colon) runs the defaults.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
