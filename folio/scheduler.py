@@ -350,7 +350,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.active.remove(seq)
         plan.chunks = [c for c in plan.chunks if c.seq is not seq]
-        plan.copies = [c for c in plan.copies if c.dst_page not in seq.block_table]
+        own = set(seq.block_table)
+        for copy in plan.copies:
+            if copy.dst_page in own:
+                # The copy will not run: its slots must not be counted, or releasing would record the page as
+                # holding tokens it never received, for later partial reuse to copy from.
+                seq.num_cached_tokens -= copy.num_slots
+        plan.copies = [c for c in plan.copies if c.dst_page not in own]
         self._release_pages(seq)
         seq.page_hashes = prompt_page_hashes(seq.token_ids, self.page_size, seq.namespace)
         self.pending.appendleft(seq)

@@ -177,3 +177,20 @@ def test_num_prefill_tokens_counts_the_backlog():
     assert h.sched.num_prefill_tokens() == 26  # nothing admitted yet: both prompts whole
     h.step()  # the first is admitted and prefills 8 tokens; the second waits (batch size 1)
     assert h.sched.num_prefill_tokens() == (20 - 8) + 6
+
+
+def test_preempted_in_the_step_of_its_partial_copy_records_no_slots():
+    """A sequence admitted, given a partial-page copy and preempted within one step: the copy is dropped from the
+    plan, so releasing it must not record that page as holding the copied tokens. (Found by the state machine:
+    a later sequence copied stale slots from such a page.) None: a step; else (length, new, prefix, tail)."""
+    h = Harness(num_pages=24, page_size=4, max_batch_size=6, max_chunk_size=8)
+    script = [(6, 4, 0, 1), None, (1, 9, 0, 0), (1, 10, 0, 1), None, None, (22, 7, 0, 1), None, (1, 6, 0, 1),
+              (29, 3, 1, 2), None, None, None, None, (4, 2, 0, 0), (23, 2, 0, 2), None, None, None, None]
+    for op in script:
+        if op is None:
+            h.step()
+        else:
+            length, new, prefix, tail = op
+            h.enqueue([(prefix * 3 + i) % 5 for i in range(length)] + [tail] * (tail % 3), new)
+        h.check()
+    assert h.sched.num_preemptions >= 2
