@@ -195,7 +195,8 @@ class StepProfile:
 
 def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device):
     """Wrap the generator's phases with timers; returns an undo function."""
-    plan, forward, emit, sample = gen.scheduler.plan, gen._forward, gen._emit, folio_generator.sample
+    plan, plan_ahead = gen.scheduler.plan, gen.scheduler.plan_ahead
+    forward, emit, sample = gen._forward, gen._emit, folio_generator.sample
 
     def timed(fn, key):
         def wrapper(*args, **kwargs):
@@ -207,12 +208,13 @@ def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device
         return wrapper
 
     gen.scheduler.plan = timed(plan, "plan")
+    gen.scheduler.plan_ahead = timed(plan_ahead, "plan")
     gen._forward = timed(forward, "forward")
     gen._emit = timed(emit, "emit")
     folio_generator.sample = timed(sample, "sample")
 
     def undo():
-        del gen.scheduler.plan, gen._forward, gen._emit
+        del gen.scheduler.plan, gen.scheduler.plan_ahead, gen._forward, gen._emit
         folio_generator.sample = sample
 
     return undo
@@ -233,7 +235,7 @@ class RunResult:
 
 
 def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: int, prefix_cache: bool = True,
-                   cache_tokens: int | None = None) -> tuple[DynamicGenerator, Cache]:
+                   cache_tokens: int | None = None, prefill_ahead: bool = True) -> tuple[DynamicGenerator, Cache]:
     device = pair.model.device
     if cache_tokens is not None or device.type != "cuda":
         page = 256
@@ -247,7 +249,7 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            max_q_size=num_jobs + 1, prefix_cache=prefix_cache,
                            max_chunk_size=OPTIONS.get("chunk_size") or None,
-                           overlap_emit=False if OPTIONS.get("no_overlap") else None)
+                           overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB), batch {max_batch_size}, "
         f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.decode_graphs else 'off'} "
         f"({time.perf_counter() - t0:.1f} s)")
@@ -583,10 +585,50 @@ def w1(pair: Pair, args, ceilings: dict, rows: list) -> None:
 
 def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens, note: str, max_seq_len: int,
                ceilings: dict) -> None:
+    # decode limit at batch 256: weights once per step (attention K/V reads come on top)
+    limit = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes * min(256, len(prompts))
+    if OPTIONS.get("chunk_size"):
+        note += f", max_chunk_size {OPTIONS['chunk_size']}"
+    row = None
+    for prefill_ahead in OPTIONS.get("prefill_ahead") or [True]:  # several: an A/B in one process
+        res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead)
+        variant = Row(workload, "folio", note + ("" if prefill_ahead else ", prefill ahead off"), res.tokens_per_s,
+                      median_ms(res.ttft_s), median_ms(res.tpot_s), vs_limit=res.tokens_per_s / limit,
+                      extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
+                             "decode_graph_gpu_ms_batch256": gpu_ms, "weights_only_limit_tok_s": limit})
+        rows.append(variant)
+        row = row or variant
+        log(f"  folio {workload}{'' if prefill_ahead else ' (prefill ahead off)'}: {res.tokens_per_s:.0f} tok/s, "
+            f"{res.output_tokens} tokens in {res.wall_s:.1f} s, profile {res.profile}, graph step {gpu_ms} ms")
+    reference = dict(item.split(":") for item in args.peer_reference.split(",") if item)
+    if workload in reference:
+        peer_tok_s = float(reference[workload])
+        rows.append(Row(workload, "hf generate_batch", "earlier run (--peer-reference)", peer_tok_s,
+                        vs_limit=peer_tok_s / limit))
+        row.vs_peer = row.tok_s / peer_tok_s
+    elif args.peers and args.peer_requests:
+        k = min(args.peer_requests, len(prompts))
+        fn = run_generate_batch if len(set(new_tokens[:k])) == 1 else run_generate_batch_mixed
+        peer = peer_call(rows, workload, "hf generate_batch",
+                         "", lambda: fn(pair, prompts[:k], new_tokens[:k], sampled=True))
+        if peer:
+            rows.append(Row(workload, "hf generate_batch", f"{k} of {len(prompts)} requests", peer.tokens_per_s,
+                            median_ms(peer.ttft_s), median_ms(peer.tpot_s), vs_limit=peer.tokens_per_s / limit,
+                            extra={"wall_s": peer.wall_s, "tokens": peer.output_tokens}))
+            row.vs_peer = row.tok_s / peer.tokens_per_s
+
+
+def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq_len: int,
+                   prefill_ahead: bool) -> tuple[RunResult, float | None]:
+    """One folio run of a throughput workload on a fresh generator: its result and the graph decode step's GPU
+    time at batch 256 (ms)."""
     settings = SamplerSettings()
-    gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts))
+    gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts),
+                                prefill_ahead=prefill_ahead)
     gen.warmup()
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
+    log(f"  {workload}: {gen.num_steps} steps, {gen.num_steps_ahead} launched ahead "
+        f"({gen.num_prefill_steps_ahead} with prompt tokens)")
     gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
     if args.profile_host:
         import cProfile
@@ -602,33 +644,7 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
         stats.sort_stats("tottime").print_stats(20)
         stats.sort_stats("cumtime").print_stats(r"folio/", 25)
     del gen, cache
-    # decode limit at batch 256: weights once per step (attention K/V reads come on top)
-    limit = ceilings["copy_GBps"] * 1e9 / pair.weight_bytes * min(256, len(prompts))
-    if OPTIONS.get("chunk_size"):
-        note += f", max_chunk_size {OPTIONS['chunk_size']}"
-    row = Row(workload, "folio", note, res.tokens_per_s, median_ms(res.ttft_s), median_ms(res.tpot_s),
-              vs_limit=res.tokens_per_s / limit,
-              extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
-                     "decode_graph_gpu_ms_batch256": gpu_ms, "weights_only_limit_tok_s": limit})
-    rows.append(row)
-    log(f"  folio {workload}: {res.tokens_per_s:.0f} tok/s, {res.output_tokens} tokens in {res.wall_s:.1f} s, "
-        f"profile {res.profile}, graph step {gpu_ms} ms")
-    reference = dict(item.split(":") for item in args.peer_reference.split(",") if item)
-    if workload in reference:
-        peer_tok_s = float(reference[workload])
-        rows.append(Row(workload, "hf generate_batch", "earlier run (--peer-reference)", peer_tok_s,
-                        vs_limit=peer_tok_s / limit))
-        row.vs_peer = res.tokens_per_s / peer_tok_s
-    elif args.peers and args.peer_requests:
-        k = min(args.peer_requests, len(prompts))
-        fn = run_generate_batch if len(set(new_tokens[:k])) == 1 else run_generate_batch_mixed
-        peer = peer_call(rows, workload, "hf generate_batch",
-                         "", lambda: fn(pair, prompts[:k], new_tokens[:k], sampled=True))
-        if peer:
-            rows.append(Row(workload, "hf generate_batch", f"{k} of {len(prompts)} requests", peer.tokens_per_s,
-                            median_ms(peer.ttft_s), median_ms(peer.tpot_s), vs_limit=peer.tokens_per_s / limit,
-                            extra={"wall_s": peer.wall_s, "tokens": peer.output_tokens}))
-            row.vs_peer = res.tokens_per_s / peer.tokens_per_s
+    return res, gpu_ms
 
 
 def w2(pair, args, ceilings, rows):
@@ -765,6 +781,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=0, help="W2/W3/W5: the generator's max_chunk_size "
                         "(0: its default)")
     parser.add_argument("--no-overlap", action="store_true", help="DynamicGenerator(overlap_emit=False)")
+    parser.add_argument("--prefill-ahead", default="on", help="W2/W3: DynamicGenerator(prefill_ahead=...); a "
+                        "comma list (e.g. on,off,on,off) runs the workload once per entry, an A/B in one process")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
     parser.add_argument("--trace-steps", default="", help="A:B: profile steps [A, B) of each workload's first "
@@ -773,6 +791,7 @@ def main() -> None:
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
     OPTIONS["chunk_size"] = args.chunk_size
+    OPTIONS["prefill_ahead"] = [{"on": True, "off": False}[v.strip()] for v in args.prefill_ahead.split(",")]
     trace_spec = args.trace_steps
     out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -50,10 +50,14 @@ class _Staged:
 
 @dataclass
 class _Ahead:
-    """A decode step launched before the tokens it feeds were read back (decode_ahead): its plan and logits."""
+    """A step launched before the tokens it feeds were read back (decode_ahead): its plan, its logits (None when
+    no chunk wants any, or the forward pass failed: then `error`), and for each chunk its row of the logits (-1:
+    none)."""
 
     plan: StepPlan
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    logit_rows: list[int]
+    error: Exception | None = None
 
 
 class _SampledOnHost:
@@ -112,16 +116,18 @@ class DynamicGenerator:
     overlap_emit: hand a step's sampled tokens to their jobs (text, stop strings, results) during the NEXT step, while
         the device computes it, instead of before planning it (None: on with CUDA graphs). Results then arrive one
         step later; the tokens are the same. A job that a stop string ends gets one extra step computed, discarded.
-    decode_ahead: when every running job is decoding, launch the next decode step before reading back this
-        step's tokens, feeding it the sampled ids straight from the device, so the device never waits for the
-        host between decode steps (None: on with CUDA graphs). The tokens are the same; a job that a stop token
-        or string ends has a step or two computed past its end, discarded.
+    decode_ahead: launch the next step before reading back this step's tokens, feeding its decode rows the
+        sampled ids straight from the device, so the device never waits for the host between steps (None: on
+        with CUDA graphs). The tokens are the same; a job that a stop token or string ends has a step or two
+        computed past its end, discarded. Not when queued jobs wait for a batch slot that this step may free.
+    prefill_ahead: with decode_ahead, also launch steps ahead that prefill prompts (admitting queued jobs and
+        reusing cached prefixes as planned steps do); False launches only steps in which every job decodes.
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  paged: bool = True, prefix_cache: bool = True, cuda_graphs: bool | None = None,
-                 overlap_emit: bool | None = None, decode_ahead: bool | None = None):
+                 overlap_emit: bool | None = None, decode_ahead: bool | None = None, prefill_ahead: bool = True):
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -138,7 +144,8 @@ class DynamicGenerator:
         self.decode_graphs = self._capture_decode_graphs(cuda_graphs)
         self.overlap_emit = self.decode_graphs is not None if overlap_emit is None else bool(overlap_emit)
         self.decode_ahead = self.decode_graphs is not None if decode_ahead is None else bool(decode_ahead)
-        self._ahead: _Ahead | None = None  # the decode step launched ahead, sampled by the next iterate()
+        self.prefill_ahead = bool(prefill_ahead)
+        self._ahead: _Ahead | None = None  # the step launched ahead, sampled by the next iterate()
         self._serials = itertools.count()
         self._seqs: dict[int, SeqState] = {}  # id(job) -> its sequence
         # id(job) -> prompt + sampled ids on the model's device, for the penalties (only jobs that have any)
@@ -151,7 +158,8 @@ class DynamicGenerator:
         # threads take them with drain_page_events() (deque appends and pops are thread-safe).
         self._page_events: deque = deque(maxlen=MAX_BUFFERED_PAGE_EVENTS)
         self.num_steps = 0
-        self.num_steps_ahead = 0  # decode steps launched ahead (decode_ahead)
+        self.num_steps_ahead = 0  # steps launched ahead (decode_ahead)
+        self.num_prefill_steps_ahead = 0  # of those, steps with prompt tokens (prefill_ahead)
         self.last_step_time = time.monotonic()  # time.monotonic() at the end of the last step
 
     # --- construction steps ---
@@ -294,23 +302,27 @@ class DynamicGenerator:
         results: list[Result] = []
         ahead = self._take_ahead()
         if ahead is not None:
-            plan, logits = ahead.plan, ahead.logits
+            plan, logits, error = ahead.plan, ahead.logits, ahead.error
         else:
-            plan = self.scheduler.plan()
-            results.extend(seq.job.started_result() for seq in plan.started)
-            for seq in plan.started:
+            plan, logits, error = self.scheduler.plan(), None, None
+        for seq in plan.started:
+            if id(seq.job) in self._seqs:
+                results.append(seq.job.started_result())
                 seq.job.state = JobState.ACTIVE
+        if ahead is None:
             if plan.empty:
                 results.extend(self._emit(self._take_staged()))
                 return results
             try:
                 logits = self._forward(plan)
-            except Exception as error:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
-                results.extend(self._emit(self._take_staged()))
-                for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
-                    if id(seq.job) in self._seqs:
-                        results.append(self._fail(seq, error))
-                return results
+            except Exception as caught:  # noqa: BLE001 — fail this step's jobs, keep serving the rest
+                error = caught
+        if error is not None:
+            results.extend(self._emit(self._take_staged()))
+            for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
+                if id(seq.job) in self._seqs:
+                    results.append(self._fail(seq, error))
+            return results
         self.scheduler.commit(plan)
         results.extend(self._prefill_results(plan))
         sampled = [c for c in plan.chunks if c.wants_logits]
@@ -321,67 +333,85 @@ class DynamicGenerator:
         return results
 
     def _take_ahead(self) -> _Ahead | None:
-        """The step launched ahead, without the rows of jobs that ended or left since (their logits are dropped);
-        None when there is none or nothing of it is still wanted."""
+        """The step launched ahead, without the chunks of jobs that ended or left since (their logits are
+        dropped); None when there is none or nothing of it is still wanted."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         active = {id(seq) for seq in self.scheduler.active}
-        live = [i for i, c in enumerate(ahead.plan.chunks) if id(c.seq) in active and c.wants_logits]
-        if not live:
+        kept = [i for i, c in enumerate(ahead.plan.chunks) if id(c.seq) in active]
+        if not kept:
             return None
-        if len(live) < len(ahead.plan.chunks):
-            ahead.plan.chunks = [ahead.plan.chunks[i] for i in live]
-            ahead.logits = ahead.logits[to_device(live, torch.int64, ahead.logits.device)]
+        if len(kept) < len(ahead.plan.chunks):
+            rows = [ahead.logit_rows[i] for i in kept if ahead.logit_rows[i] >= 0]
+            ahead.plan.chunks = [ahead.plan.chunks[i] for i in kept]
+            if ahead.logits is not None:
+                ahead.logits = ahead.logits[to_device(rows, torch.int64, ahead.logits.device)] if rows else None
         return ahead
 
     def _launch_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor) -> _Ahead | None:
-        """Plan and launch the decode step that follows this one, if every running job takes part in it as a
-        decode row: the rows of `chunks` (this step's sampled rows; token_ids their sampled ids, on the device)
-        whose jobs do not end by length with this token. None when the next step is anything else (queued jobs
-        to admit, prompts to prefill) or the pages for it are not free."""
-        if len(chunks) != len(self.scheduler.active):
-            return None
+        """Plan and launch the step that follows this one: `chunks` are this step's sampled rows, token_ids their
+        sampled ids, on the device. Rows whose jobs do not end by length with this token become its decode rows,
+        fed those ids; with prefill_ahead the rest of the step is planned as usual. None when the next step must
+        be planned after this one's tokens are known: queued jobs wait for a slot this step may free, some job
+        prefills and prefill_ahead is off, or the pages for it might run short (planning ahead never preempts)."""
+        scheduler = self.scheduler
         rows = [i for i, c in enumerate(chunks)
                 if self._num_sampled[id(c.seq.job)] + 1 < c.seq.job.max_new_tokens]
         # Queued jobs wait for a free batch slot: plan the usual way as soon as one may open by length. (One that
         # a stop token frees is taken a step later.)
-        if not rows or (self.scheduler.pending and (len(rows) < len(chunks) or
-                                                    len(chunks) < self.max_batch_size)):
+        if scheduler.pending and (len(rows) < len(chunks) or len(scheduler.active) < self.max_batch_size):
             return None
-        plan = self.scheduler.plan_ahead([chunks[i].seq for i in rows])
-        if plan is None:
+        if not self.prefill_ahead and (not rows or len(chunks) != len(scheduler.active)):
             return None
-        index = to_device(rows, torch.int64, token_ids.device) if len(rows) < len(chunks) else None
-        # -1 (a row where nothing could be picked: that job fails at staging) must not reach the embedding
-        ids = (token_ids if index is None else token_ids[index]).clamp(min=0)
-        try:
-            logits = self._forward(plan, ids)
-        except Exception:  # noqa: BLE001 — this step is only an optimisation: plan the next step the usual way
+        plan = scheduler.plan_ahead([chunks[i].seq for i in rows])
+        if plan is None or not (plan.chunks or plan.copies or plan.started or plan.progressed):
             return None
+        ids = None
+        if rows:
+            index = to_device(rows, torch.int64, token_ids.device) if len(rows) < len(chunks) else None
+            # -1 (a row where nothing could be picked: that job fails at staging) must not reach the embedding
+            ids = (token_ids if index is None else token_ids[index]).clamp(min=0)
+        logit_rows, num_logits = [], 0
+        for k, c in enumerate(plan.chunks):
+            wants = k < len(rows) or c.wants_logits
+            logit_rows.append(num_logits if wants else -1)
+            num_logits += wants
         self.num_steps_ahead += 1
-        return _Ahead(plan, logits)
+        self.num_prefill_steps_ahead += any(c.end - c.start > 1 for c in plan.chunks)
+        try:
+            return _Ahead(plan, self._forward(plan, ids), logit_rows)
+        except Exception as error:  # noqa: BLE001 — the next step fails this one's jobs, as a planned step would
+            return _Ahead(plan, None, logit_rows, error)
 
     def _forward(self, plan: StepPlan, ahead_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the plan's chunks. ahead_ids: the input ids of a plan_ahead() plan, on the device (its chunks'
-        tokens are not in their sequences yet)."""
+        """Run the plan's chunks. ahead_ids: on the device, the input ids of the plan's first len(ahead_ids)
+        chunks, decode rows planned ahead (plan_ahead) whose tokens are not in their sequences yet."""
         for copy in plan.copies:
             ops.copy_page_slots(self.cache.k, self.cache.v, copy.src_page, copy.dst_page, copy.num_slots)
         if not plan.chunks:
             return None
+        num_ahead = 0 if ahead_ids is None else ahead_ids.shape[0]
         if self.decode_graphs is not None and all(c.end - c.start == 1 for c in plan.chunks) and (
                 self.decode_graphs.bucket_for(len(plan.chunks)) is not None):
-            return self.decode_graphs.run(ahead_ids if ahead_ids is not None else
-                                          [c.seq.token_ids[c.start] for c in plan.chunks],
-                                          [c.start for c in plan.chunks],
+            known = [c.seq.token_ids[c.start] for c in plan.chunks[num_ahead:]]
+            if num_ahead == 0:
+                ids = known
+            elif known:
+                ids = torch.cat([ahead_ids, to_device(known, ahead_ids.dtype, ahead_ids.device)])
+            else:
+                ids = ahead_ids
+            return self.decode_graphs.run(ids, [c.start for c in plan.chunks],
                                           [c.seq.block_table for c in plan.chunks])
-        chunks = [SeqChunk(token_ids=c.seq.token_ids[c.start:c.end] if ahead_ids is None else (0,),
+        chunks = [SeqChunk(token_ids=(0,) if k < num_ahead else c.seq.token_ids[c.start:c.end],
                            start_pos=c.start, block_table=c.seq.block_table,
-                           logits="last" if ahead_ids is not None or c.wants_logits else "none")
-                  for c in plan.chunks]
+                           logits="last" if k < num_ahead or c.wants_logits else "none")
+                  for k, c in enumerate(plan.chunks)]
         batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
-        if ahead_ids is not None:
-            batch = dataclasses.replace(batch, input_ids=ahead_ids)
+        if num_ahead:
+            fed = ahead_ids.to(batch.input_ids.dtype)
+            input_ids = fed if num_ahead == len(chunks) else torch.cat([fed, batch.input_ids[num_ahead:]])
+            batch = dataclasses.replace(batch, input_ids=input_ids)
         return self.model.forward(batch, self.cache)
 
     def _prefill_results(self, plan: StepPlan) -> list[Result]:

@@ -141,23 +141,34 @@ class Scheduler:
     # --- the step ---
 
     def plan(self) -> StepPlan:
+        return self._plan({})
+
+    def _plan(self, sampling: dict[int, SeqState]) -> StepPlan:
+        """`sampling`: id -> sequence of those whose next token is being sampled now (plan_ahead): each feeds it,
+        at position len(token_ids)."""
         plan = StepPlan()
         self._admit(plan)
         budget = self.max_chunk_size
         for seq in list(self.active):
             if seq not in self.active:  # preempted while planning an earlier sequence
                 continue
-            if not seq.is_decoding:
-                self._reuse_prefix(seq, plan)
-                if self._waits_for_pending_page(seq):
+            if id(seq) in sampling:
+                position = len(seq.token_ids)
+                chunk = Chunk(seq, position, position + 1)
+            elif seq.num_uncached_tokens == 0:
+                continue  # sampling now but not planned ahead (this token ends it)
+            else:
+                if not seq.is_decoding:
+                    self._reuse_prefix(seq, plan)
+                    if self._waits_for_pending_page(seq):
+                        continue
+                chunk = self._next_chunk(seq, budget)
+                if chunk is None:
                     continue
-            chunk = self._next_chunk(seq, budget)
-            if chunk is None:
-                continue
             if not self._ensure_pages(seq, chunk.end, plan):
                 continue
-            if not chunk.wants_logits or chunk.end - chunk.start > 1:
-                budget -= chunk.end - chunk.start
+            if chunk.end - chunk.start > 1 or not (chunk.wants_logits or id(seq) in sampling):
+                budget -= chunk.end - chunk.start  # prompt tokens; a decode row costs no budget
             plan.chunks.append(chunk)
         return plan
 
@@ -174,22 +185,41 @@ class Scheduler:
         seq.token_ids.append(token_id)
 
     def plan_ahead(self, seqs: list[SeqState]) -> StepPlan | None:
-        """The decode step after the current one, planned before its input tokens are known: each of `seqs`
-        (all active, all of their tokens cached) will feed the token it is about to sample, at position
-        len(token_ids). Their chunks [len, len + 1) become whole once `append_token` adds that token. Pages for
-        the new positions are allocated now; None (and nothing allocated) when the pool has too few free pages,
-        since planning ahead must never preempt."""
-        size = self.page_size
-        new_pages = [seq for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table)]
-        if len(new_pages) > self.pool.num_allocatable:
+        """The step after the current one, planned before the tokens now being sampled are known. Each of `seqs`
+        (active, all of their tokens cached) feeds the token it is about to sample, at position len(token_ids);
+        their chunks [len, len + 1) come first, in the order of `seqs`, and become whole once `append_token` adds
+        that token. The rest of the step is what plan() would make of it then: admission, prefix reuse, prompt
+        chunks. None, with nothing changed, when the pool might run short of pages for the step, since planning
+        ahead must never preempt."""
+        if self._ahead_pages_bound(seqs) > self.pool.num_allocatable:
             return None
-        plan = StepPlan()
-        for seq in seqs:
-            position = len(seq.token_ids)
-            if not self._ensure_pages(seq, position + 1, plan):
-                raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
-            plan.chunks.append(Chunk(seq, position, position + 1))
+        sampling = {id(seq): seq for seq in seqs}
+        plan = self._plan(sampling)
+        if plan.preempted:
+            raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
+        order = {id(seq): k for k, seq in enumerate(seqs)}
+        fed = sorted((c for c in plan.chunks if id(c.seq) in sampling), key=lambda c: order[id(c.seq)])
+        plan.chunks = fed + [c for c in plan.chunks if id(c.seq) not in sampling]
         return plan
+
+    def _ahead_pages_bound(self, seqs: list[SeqState]) -> int:
+        """Most pages plan_ahead(seqs) can take from the allocatable ones: a page for each of `seqs` that crosses
+        into a new one; for prompt chunks, at most max_chunk_size tokens in all, their pages plus two per
+        sequence that may get one (a chunk may start partway into a copied page and end partway into another);
+        and the cached prompt pages that prefix reuse may revive."""
+        size = self.page_size
+        feeding = {id(seq) for seq in seqs}
+        crossing = sum(1 for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table))
+        others = [seq for seq in self.active if id(seq) not in feeding and seq.num_uncached_tokens > 0]
+        admissible = min(len(self.pending), max(0, self.max_batch_size - len(self.active)))
+        longest_pending = max((len(seq.token_ids) for seq in self.pending), default=0)
+        prompt_tokens = sum(seq.num_uncached_tokens for seq in others) + admissible * longest_pending
+        chunk_pages = -(-min(self.max_chunk_size, prompt_tokens) // size) + 2 * (len(others) + admissible)
+        revived = 0
+        if self.prefix_cache:
+            revived = sum(max(0, len(seq.page_hashes) - len(seq.block_table)) for seq in others)
+            revived += admissible * max((len(seq.page_hashes) for seq in self.pending), default=0)
+        return crossing + chunk_pages + revived
 
     # --- admission ---
 

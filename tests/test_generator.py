@@ -463,15 +463,18 @@ def test_overlapped_emission_gives_the_same_results(demo):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_decode_ahead_gives_the_same_results(demo, overlap):
     """Steps launched before the previous tokens are read back (fed from the device) change no token, text or
-    result, with a queue longer than the batch, stop tokens and strings, and the pool checked every step."""
+    result, with a queue longer than the batch, prompts prefilled over several steps while others decode, stop
+    tokens and strings, and the pool checked every step; without prefill_ahead only all-decode steps go ahead."""
     runs = {}
-    for ahead in (False, True):
+    for ahead, prefill_ahead in ((False, True), (True, False), (True, True)):
         gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap,
-                             decode_ahead=ahead)
-        runs[ahead] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
+                             decode_ahead=ahead, prefill_ahead=prefill_ahead, max_chunk_size=32)
+        runs[ahead, prefill_ahead] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
         assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
         assert (gen.num_steps_ahead > 0) is ahead
-    assert runs[True] == runs[False]
+        assert (gen.num_prefill_steps_ahead > 0) is (ahead and prefill_ahead)
+    assert runs[True, False] == runs[False, True]
+    assert runs[True, True] == runs[False, True]
 
 
 def test_decode_ahead_with_a_small_cache_and_cancel(demo):
@@ -517,3 +520,37 @@ def test_overlapped_emission_cancel_and_generate(demo):
     prompt = "The lighthouse keeper"
     assert gen.generate(prompt, max_new_tokens=12, gen_settings=GREEDY) == \
         plain.generate(prompt, max_new_tokens=12, gen_settings=GREEDY)
+
+
+def test_cancel_while_its_prompt_chunk_is_in_a_step_launched_ahead(demo):
+    """A job cancelled while the step launched ahead holds a chunk of its prompt: that chunk is dropped (never
+    committed, its pages released), and the other jobs get what they get without it."""
+    def jobs():
+        lists = prompts(demo.tokenizer, 3, base="Along the northern coast of the island, past the old lighthouse")
+        return [folio.DynamicJob(input_ids=ids * 3, max_new_tokens=12, gen_settings=GREEDY, stop_conditions=[])
+                for ids in lists]
+
+    want = _summary(run_to_end(demo.generator(max_batch_size=4, decode_ahead=False, max_chunk_size=32),
+                               [j for k, j in enumerate(jobs()) if k != 2]))
+    gen = demo.generator(max_batch_size=4, decode_ahead=True, max_chunk_size=32)
+    mine = jobs()
+    for job in mine:
+        gen.enqueue(job)
+    results: dict[int, list] = {}
+
+    def prefilling_ahead(job):
+        return gen._ahead is not None and any(c.seq.job is job and c.end - c.start > 1 for c in gen._ahead.plan.chunks)
+    steps = 0
+    while not prefilling_ahead(mine[2]):
+        for r in gen.iterate():
+            results.setdefault(r.serial, []).append(r)
+        steps += 1
+        assert steps < 100, "no step launched ahead held a prompt chunk of the third job"
+    gen.cancel(mine[2])
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert r.job is not mine[2]
+            results.setdefault(r.serial, []).append(r)
+        gen.pool.check()
+    assert mine[2].state == JobState.CANCELLED and gen.pool.num_in_use == 0
+    assert _summary({s: rs for s, rs in results.items() if s != mine[2].serial}) == want

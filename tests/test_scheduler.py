@@ -11,11 +11,12 @@ import random
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from folio.cache import PagePool
-from folio.scheduler import Scheduler, SeqState
+from folio.scheduler import Scheduler, SeqState, StepPlan
 
 
 @dataclass(eq=False)
@@ -29,12 +30,21 @@ class FakeJob:
 
 
 class Harness:
+    """ahead: plan each next step with plan_ahead before the sampled tokens are appended, as the generator's
+    decode_ahead does: copies and prompt chunks are written at once (the device runs them then), the rows fed
+    ahead when the step is taken, and chunks of sequences that left in between are dropped."""
+
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int = 8, max_chunk_size: int = 32,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, ahead: bool = False):
         self.pool = PagePool(num_pages, page_size)
         self.sched = Scheduler(self.pool, max_batch_size, max_chunk_size, prefix_cache)
         self.slots: dict[tuple[int, int], int] = {}  # (page, slot) -> token written there
         self.finished = 0
+        self.ahead = ahead
+        self.num_steps_ahead = 0
+        self._ahead_plan: StepPlan | None = None
+        self._fed: set[int] = set()  # ids of the sequences whose rows the ahead plan feeds
+        self.outputs: dict[int, list[int]] = {}  # id(seq) -> its tokens when it finished
 
     def enqueue(self, prompt: list[int], max_new_tokens: int) -> SeqState:
         seq = SeqState(job=FakeJob(max_new_tokens), token_ids=list(prompt))
@@ -42,27 +52,44 @@ class Harness:
         return seq
 
     def step(self) -> None:
-        size = self.pool.page_size
-        plan = self.sched.plan()
-        for copy in plan.copies:
-            for slot in range(copy.num_slots):
-                self.slots[(copy.dst_page, slot)] = self.slots[(copy.src_page, slot)]
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            for pos in range(chunk.start, chunk.end):
-                self.slots[(seq.block_table[pos // size], pos % size)] = seq.token_ids[pos]
+        plan, self._ahead_plan = self._ahead_plan, None
+        if plan is not None:
+            plan.chunks = [c for c in plan.chunks if c.seq in self.sched.active]
+            self._write(plan, [c for c in plan.chunks if id(c.seq) in self._fed], copies=False)
+        else:
+            plan = self.sched.plan()
+            self._write(plan, plan.chunks)
         self.sched.commit(plan)
-        for chunk in plan.chunks:
-            if not chunk.wants_logits or chunk.seq not in self.sched.active:
-                continue
-            seq = chunk.seq
+        sampled = [c.seq for c in plan.chunks if c.wants_logits and c.seq in self.sched.active]
+        if self.ahead and sampled:
+            fed = [seq for seq in sampled if seq.job.new_tokens + 1 < seq.job.max_new_tokens]
+            ahead = self.sched.plan_ahead(fed)
+            if ahead is not None:
+                assert [c.seq for c in ahead.chunks[:len(fed)]] == fed
+                assert all(c.end - c.start == 1 and c.start == len(c.seq.token_ids) for c in ahead.chunks[:len(fed)])
+                self._write(ahead, ahead.chunks[len(fed):])
+                self._ahead_plan, self._fed = ahead, {id(seq) for seq in fed}
+                self.num_steps_ahead += 1
+        for seq in sampled:
             # A deterministic "model": sequences with equal histories continue equally, so generated pages
             # collide too and exercise dedup of generated content.
             self.sched.append_token(seq, (sum(seq.token_ids[-3:]) * 7 + len(seq.token_ids)) % 5)
             seq.job.new_tokens += 1
             if seq.job.new_tokens >= seq.job.max_new_tokens:
                 self.sched.remove(seq)
+                self.outputs[id(seq)] = list(seq.token_ids)
                 self.finished += 1
+
+    def _write(self, plan: StepPlan, chunks: list, copies: bool = True) -> None:
+        """The fake forward pass: the plan's copies, then the chunks' tokens into their slots."""
+        size = self.pool.page_size
+        for copy in plan.copies if copies else ():
+            for slot in range(copy.num_slots):
+                self.slots[(copy.dst_page, slot)] = self.slots[(copy.src_page, slot)]
+        for chunk in chunks:
+            seq = chunk.seq
+            for pos in range(chunk.start, chunk.end):
+                self.slots[(seq.block_table[pos // size], pos % size)] = seq.token_ids[pos]
 
     def check(self) -> None:
         self.pool.check()
@@ -120,6 +147,47 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+class AheadSchedulerMachine(SchedulerMachine):
+    """The same rules with every next step planned ahead (plan_ahead) where the pool allows."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = Harness(num_pages=24, page_size=4, max_batch_size=6, max_chunk_size=8, ahead=True)
+
+
+TestAheadSchedulerMachine = AheadSchedulerMachine.TestCase
+TestAheadSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+@pytest.mark.parametrize("num_pages", [40, 400])
+def test_planning_ahead_changes_no_output(num_pages):
+    """Every next step planned before the sampled tokens are known (prefill, admission, prefix reuse, partial
+    copies included) gives each job the tokens that planning after them gives; with a small pool, planning
+    ahead falls back to plan() (which may preempt) rather than preempting itself."""
+    rng = random.Random(3)
+    jobs = []
+    for _ in range(60):
+        base = rng.randrange(4)
+        jobs.append(([base] * rng.randrange(1, 20) + [rng.randrange(5) for _ in range(rng.randrange(0, 12))],
+                     rng.randrange(1, 9)))
+    outputs = {}
+    for ahead in (False, True):
+        h = Harness(num_pages=num_pages, page_size=4, max_batch_size=8, max_chunk_size=16, ahead=ahead)
+        seqs = []
+        for prompt, new in jobs:
+            seqs.append(h.enqueue(prompt, new))
+            if len(seqs) % 3 == 0:
+                h.step()
+                h.check()
+        while h.sched.num_sequences:
+            h.step()
+            h.check()
+        assert h.finished == len(jobs) and h.pool.num_in_use == 0
+        assert (h.num_steps_ahead > 0) is ahead
+        outputs[ahead] = [h.outputs[id(seq)] for seq in seqs]
+    assert outputs[True] == outputs[False]
 
 
 def test_ten_thousand_jobs_leak_no_page():
