@@ -87,6 +87,19 @@ __device__ __forceinline__ void load_chunk(const T* row, int64_t vocab, int64_t 
   }
 }
 
+// Calls fn(value, i) for each of this thread's slots of the row, chunk by chunk (load_chunk: kUnroll loads in
+// flight), slots past the end included (i >= vocab, value `fill`): every thread of the block makes the same
+// number of calls, which the passes whose bodies shuffle across a warp need.
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_each_slot(const T* row, int64_t vocab, T fill, Fn&& fn) {
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    T v[kUnroll];
+    load_chunk(row, vocab, base, fill, v);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) fn(v[j], chunk_index(base, j));
+  }
+}
+
 __device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -122,17 +135,12 @@ __device__ __forceinline__ void take_better(float& best, long long& best_index, 
 __device__ long long block_argmax(const float* logits, int64_t vocab, SampleShared& sh) {
   float best = -INFINITY;
   long long best_index = -1;
-  for (int64_t base = 0; base < vocab; base += kChunk) {
-    float v[kUnroll];
-    load_chunk(logits, vocab, base, -INFINITY, v);  // -inf never wins
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      if (v[j] > best) {  // a thread visits its indices in increasing order: strict keeps the first
-        best = v[j];
-        best_index = chunk_index(base, j);
-      }
+  for_each_slot(logits, vocab, -INFINITY, [&](float v, int64_t i) {  // -inf (past the end too) never wins
+    if (v > best) {  // a thread visits its indices in increasing order: strict keeps the first
+      best = v;
+      best_index = i;
     }
-  }
+  });
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -152,29 +160,17 @@ __device__ long long block_argmax(const float* logits, int64_t vocab, SampleShar
 
 __device__ unsigned long long kept_mass(const uint32_t* keys, int64_t vocab, const Boundary& kept, SampleShared& sh) {
   unsigned long long mass = 0;
-  for (int64_t base = 0; base < vocab; base += kChunk) {
-    uint32_t k[kUnroll];
-    load_chunk(keys, vocab, base, 0u, k);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = chunk_index(base, j);
-      if (i < vocab && kept.keeps(k[j], i)) mass += mass_of_key(k[j]);
-    }
-  }
+  for_each_slot(keys, vocab, 0u, [&](uint32_t k, int64_t i) {
+    if (i < vocab && kept.keeps(k, i)) mass += mass_of_key(k);
+  });
   return block_sum_u64(mass, sh);
 }
 
 // keys[i] = the weight key of logits[i], for the whole row.
 __device__ void write_keys(const float* logits, uint32_t* keys, int64_t vocab, float temperature, float max_z) {
-  for (int64_t base = 0; base < vocab; base += kChunk) {
-    float v[kUnroll];
-    load_chunk(logits, vocab, base, 0.0f, v);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = chunk_index(base, j);
-      if (i < vocab) keys[i] = weight_key(v[j], temperature, max_z);
-    }
-  }
+  for_each_slot(logits, vocab, 0.0f, [&](float v, int64_t i) {
+    if (i < vocab) keys[i] = weight_key(v, temperature, max_z);
+  });
 }
 
 // The index of the n-th (1-based) kept element with key == key, in index order.
@@ -240,21 +236,15 @@ __device__ __forceinline__ void histogram_add(SampleShared& sh, int bucket, unsi
 __device__ void histogram_pass(const uint32_t* keys, int64_t vocab, const Boundary& kept, bool by_mass, int shift,
                                uint32_t prefix, SampleShared& sh) {
   const uint32_t high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
-  for (int64_t base = 0; base < vocab; base += kChunk) {  // uniform trip count: whole warps shuffle
-    uint32_t k[kUnroll];
-    load_chunk(keys, vocab, base, 0u, k);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = chunk_index(base, j);
-      int bucket = -1;
-      unsigned long long amount = 0;
-      if (i < vocab && (k[j] & high_mask) == prefix && kept.keeps(k[j], i)) {
-        bucket = static_cast<int>((k[j] >> shift) & 255u);
-        amount = by_mass ? mass_of_key(k[j]) : 1ull;
-      }
-      histogram_add(sh, bucket, amount, by_mass);
+  for_each_slot(keys, vocab, 0u, [&](uint32_t k, int64_t i) {  // every slot: histogram_add shuffles a whole warp
+    int bucket = -1;
+    unsigned long long amount = 0;
+    if (i < vocab && (k & high_mask) == prefix && kept.keeps(k, i)) {
+      bucket = static_cast<int>((k >> shift) & 255u);
+      amount = by_mass ? mass_of_key(k) : 1ull;
     }
-  }
+    histogram_add(sh, bucket, amount, by_mass);
+  });
 }
 
 // Warp 0, once sh.histogram is complete: the bucket in which the running amount (`above` before the highest
@@ -458,18 +448,12 @@ __device__ void gather_at_or_above(const uint32_t* keys, int64_t vocab, uint32_t
   const uint32_t lowest = prefix >> shift;
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
-  for (int64_t base = 0; base < vocab; base += kChunk) {
-    uint32_t k[kUnroll];
-    load_chunk(keys, vocab, base, 0u, k);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = chunk_index(base, j);
-      if (i < vocab && (k[j] >> shift) >= lowest) {
-        const int slot = atomicAdd(&sh.count, 1);
-        if (slot < kCompactCap) sh.ranked[slot] = ranked_entry(k[j], i);
-      }
+  for_each_slot(keys, vocab, 0u, [&](uint32_t k, int64_t i) {
+    if (i < vocab && (k >> shift) >= lowest) {
+      const int slot = atomicAdd(&sh.count, 1);
+      if (slot < kCompactCap) sh.ranked[slot] = ranked_entry(k, i);
     }
-  }
+  });
 }
 
 // A row with top-k, 2 <= top_k <= kCompactCap and top_k < vocab (the usual sampling settings): writes the keys,
@@ -495,21 +479,15 @@ __device__ void sample_short_top_k(const SampleParams& p, int64_t r, const float
                                    int64_t vocab, float temperature, float max_z, int top_k, SampleShared& sh) {
   for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
   __syncthreads();
-  for (int64_t base = 0; base < vocab; base += kChunk) {  // uniform trip count: whole warps shuffle
-    float v[kUnroll];
-    load_chunk(logits, vocab, base, 0.0f, v);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = chunk_index(base, j);
-      int bucket = -1;
-      if (i < vocab) {
-        const uint32_t k = weight_key(v[j], temperature, max_z);
-        keys[i] = k;
-        bucket = static_cast<int>(k >> 24);
-      }
-      histogram_add(sh, bucket, 1ull, false);
+  for_each_slot(logits, vocab, 0.0f, [&](float v, int64_t i) {  // every slot: histogram_add shuffles a whole warp
+    int bucket = -1;
+    if (i < vocab) {
+      const uint32_t k = weight_key(v, temperature, max_z);
+      keys[i] = k;
+      bucket = static_cast<int>(k >> 24);
     }
-  }
+    histogram_add(sh, bucket, 1ull, false);
+  });
   __syncthreads();  // the histogram is complete, and the block reads back keys that other threads wrote
 
   const Boundary everything{0u, LLONG_MAX};
