@@ -191,7 +191,25 @@ class Scheduler:
         that token. The rest of the step is what plan() would make of it then: admission, prefix reuse, prompt
         chunks. None, with nothing changed, when the pool might run short of pages for the step, since planning
         ahead must never preempt."""
-        if self._ahead_pages_bound(seqs) > self.pool.num_allocatable:
+        size = self.page_size
+        crossing = sum(1 for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table))
+        admissible = min(len(self.pending), max(0, self.max_batch_size - len(self.active)))
+        others: list[SeqState] = []
+        if len(seqs) != len(self.active):
+            feeding = {id(seq) for seq in seqs}
+            others = [seq for seq in self.active if id(seq) not in feeding and seq.num_uncached_tokens > 0]
+        if not others and not admissible:
+            # Only decode rows (the steady state, planned every step: kept to one loop over `seqs`).
+            if crossing > self.pool.num_allocatable:
+                return None
+            plan = StepPlan()
+            for seq in seqs:
+                position = len(seq.token_ids)
+                if not self._ensure_pages(seq, position + 1, plan):
+                    raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
+                plan.chunks.append(Chunk(seq, position, position + 1))
+            return plan
+        if crossing + self._prompt_pages_bound(others, admissible) > self.pool.num_allocatable:
             return None
         sampling = {id(seq): seq for seq in seqs}
         plan = self._plan(sampling)
@@ -201,16 +219,13 @@ class Scheduler:
         plan.chunks = [by_seq[id(seq)] for seq in seqs] + [c for c in plan.chunks if id(c.seq) not in sampling]
         return plan
 
-    def _ahead_pages_bound(self, seqs: list[SeqState]) -> int:
-        """Most pages plan_ahead(seqs) can take from the allocatable ones: a page for each of `seqs` that crosses
-        into a new one; for prompt chunks, at most max_chunk_size tokens in all, their pages plus two per
-        sequence that may get one (a chunk may start partway into a copied page and end partway into another);
-        and the cached prompt pages that prefix reuse may revive."""
+    def _prompt_pages_bound(self, others: list[SeqState], admissible: int) -> int:
+        """Most pages that the prompt side of a step planned ahead can take from the allocatable ones, where
+        `others` are the active sequences with tokens to feed besides the fed rows and `admissible` the queued
+        ones that may be admitted: their chunks' pages (at most max_chunk_size tokens in all) plus two per
+        sequence (a chunk may start partway into a copied page and end partway into another), and the cached
+        prompt pages that prefix reuse may revive."""
         size = self.page_size
-        feeding = {id(seq) for seq in seqs}
-        crossing = sum(1 for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table))
-        others = [seq for seq in self.active if id(seq) not in feeding and seq.num_uncached_tokens > 0]
-        admissible = min(len(self.pending), max(0, self.max_batch_size - len(self.active)))
         longest_pending = max((len(seq.token_ids) for seq in self.pending), default=0)
         prompt_tokens = sum(seq.num_uncached_tokens for seq in others) + admissible * longest_pending
         chunk_pages = -(-min(self.max_chunk_size, prompt_tokens) // size) + 2 * (len(others) + admissible)
@@ -218,7 +233,7 @@ class Scheduler:
         if self.prefix_cache:
             revived = sum(max(0, len(seq.page_hashes) - len(seq.block_table)) for seq in others)
             revived += admissible * max((len(seq.page_hashes) for seq in self.pending), default=0)
-        return crossing + chunk_pages + revived
+        return chunk_pages + revived
 
     # --- admission ---
 
