@@ -119,7 +119,7 @@ class DynamicGenerator:
     decode_ahead: launch the next step before reading back this step's tokens, feeding its decode rows the
         sampled ids straight from the device, so the device never waits for the host between steps (None: on
         with CUDA graphs). The tokens are the same; a job that a stop token or string ends has a step or two
-        computed past its end, discarded. Not when queued jobs wait for a batch slot that this step may free.
+        computed past its end, discarded. Not when jobs are queued and this step's token ends one by length.
     prefill_ahead: with decode_ahead, also launch steps ahead that prefill prompts (admitting queued jobs and
         reusing cached prefixes as planned steps do); False launches only steps in which every job decodes.
     """
@@ -340,8 +340,8 @@ class DynamicGenerator:
             return None
         active = {id(seq) for seq in self.scheduler.active}
         kept = [i for i, c in enumerate(ahead.plan.chunks) if id(c.seq) in active]
-        if not kept:
-            return None
+        if not kept and not ahead.plan.started and not ahead.plan.progressed:
+            return None  # (jobs it admitted or advanced by prefix reuse must still get their results)
         if len(kept) < len(ahead.plan.chunks):
             rows = [ahead.logit_rows[i] for i in kept if ahead.logit_rows[i] >= 0]
             ahead.plan.chunks = [ahead.plan.chunks[i] for i in kept]
@@ -353,16 +353,18 @@ class DynamicGenerator:
         """Plan and launch the step that follows this one: `chunks` are this step's sampled rows, token_ids their
         sampled ids, on the device. Rows whose jobs do not end by length with this token become its decode rows,
         fed those ids; with prefill_ahead the rest of the step is planned as usual. None when the next step must
-        be planned after this one's tokens are known: queued jobs wait for a slot this step may free, some job
-        prefills and prefill_ahead is off, or the pages for it might run short (planning ahead never preempts)."""
+        be planned after this one's tokens are known: jobs are queued and this token ends one by length, some job
+        prefills or is admitted and prefill_ahead is off, or the pages for it might run short (planning ahead
+        never preempts)."""
         scheduler = self.scheduler
         rows = [i for i, c in enumerate(chunks)
                 if self._num_sampled[id(c.seq.job)] + 1 < c.seq.job.max_new_tokens]
-        # Queued jobs wait for a free batch slot: plan the usual way as soon as one may open by length. (One that
-        # a stop token frees is taken a step later.)
-        if scheduler.pending and (len(rows) < len(chunks) or len(scheduler.active) < self.max_batch_size):
+        # A job that this token ends by length frees its batch slot and pages only at staging: with jobs queued,
+        # plan after it so that they get them at once. (One that a stop token ends is replaced a step later.)
+        if scheduler.pending and len(rows) < len(chunks):
             return None
-        if not self.prefill_ahead and (not rows or len(chunks) != len(scheduler.active)):
+        admits = scheduler.pending and len(scheduler.active) < self.max_batch_size
+        if not self.prefill_ahead and (not rows or len(chunks) != len(scheduler.active) or admits):
             return None
         plan = scheduler.plan_ahead([chunks[i].seq for i in rows])
         if plan is None or not (plan.chunks or plan.copies or plan.started or plan.progressed):

@@ -469,7 +469,19 @@ def test_decode_ahead_gives_the_same_results(demo, overlap):
     for ahead, prefill_ahead in ((False, True), (True, False), (True, True)):
         gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap,
                              decode_ahead=ahead, prefill_ahead=prefill_ahead, max_chunk_size=32)
-        runs[ahead, prefill_ahead] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
+        admitted_ahead = []
+        plan_ahead = gen.scheduler.plan_ahead
+
+        def recording(seqs, plan_ahead=plan_ahead, admitted_ahead=admitted_ahead):
+            plan = plan_ahead(seqs)
+            admitted_ahead.extend(plan.started if plan is not None else ())
+            return plan
+        gen.scheduler.plan_ahead = recording
+        results = run_to_end(gen, _overlap_jobs(demo.tokenizer))
+        # a job that a stop token ends frees its slot for a queued job in a step launched ahead
+        assert bool(admitted_ahead) is (ahead and prefill_ahead)
+        runs[ahead, prefill_ahead] = _summary(results)
+        assert all(sum(r.stage == Stage.STARTED for r in rs) == 1 for rs in results.values())
         assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
         assert (gen.num_steps_ahead > 0) is ahead
         assert (gen.num_prefill_steps_ahead > 0) is (ahead and prefill_ahead)
