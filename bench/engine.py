@@ -791,7 +791,10 @@ def main() -> None:
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
     OPTIONS["chunk_size"] = args.chunk_size
-    OPTIONS["prefill_ahead"] = [{"on": True, "off": False}[v.strip()] for v in args.prefill_ahead.split(",")]
+    switches = [v.strip() for v in args.prefill_ahead.split(",")]
+    if not set(switches) <= {"on", "off"}:
+        parser.error(f"--prefill-ahead takes a comma list of on/off, got {args.prefill_ahead!r}")
+    OPTIONS["prefill_ahead"] = [v == "on" for v in switches]
     trace_spec = args.trace_steps
     out_dir = Path(os.environ.get("OUT") or tempfile.gettempdir())
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
