@@ -94,3 +94,110 @@ def test_flash_gather_declines_decode_only_and_huge_batches(monkeypatch) -> None
 def test_cpu_and_fp32_never_take_the_flash_path() -> None:
     k_cache = torch.zeros(2, 16, 2, 16)
     assert flash.choose_mode(torch.zeros(0, 4, 16), k_cache, 1.0) == "paged"
+
+
+def dense_causal(q, k, v, batch, length, scale):
+    """cuDNN's dense batched attention replaced by the varlen reference over equal lengths."""
+    cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
+    return varlen_causal(q, k, v, cu, cu, length, length, scale)
+
+
+def fused_inputs(batch: ForwardBatch, gen: torch.Generator, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """q and the new tokens' K/V as column slices of one fused QKV output, the K/V also written to the cache."""
+    qkv = torch.randn(batch.num_tokens, (6 + 2 * 2) * 16, generator=gen)
+    qkv[:, 6 * 16 : 8 * 16] = k_cache.view(-1, 32)[batch.slot_mapping]
+    qkv[:, 8 * 16 :] = v_cache.view(-1, 32)[batch.slot_mapping]
+    return qkv[:, : 6 * 16].view(-1, 6, 16), qkv[:, 6 * 16 : 8 * 16].view(-1, 2, 16), qkv[:, 8 * 16 :].view(-1, 2, 16)
+
+
+@pytest.fixture
+def dense_on_cpu(monkeypatch):
+    """The equal-length dense path made to run on the CPU: its backend is the reference; calls are recorded."""
+    calls = []
+    monkeypatch.setattr(flash, "_flash", varlen_causal)
+    monkeypatch.setattr(flash, "_dense_runs_on", lambda device: True)
+    monkeypatch.setattr(flash, "dense_cudnn_ok", lambda q, k, scale: True)
+    monkeypatch.setattr(flash, "_dense_seen", {})
+    monkeypatch.setattr(flash, "DENSE_MIN_LEN", 8)
+
+    def recorded(q, k, v, batch, length, scale):
+        calls.append((batch, length))
+        return dense_causal(q, k, v, batch, length, scale)
+
+    monkeypatch.setattr(flash, "_cudnn_dense", recorded)
+    return calls
+
+
+def build(lens, page_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 1
+    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
+        used += n
+    batch = ForwardBatch.build(chunks, page_size, "cpu")
+    return batch, k_cache, v_cache, fused_inputs(batch, gen, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("lens", [
+    [(40, 40)] * 3,
+    [(290, 1), (17, 1), (40, 40), (40, 40)],  # decoding rows first, then the prompts
+    [(40, 40), (40, 40), (5, 1)],  # the prompts first
+])
+def test_equal_length_fresh_prompts_go_dense_from_their_second_step(dense_on_cpu, lens) -> None:
+    batch, k_cache, v_cache, (q, k_new, v_new) = build(lens)
+    want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, 0.25, batch.max_q_len)
+    prompts = sum(new > 1 for _, new in lens)
+    for step in range(3):
+        prefill = flash.plan("flash_gather", batch, 16)
+        # the first step of a shape stays on FA2: cuDNN would build a plan for a shape that may never come back
+        assert prefill.dense == (None if step == 0 else (prompts, 40))
+        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+        assert len(dense_on_cpu) == step  # one dense call per step after the first
+    # without the new K/V in hand (the dense path reads them, not the cache) the same plan runs FA2
+    got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4) and len(dense_on_cpu) == 2
+
+
+@pytest.mark.parametrize("lens", [
+    [(40, 40), (41, 41)],  # unequal lengths
+    [(60, 40), (60, 40)],  # a cached prefix: the context is longer than the new tokens
+    [(7, 7), (7, 7)],  # below DENSE_MIN_LEN
+    [(40, 40), (5, 1), (40, 40)],  # the prompts are not one run
+])
+def test_other_prompt_steps_never_go_dense(dense_on_cpu, lens) -> None:
+    batch, *_ = build(lens)
+    for _ in range(3):
+        assert flash.plan("flash_gather", batch, 16).dense is None
+
+
+def test_a_shape_cudnn_refuses_falls_back_to_fa2_for_good(dense_on_cpu, monkeypatch) -> None:
+    batch, k_cache, v_cache, (q, k_new, v_new) = build([(40, 40)] * 2)
+    want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, 0.25, batch.max_q_len)
+
+    def refuse(*args):
+        dense_on_cpu.append("refused")
+        raise RuntimeError("no execution plan")
+
+    monkeypatch.setattr(flash, "_cudnn_dense", refuse)
+    flash.plan("flash_gather", batch, 16)
+    prefill = flash.plan("flash_gather", batch, 16)
+    assert prefill.dense == (2, 40)
+    for _ in range(2):  # every layer of that step: tried once, then FA2
+        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert dense_on_cpu == ["refused"]
+    assert flash.plan("flash_gather", batch, 16).dense is None
+
+
+def test_dense_path_is_off_on_the_cpu_and_when_disabled(monkeypatch) -> None:
+    assert not flash._dense_runs_on(torch.device("cpu"))
+    monkeypatch.setattr(flash, "DENSE_CUDNN", False)
+    assert not flash._dense_runs_on(torch.device("cuda", 0))

@@ -89,3 +89,46 @@ def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
                                          batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
+    """Equal-length fresh prompts (with a decoding row beside them) on cuDNN's dense attention, from the second
+    step of their shape on; q/k/v are strided slices of one fused QKV output, as the model passes them."""
+    from folio import reference_ops
+    from folio.model import flash
+
+    monkeypatch.setattr(flash, "_dense_seen", {})
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = [(290, 1), (300, 300), (300, 300), (300, 300)]  # (context, new tokens)
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 2
+    k_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(num_pages).tolist()
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
+        used += n
+    batch = ForwardBatch.build(chunks, page_size, "cuda")
+    qkv = torch.randn(batch.num_tokens, (32 + 2 * 8) * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qkv[:, 32 * 128 : 40 * 128] = k_cache.view(-1, 8 * 128)[batch.slot_mapping]
+    qkv[:, 40 * 128 :] = v_cache.view(-1, 8 * 128)[batch.slot_mapping]
+    q = qkv[:, : 32 * 128].view(-1, 32, 128)
+    k_new, v_new = qkv[:, 32 * 128 : 40 * 128].view(-1, 8, 128), qkv[:, 40 * 128 :].view(-1, 8, 128)
+    scale = 128**-0.5
+    mode = flash.choose_mode(q, k_cache, scale, "flash_gather")
+    assert mode == "flash_gather"
+    assert flash.dense_cudnn_ok(q, k_new, scale), "cuDNN's dense attention does not run or disagrees with FA2 here"
+    want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
+                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
+    outputs = []
+    for step in range(2):
+        prefill = flash.plan(mode, batch, page_size)
+        assert prefill.dense == (None if step == 0 else (3, 300))
+        outputs.append(flash.attention(q, k_cache, v_cache, batch, prefill, scale, k_new=k_new, v_new=v_new).float())
+    for got in outputs:
+        assert got.shape == q.shape
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    # cuDNN (step 2) and FA2 (step 1) differ only by rounding
+    assert ((outputs[1] - outputs[0]).norm() / outputs[0].norm()).item() < 1e-2

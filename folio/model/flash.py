@@ -10,6 +10,12 @@ tensor cores. Two ways to feed it the paged K/V:
   scatter: FA2 reads the layer's new K/V and q in place, and the two outputs are concatenated.
 Varlen FA2 aligns the causal mask bottom-right, which is what a chunk continuing a cached context needs.
 
+Equal-length fresh prompts (a batch job's step: 32 prompts of 512 tokens) go to cuDNN's fused attention as one
+dense [B, H, L, D] batch instead: on an H100 it ran 32 x 512 causal at 290 TFLOP/s against FA2's 136, and 2 x 8192 at
+625 against 341 (bench/prefill_attention.py). cuDNN builds an execution plan for each new (B, L) on the host (35-56
+ms measured), so a shape takes this path only from its second step on (`DENSE_MIN_SEEN`): one-off shapes never pay
+for a plan. Its varlen (ragged) entry point is not used: it ran ~40 ms per call on torch 2.11 (a plan per call).
+
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
 else our kernel ("paged"). `Model.prefill_attention` = "paged" | "flash_paged" | "flash_gather" forces one (for
 benchmarks and tests).
@@ -18,6 +24,7 @@ Decode-only steps never come here (paged_attention_decode, CUDA graphs).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +36,13 @@ FA2_PAGE_MULTIPLE = 256
 # flash_gather: most context tokens gathered per step (K and V of one layer: 2 * this * Hkv * D elements)
 GATHER_MAX_TOKENS = 1 << 18
 _PROBE_MAX_REL_ERR = 2e-2
+# Equal-length fresh prompts on cuDNN (see the module docstring); FOLIO_PREFILL_CUDNN=0 keeps them on FA2 (A/B).
+DENSE_CUDNN = os.environ.get("FOLIO_PREFILL_CUDNN", "1") != "0"
+DENSE_MIN_SEEN = 1  # earlier steps of the same (B, L) before cuDNN takes it
+DENSE_MIN_LEN = 128  # shorter prompts stay on FA2 (not measured to gain; a plan per length is not worth it)
+_dense_seen: dict[tuple, int] = {}  # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
+_DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
+_dense_ok: dict[tuple, bool] = {}  # (device, dtype, heads, head_dim) -> cuDNN agrees with FA2 here
 _probed: dict[tuple, str] = {}  # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
 
 
@@ -55,6 +69,8 @@ class PrefillPlan:
     # ...and every one of those sequences starts at position 0 (no cached prefix): its context is exactly its new
     # tokens, whose K/V the layer has in hand, so nothing is gathered from the cache
     fresh: bool = False
+    # ...and all of them have the same length L: (B, L) when cuDNN's dense batched attention takes them
+    dense: tuple[int, int] | None = None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
@@ -129,8 +145,9 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
     max_q, max_k = max(q_lens[i] for i in long), max(context_lens[i] for i in long)
     span = (long_rows[0], long_rows[-1] + 1) if long_rows[-1] + 1 - long_rows[0] == len(long_rows) else None
     fresh = all(context_lens[i] == q_lens[i] for i in long)
+    dense = _dense_shape(device, [q_lens[i] for i in long]) if fresh and span is not None else None
     if not short:
-        return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots, long_span=span, fresh=fresh)
+        return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots, long_span=span, fresh=fresh, dense=dense)
     short_idx = _device_ints(short, torch.int64, device)
     return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots,
                        # (with a span, attention() slices instead: no 16k-element index copied each step)
@@ -138,7 +155,78 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
                        short_rows=_device_ints(short_rows, torch.int64, device),
                        short_block_tables=batch.block_tables.index_select(0, short_idx),
                        short_context_lens=batch.context_lens.index_select(0, short_idx),
-                       long_span=span, fresh=fresh)
+                       long_span=span, fresh=fresh, dense=dense)
+
+
+def _dense_shape(device: torch.device, lengths: list[int]) -> tuple[int, int] | None:
+    """(B, L) if these fresh prompts should run as one dense cuDNN batch: equal lengths of at least DENSE_MIN_LEN,
+    and the shape seen in DENSE_MIN_SEEN earlier steps (counted here, once per forward)."""
+    length = lengths[0]
+    if not _dense_runs_on(device) or length < DENSE_MIN_LEN or any(n != length for n in lengths):
+        return None
+    key = (device, len(lengths), length)
+    seen = _dense_seen.get(key, 0)
+    if seen < 0:
+        return None
+    if len(_dense_seen) >= _DENSE_SEEN_MAX_KEYS and key not in _dense_seen:
+        _dense_seen.clear()
+    _dense_seen[key] = seen + 1
+    return (len(lengths), length) if seen >= DENSE_MIN_SEEN else None
+
+
+def _dense_runs_on(device: torch.device) -> bool:
+    return DENSE_CUDNN and device.type == "cuda"
+
+
+def _cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, length: int,
+                 scale: float) -> torch.Tensor:
+    """Causal attention of `batch` sequences of `length` tokens packed in q [B*L, Hq, D], k/v [B*L, Hkv, D] (token
+    and head dims may be strided), on cuDNN; returns [B*L, Hq, D]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def bhld(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(0, (batch, length)).transpose(1, 2)
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(bhld(q), bhld(k), bhld(v), is_causal=True,
+                                                                scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+def dense_cudnn_ok(q: torch.Tensor, k: torch.Tensor, scale: float) -> bool:
+    """Does cuDNN's dense attention run here on inputs laid out like q/k (strided slices of a fused QKV output) and
+    agree with FA2? Checked once per device, dtype and head layout."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k.shape[1]
+    key = (q.device, q.dtype, num_q_heads, num_kv_heads, head_dim)
+    if key not in _dense_ok:
+        gen = torch.Generator(device=q.device).manual_seed(2)
+        width = (num_q_heads + 2 * num_kv_heads) * head_dim
+        fused = torch.randn(3 * 160, width, device=q.device, dtype=q.dtype, generator=gen)
+        qs, ks, vs = fused.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+        qs = qs.view(-1, num_q_heads, head_dim)
+        ks, vs = ks.view(-1, num_kv_heads, head_dim), vs.view(-1, num_kv_heads, head_dim)
+        cu = torch.tensor([0, 160, 320, 480], dtype=torch.int32, device=q.device)
+        try:
+            got = _cudnn_dense(qs, ks, vs, 3, 160, scale).float()
+            want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, 160, 160, scale).float()
+            _dense_ok[key] = ((got - want).norm() / want.norm()).item() <= _PROBE_MAX_REL_ERR
+        except (RuntimeError, TypeError, ValueError):
+            _dense_ok[key] = False
+    return _dense_ok[key]
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple[int, int],
+                     scale: float) -> torch.Tensor | None:
+    """cuDNN's dense attention of the fresh prompts shaped `shape` = (B, L), or None where it does not run here."""
+    key = (q.device, *shape)
+    if _dense_seen.get(key, 0) < 0 or not dense_cudnn_ok(q, k, scale):
+        return None
+    try:
+        return _cudnn_dense(q, k, v, *shape, scale)
+    except RuntimeError:  # a shape cuDNN has no plan for (the probe passed on another): FA2 takes it from now on
+        _dense_seen[key] = -1
+        return None
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, prefill: PrefillPlan,
@@ -161,7 +249,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
         q_long = q[span[0]:span[1]]
     else:
         q_long = q.index_select(0, prefill.long_rows)
-    if prefill.fresh and span is not None and k_new is not None and v_new is not None:
+    new_kv = prefill.fresh and span is not None and k_new is not None and v_new is not None
+    if new_kv:
         k, v = k_new[span[0]:span[1]], v_new[span[0]:span[1]]
         if not strided:
             k, v = k.contiguous(), v.contiguous()
@@ -169,8 +258,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
         num_kv_heads, head_dim = k_cache.shape[2:]
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
-    long_out = _flash(q_long, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
-                      prefill.max_context_len, scale)
+    long_out = _dense_attention(q_long, k, v, prefill.dense, scale) if new_kv and prefill.dense else None
+    if long_out is None:
+        long_out = _flash(q_long, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
+                          prefill.max_context_len, scale)
     if prefill.short_rows is None:
         return long_out.contiguous()  # (FA2 returns a dense output for strided inputs; the caller views it flat)
     if span is not None and (span[0] == 0 or span[1] == q.shape[0]):  # the one-token rows are one run too

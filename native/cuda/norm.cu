@@ -1,4 +1,7 @@
 // RMSNorm (plain and fused with the residual add) and SiLU-and-mul.
+#include <algorithm>
+#include <cstdint>
+
 #include "device_utils.cuh"
 #include "kernels.cuh"
 #include "launch.cuh"
@@ -7,6 +10,7 @@ namespace folio::cuda {
 namespace {
 
 constexpr int kNormThreads = 256;
+constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y
 
 // One block per row. VEC = 8 uses 16-byte accesses (the launcher checks sizes and alignment), VEC = 1 scalars.
 // The fused form adds x into the residual, stores it rounded to dtype, and normalizes the rounded values (the
@@ -76,25 +80,27 @@ template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(SiluAndMulParams p) {
   grid_dependency_wait();
   allow_dependent_launch();
-  const int64_t row = blockIdx.y;
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (i >= p.half_width) return;
-  const T* gate = static_cast<const T*>(p.x) + row * p.x_row_stride;
-  const T* up = gate + p.half_width;
-  T* out = static_cast<T*>(p.out) + row * p.out_row_stride;
-  if constexpr (VEC == 8) {
-    Vec8<T> gv, uv;
-    gv.load(gate + i);
-    uv.load(up + i);
-    float g[8], u[8];
-    gv.to_floats(g);
-    uv.to_floats(u);
+  // rows stride by gridDim.y: a prompt step can have more rows (tokens) than a grid's y dimension (65535)
+  for (int64_t row = blockIdx.y; row < p.num_rows; row += gridDim.y) {
+    const T* gate = static_cast<const T*>(p.x) + row * p.x_row_stride;
+    const T* up = gate + p.half_width;
+    T* out = static_cast<T*>(p.out) + row * p.out_row_stride;
+    if constexpr (VEC == 8) {
+      Vec8<T> gv, uv;
+      gv.load(gate + i);
+      uv.load(up + i);
+      float g[8], u[8];
+      gv.to_floats(g);
+      uv.to_floats(u);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
-    Vec8<T>::store(out + i, g);
-  } else {
-    const float g = to_float(gate[i]);
-    out[i] = from_float<T>(g / (1.0f + expf(-g)) * to_float(up[i]));
+      for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+      Vec8<T>::store(out + i, g);
+    } else {
+      const float g = to_float(gate[i]);
+      out[i] = from_float<T>(g / (1.0f + expf(-g)) * to_float(up[i]));
+    }
   }
 }
 
@@ -137,7 +143,7 @@ cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
     using T = decltype(tag);
     const int vec_width = vec ? 8 : 1;
     const dim3 grid(static_cast<unsigned>((p.half_width + threads * vec_width - 1) / (threads * vec_width)),
-                    static_cast<unsigned>(p.num_rows));
+                    static_cast<unsigned>(std::min<int64_t>(p.num_rows, kMaxGridY)));
     if (vec) {
       launch_kernel(silu_and_mul_kernel<T, 8>, grid, dim3(threads), 0, stream, p);
     } else {
