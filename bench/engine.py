@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import folio.generator as folio_generator  # noqa: E402
 from folio import Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, Tokenizer  # noqa: E402
+from folio.model import flash  # noqa: E402
 
 SHAPES = {
     "8B": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -626,9 +627,11 @@ def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq
     gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts),
                                 prefill_ahead=prefill_ahead)
     gen.warmup()
+    dense_before = flash.stats["dense_calls"]
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
     log(f"  {workload}: {gen.num_steps} steps, {gen.num_steps_ahead} launched ahead "
-        f"({gen.num_prefill_steps_ahead} with prompt tokens)")
+        f"({gen.num_prefill_steps_ahead} with prompt tokens); prompt attention on cuDNN's dense path in "
+        f"{flash.stats['dense_calls'] - dense_before} layer calls")
     gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
     if args.profile_host:
         import cProfile

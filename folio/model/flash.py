@@ -43,6 +43,7 @@ DENSE_MIN_LEN = 128  # shorter prompts stay on FA2 (not measured to gain; a plan
 _dense_seen: dict[tuple, int] = {}  # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
 _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
 _dense_ok: dict[tuple, bool] = {}  # (device, dtype, heads, head_dim) -> cuDNN agrees with FA2 here
+stats = {"dense_calls": 0}  # attention calls (one per layer) that ran on cuDNN's dense path; for benchmarks' logs
 _probed: dict[tuple, str] = {}  # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
 
 
@@ -101,6 +102,8 @@ def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float, requested:
         if page_size % FA2_PAGE_MULTIPLE:
             candidates = [c for c in candidates if c != "flash_paged"]
         _probed[key] = next((c for c in candidates if _probe(c, q, k_cache, scale)), "paged")
+        if _probed[key] == "flash_gather" and DENSE_CUDNN:
+            dense_cudnn_ok(q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, scale)
     return _probed[key]
 
 
@@ -193,20 +196,20 @@ def _cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, 
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def dense_cudnn_ok(q: torch.Tensor, k: torch.Tensor, scale: float) -> bool:
-    """Does cuDNN's dense attention run here on inputs laid out like q/k (strided slices of a fused QKV output) and
-    agree with FA2? Checked once per device, dtype and head layout."""
-    num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads = k.shape[1]
-    key = (q.device, q.dtype, num_q_heads, num_kv_heads, head_dim)
+def dense_cudnn_ok(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
+                   head_dim: int, scale: float) -> bool:
+    """Does cuDNN's dense attention run here on inputs laid out like the model's (strided slices of a fused QKV
+    output) and agree with FA2? Checked once per device, dtype and head layout (the first check also pays for
+    cuDNN's start, ~0.5 s: choose_mode makes it, at a model's first prefill, e.g. the generator's warm-up)."""
+    key = (device, dtype, num_q_heads, num_kv_heads, head_dim)
     if key not in _dense_ok:
-        gen = torch.Generator(device=q.device).manual_seed(2)
+        gen = torch.Generator(device=device).manual_seed(2)
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
-        fused = torch.randn(3 * 160, width, device=q.device, dtype=q.dtype, generator=gen)
+        fused = torch.randn(3 * 160, width, device=device, dtype=dtype, generator=gen)
         qs, ks, vs = fused.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
         qs = qs.view(-1, num_q_heads, head_dim)
         ks, vs = ks.view(-1, num_kv_heads, head_dim), vs.view(-1, num_kv_heads, head_dim)
-        cu = torch.tensor([0, 160, 320, 480], dtype=torch.int32, device=q.device)
+        cu = torch.tensor([0, 160, 320, 480], dtype=torch.int32, device=device)
         try:
             got = _cudnn_dense(qs, ks, vs, 3, 160, scale).float()
             want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, 160, 160, scale).float()
@@ -220,10 +223,13 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: t
                      scale: float) -> torch.Tensor | None:
     """cuDNN's dense attention of the fresh prompts shaped `shape` = (B, L), or None where it does not run here."""
     key = (q.device, *shape)
-    if _dense_seen.get(key, 0) < 0 or not dense_cudnn_ok(q, k, scale):
+    if _dense_seen.get(key, 0) < 0 or not dense_cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2],
+                                                          scale):
         return None
     try:
-        return _cudnn_dense(q, k, v, *shape, scale)
+        out = _cudnn_dense(q, k, v, *shape, scale)
+        stats["dense_calls"] += 1
+        return out
     except RuntimeError:  # a shape cuDNN has no plan for (the probe passed on another): FA2 takes it from now on
         _dense_seen[key] = -1
         return None
