@@ -136,20 +136,3 @@ def test_mixed_batch(case: Case, page_size: int) -> None:
     ])
     want = torch.cat([case.want[2][-1:], case.want[0], case.want[1][30:47], case.want[3][-1:]])
     assert rel_err(got, want) <= MAX_REL_ERR
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_project_parts_is_the_projection_of_the_concatenation(case: Case, with_bias: bool) -> None:
-    """The output projection of attention outputs given in runs of rows (the flash prefill's prompt run and
-    one-token run) writes the same rows as projecting their concatenation."""
-    model = case.model
-    layer = model.weights.layers[0]
-    gen = torch.Generator().manual_seed(5)
-    heads, head_dim = model.config.num_q_heads, model.config.head_dim
-    parts = [(0, torch.randn(3, heads, head_dim, generator=gen, dtype=model.dtype)),
-             (3, torch.randn(11, heads, head_dim, generator=gen, dtype=model.dtype))]
-    bias = torch.randn(layer.o_proj.shape[0], generator=gen, dtype=model.dtype) if with_bias else None
-    got = model._project_parts(parts, layer.o_proj, bias, 14)
-    want = torch.nn.functional.linear(torch.cat([p for _, p in parts]).reshape(14, -1), layer.o_proj, bias)
-    assert got.shape == want.shape
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

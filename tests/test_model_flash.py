@@ -201,23 +201,3 @@ def test_dense_path_is_off_on_the_cpu_and_when_disabled(monkeypatch) -> None:
     assert not flash._dense_runs_on(torch.device("cpu"))
     monkeypatch.setattr(flash, "DENSE_CUDNN", False)
     assert not flash._dense_runs_on(torch.device("cuda", 0))
-
-
-@pytest.mark.parametrize("lens", [
-    [(290, 1), (17, 1), (40, 40), (40, 40)],  # one-token rows first
-    [(40, 40), (37, 37), (5, 1)],  # prompts first
-    [(40, 40), (5, 1), (40, 40)],  # not two runs: one output either way
-    [(40, 40), (37, 37)],  # no one-token rows
-])
-def test_attention_parts_are_the_concatenated_output_split_by_runs(monkeypatch, lens) -> None:
-    monkeypatch.setattr(flash, "_flash", varlen_causal)
-    batch, k_cache, v_cache, (q, k_new, v_new) = build(lens)
-    prefill = flash.plan("flash_gather", batch, 16)
-    whole = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
-    parts = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new, parts=True)
-    if isinstance(parts, torch.Tensor):
-        assert torch.equal(parts, whole)
-        return
-    assert [first for first, _ in parts] == [0, parts[0][1].shape[0]]
-    assert sum(part.shape[0] for _, part in parts) == q.shape[0]
-    assert torch.equal(torch.cat([part for _, part in parts]), whole)

@@ -236,17 +236,12 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: t
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, prefill: PrefillPlan,
-              scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-              parts: bool = False) -> torch.Tensor | list[tuple[int, torch.Tensor]]:
+              scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
 
     q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
     output) may be strided in their token and head dims. With k_new/v_new given, a plan whose prompt rows are
-    one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache.
-
-    parts=True: where the prompt rows and the one-token rows are two runs, returns [(first row, output)] for each
-    run instead of concatenating them (a copy of the whole step's output, ~90 us a layer at 16k tokens on an
-    H100): the caller projects each into its rows."""
+    one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache."""
     strided = strided_inputs_ok(q, k_cache)
     if not strided:
         q = q.contiguous()
@@ -280,8 +275,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
         short_q = q[:span[0]] if before else q[span[1]:]
         short_out = ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
                                                prefill.short_context_lens, scale)
-        if parts:
-            return [(0, short_out), (span[0], long_out)] if before else [(0, long_out), (span[1], short_out)]
         return torch.cat([short_out, long_out] if before else [long_out, short_out])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.index_copy_(0, prefill.long_rows, long_out)

@@ -117,10 +117,7 @@ class Model:
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
         ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
         if prefill is not None:
-            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale, k_new=k, v_new=v,
-                                  parts=True)
-            if isinstance(out, list):
-                return self._project_parts(out, layer.o_proj, layer.o_proj_bias, num_tokens)
+            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale, k_new=k, v_new=v)
         elif batch.max_q_len == 1:
             out = ops.paged_attention_decode(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
@@ -131,22 +128,6 @@ class Model:
                 self.attention_scale, batch.max_q_len,
             )
         return self._linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
-
-    def _project_parts(self, parts: list[tuple[int, torch.Tensor]], weight: torch.Tensor, bias: torch.Tensor | None,
-                       num_tokens: int) -> torch.Tensor:
-        """The output projection of attention outputs that come in runs of rows [(first row, [n, Hq, D])], each
-        written into its rows of one [num_tokens, H] result (no concatenation of the inputs first)."""
-        out = torch.empty(num_tokens, weight.shape[0], device=weight.device, dtype=self.dtype)
-        for first, part in parts:
-            x = part.reshape(part.shape[0], -1)
-            rows = out[first:first + part.shape[0]]
-            if ops.linear_supported(x, weight, bias):  # a few decoding rows: the GEMV, then a small copy
-                rows.copy_(ops.linear(x, weight, bias))
-            elif bias is None:
-                torch.mm(x, weight.t(), out=rows)
-            else:
-                torch.addmm(bias, x, weight.t(), out=rows)
-        return out
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 and ops.linear_supported(x, layer.gate_up):
