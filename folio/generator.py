@@ -433,7 +433,9 @@ class DynamicGenerator:
         jobs = [c.seq.job for c in chunks]
         draws = uniforms([j.seed for j in jobs], [self._num_sampled[id(j)] for j in jobs])
         rows = [self._row_params(c.seq, u) for c, u in zip(chunks, draws)]
-        output = sample(logits, rows, self._penalty_windows(jobs, logits.shape[1]))
+        # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
+        # overwrites only after this step's sampler in stream order) are read by nothing else
+        output = sample(logits, rows, self._penalty_windows(jobs, logits.shape[1]), in_place=True)
         self._record_sampled(jobs, output.token_ids)
         # Queue the copies of what the host reads before any step launched ahead: reading them then waits for this
         # step's sampler only, not for the step queued behind it.

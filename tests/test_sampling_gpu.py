@@ -124,3 +124,23 @@ def test_native_sampler_with_device_windows_does_not_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.shape == (num_rows,)
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_sample_in_place_matches_a_copy_and_keeps_returned_logits_apart(return_logits):
+    """in_place lets the native kernels penalise and mask the caller's logits where they are: the same draws as
+    sampling a copy; a row that returns its processed logits keeps the caller's tensor unchanged."""
+    num_rows, num_columns = 64, 32000
+    logits = torch.randn(num_rows, num_columns, device="cuda", generator=torch.Generator("cuda").manual_seed(4)) * 3
+    rows = [RowParams(r.settings, r.u, history_ids=r.history_ids, blocked_ids=r.blocked_ids,
+                      vocab_size=r.vocab_size, return_logits=return_logits and b == 5)
+            for b, r in enumerate(mixed_rows(num_rows, num_columns, seed=3))]
+    want = sample(logits, rows)
+    mine = logits.clone()
+    got = sample(mine, rows, in_place=True)
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.token_probs, want.token_probs)
+    if return_logits:
+        assert torch.equal(mine, logits), "the caller's logits changed although a row returns its logits"
+        assert torch.equal(got.logits, want.logits)
+    else:
+        assert not torch.equal(mine, logits), "in_place sampled a copy (penalties and masks left the input as is)"
