@@ -132,3 +132,20 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
         assert ((got - want).norm() / want.norm()).item() < 1e-2
     # cuDNN (step 2) and FA2 (step 1) differ only by rounding
     assert ((outputs[1] - outputs[0]).norm() / outputs[0].norm()).item() < 1e-2
+
+
+def test_logits_gemm_writes_fp32_directly() -> None:
+    """Past the GEMV's rows, the logits come from one GEMM with fp32 output: the 16-bit product without its
+    rounding to bf16 (so within bf16's rounding of it), and that path is the one taken on this device."""
+    from folio.model import model as model_module
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    got = model_module._mm_fp32(x, weight)
+    assert model_module._mm_fp32_ok[(x.device, x.dtype)], "torch.mm(out_dtype=float32) is not used on this device"
+    rounded = torch.nn.functional.linear(x, weight).float()
+    exact = x.double() @ weight.double().t()
+    assert got.dtype == torch.float32 and got.shape == (256, 3000)
+    assert ((got.double() - exact).abs().max() <= (rounded.double() - exact).abs().max()).item()
+    assert torch.allclose(got, rounded, rtol=1e-2, atol=1e-2)
