@@ -118,7 +118,7 @@ def dense_on_cpu(monkeypatch):
     monkeypatch.setattr(flash, "_dense_runs_on", lambda device: True)
     monkeypatch.setattr(flash, "dense_cudnn_ok", lambda *args: True)
     monkeypatch.setattr(flash, "_dense_seen", {})
-    monkeypatch.setattr(flash, "DENSE_MIN_LEN", 8)
+    monkeypatch.setattr(flash, "DENSE_MIN_WORK", 2 * 40 * 40)
 
     def recorded(q, k, v, batch, length, scale):
         calls.append((batch, length))
@@ -168,7 +168,7 @@ def test_equal_length_fresh_prompts_go_dense_from_their_second_step(dense_on_cpu
 @pytest.mark.parametrize("lens", [
     [(40, 40), (41, 41)],  # unequal lengths
     [(60, 40), (60, 40)],  # a cached prefix: the context is longer than the new tokens
-    [(7, 7), (7, 7)],  # below DENSE_MIN_LEN
+    [(39, 39), (39, 39)],  # below DENSE_MIN_WORK (2 x 39^2 < 2 x 40^2)
     [(40, 40), (5, 1), (40, 40)],  # the prompts are not one run
 ])
 def test_other_prompt_steps_never_go_dense(dense_on_cpu, lens) -> None:

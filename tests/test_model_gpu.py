@@ -99,6 +99,7 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
     from folio.model import flash
 
     monkeypatch.setattr(flash, "_dense_seen", {})
+    monkeypatch.setattr(flash, "DENSE_MIN_WORK", 3 * 300 * 300)  # a small case (the default wants 4M)
     gen = torch.Generator(device="cuda").manual_seed(3)
     lens = [(290, 1), (300, 300), (300, 300), (300, 300)]  # (context, new tokens)
     pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]

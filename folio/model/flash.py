@@ -39,7 +39,10 @@ _PROBE_MAX_REL_ERR = 2e-2
 # Equal-length fresh prompts on cuDNN (see the module docstring); FOLIO_PREFILL_CUDNN=0 keeps them on FA2 (A/B).
 DENSE_CUDNN = os.environ.get("FOLIO_PREFILL_CUDNN", "1") != "0"
 DENSE_MIN_SEEN = 1  # earlier steps of the same (B, L) before cuDNN takes it
-DENSE_MIN_LEN = 128  # shorter prompts stay on FA2 (not measured to gain; a plan per length is not worth it)
+# Least B * L^2 (the causal work, in tokens squared) that cuDNN takes: on an H100 it lost below ~1M (1 x 1024:
+# 0.077 ms against FA2's 0.072; 2 x 512: 0.075 against 0.048; a ~75 us floor) and won from 4M up (1 x 2048:
+# 0.132 against 0.185; 32 x 512: 0.24 against 0.49); see bench/prefill_attention.py
+DENSE_MIN_WORK = 1 << 22
 _dense_seen: dict[tuple, int] = {}  # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
 _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
 _dense_ok: dict[tuple, bool] = {}  # (device, dtype, heads, head_dim) -> cuDNN agrees with FA2 here
@@ -162,10 +165,11 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
 
 
 def _dense_shape(device: torch.device, lengths: list[int]) -> tuple[int, int] | None:
-    """(B, L) if these fresh prompts should run as one dense cuDNN batch: equal lengths of at least DENSE_MIN_LEN,
+    """(B, L) if these fresh prompts should run as one dense cuDNN batch: equal lengths, B * L^2 >= DENSE_MIN_WORK,
     and the shape seen in DENSE_MIN_SEEN earlier steps (counted here, once per forward)."""
     length = lengths[0]
-    if not _dense_runs_on(device) or length < DENSE_MIN_LEN or any(n != length for n in lengths):
+    if (not _dense_runs_on(device) or len(lengths) * length * length < DENSE_MIN_WORK
+            or any(n != length for n in lengths)):
         return None
     key = (device, len(lengths), length)
     seen = _dense_seen.get(key, 0)
