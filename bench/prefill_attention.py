@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,25 +23,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import time_events  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 
 
-def time_events(fn, iterations: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
+def timed(fn) -> float:
+    """Median seconds per call after three warm-up calls (CUDA events, bench/kernels.py's timer)."""
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return time_events(fn, iterations=20)
 
 
 def fused_qkv(lengths: list[int], gen: torch.Generator):
@@ -129,7 +124,7 @@ def run_case(name: str, lengths: list[int], gen: torch.Generator, with_varlen: b
             if entry["rel_err_vs_fa2"] > 2e-2:
                 entry["error"] = "wrong result"
             else:
-                seconds = time_events(fn)
+                seconds = timed(fn)
                 entry["ms"] = seconds * 1e3
                 entry["tflops"] = flops / seconds / 1e12
         except Exception as exc:  # a backend that refuses these inputs is a result too

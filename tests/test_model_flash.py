@@ -30,6 +30,31 @@ def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
     return out
 
 
+def fused_inputs(batch: ForwardBatch, gen: torch.Generator, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """q and the new tokens' K/V as column slices of one fused QKV output, the K/V also written to the cache."""
+    qkv = torch.randn(batch.num_tokens, (6 + 2 * 2) * 16, generator=gen)
+    qkv[:, 6 * 16 : 8 * 16] = k_cache.view(-1, 32)[batch.slot_mapping]
+    qkv[:, 8 * 16 :] = v_cache.view(-1, 32)[batch.slot_mapping]
+    return qkv[:, : 6 * 16].view(-1, 6, 16), qkv[:, 6 * 16 : 8 * 16].view(-1, 2, 16), qkv[:, 8 * 16 :].view(-1, 2, 16)
+
+
+def build(lens, page_size=16, seed=0):
+    """A batch of (context, new tokens) chunks over shuffled pages: the batch, random K/V caches, and q/k/v as
+    fused_inputs makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
+    num_pages = sum(pages_per_seq) + 1
+    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    chunks, used = [], 0
+    for (ctx, new), n in zip(lens, pages_per_seq):
+        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
+        used += n
+    batch = ForwardBatch.build(chunks, page_size, "cpu")
+    return batch, k_cache, v_cache, fused_inputs(batch, gen, k_cache, v_cache)
+
+
 @pytest.mark.parametrize("page_size", [16, 256])
 @pytest.mark.parametrize("lens", [
     [(300, 45), (37, 37), (290, 1)],
@@ -43,24 +68,7 @@ def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
 ])
 def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> None:
     monkeypatch.setattr(flash, "_flash", varlen_causal)
-    gen = torch.Generator().manual_seed(page_size + len(lens))
-    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
-    num_pages = sum(pages_per_seq) + 3
-    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
-    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    chunks, used = [], 0
-    for (ctx, new), n in zip(lens, pages_per_seq):
-        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
-        used += n
-    batch = ForwardBatch.build(chunks, page_size, "cpu")
-    # q and the new tokens' K/V as the model has them: column slices of one fused QKV output (strided rows); the
-    # new K/V are what the cache holds at the batch's slots
-    qkv = torch.randn(batch.num_tokens, (6 + 2 * 2) * 16, generator=gen)
-    q = qkv[:, : 6 * 16].view(-1, 6, 16)
-    qkv[:, 6 * 16 : 8 * 16] = k_cache.view(-1, 32)[batch.slot_mapping]
-    qkv[:, 8 * 16 :] = v_cache.view(-1, 32)[batch.slot_mapping]
-    k_new, v_new = qkv[:, 6 * 16 : 8 * 16].view(-1, 2, 16), qkv[:, 8 * 16 :].view(-1, 2, 16)
+    batch, k_cache, v_cache, (q, k_new, v_new) = build(lens, page_size, seed=page_size + len(lens))
     prefill = flash.plan("flash_gather", batch, page_size)
     assert prefill is not None
     assert (prefill.short_rows is None) == all(new > 1 for _, new in lens)
@@ -102,14 +110,6 @@ def dense_causal(q, k, v, batch, length, scale):
     return varlen_causal(q, k, v, cu, cu, length, length, scale)
 
 
-def fused_inputs(batch: ForwardBatch, gen: torch.Generator, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """q and the new tokens' K/V as column slices of one fused QKV output, the K/V also written to the cache."""
-    qkv = torch.randn(batch.num_tokens, (6 + 2 * 2) * 16, generator=gen)
-    qkv[:, 6 * 16 : 8 * 16] = k_cache.view(-1, 32)[batch.slot_mapping]
-    qkv[:, 8 * 16 :] = v_cache.view(-1, 32)[batch.slot_mapping]
-    return qkv[:, : 6 * 16].view(-1, 6, 16), qkv[:, 6 * 16 : 8 * 16].view(-1, 2, 16), qkv[:, 8 * 16 :].view(-1, 2, 16)
-
-
 @pytest.fixture
 def dense_on_cpu(monkeypatch):
     """The equal-length dense path made to run on the CPU: its backend is the reference; calls are recorded."""
@@ -126,21 +126,6 @@ def dense_on_cpu(monkeypatch):
 
     monkeypatch.setattr(flash, "_cudnn_dense", recorded)
     return calls
-
-
-def build(lens, page_size=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
-    num_pages = sum(pages_per_seq) + 1
-    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
-    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    chunks, used = [], 0
-    for (ctx, new), n in zip(lens, pages_per_seq):
-        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
-        used += n
-    batch = ForwardBatch.build(chunks, page_size, "cpu")
-    return batch, k_cache, v_cache, fused_inputs(batch, gen, k_cache, v_cache)
 
 
 @pytest.mark.parametrize("lens", [

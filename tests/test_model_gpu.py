@@ -58,15 +58,9 @@ def test_cache_sized_from_free_memory(tmp_path) -> None:
         Cache(model, max_memory_fraction=1.5)
 
 
-@pytest.mark.parametrize("mode, page_size", [("flash_paged", 256), ("flash_gather", 16), ("flash_gather", 256)])
-def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
-    """The tensor-core prefill path on a mixed batch: a chunk continuing a cached context across pages, a whole
-    prompt, a decode row; shuffled pages. flash_paged needs a torch whose FA2 takes a block table."""
-    from folio import reference_ops
-    from folio.model import flash
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    lens = [(300, 45), (37, 37), (290, 1)]  # (context, new tokens)
+def paged_batch(lens: list[tuple[int, int]], page_size: int, gen: torch.Generator):
+    """A CUDA batch of (context, new tokens) chunks over shuffled pages, and random bf16 K/V caches (Llama-3-8B
+    heads: 8 kv heads of 128)."""
     pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
     num_pages = sum(pages_per_seq) + 2
     k_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -76,7 +70,18 @@ def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
     for (ctx, new), n in zip(lens, pages_per_seq):
         chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
         used += n
-    batch = ForwardBatch.build(chunks, page_size, "cuda")
+    return ForwardBatch.build(chunks, page_size, "cuda"), k_cache, v_cache
+
+
+@pytest.mark.parametrize("mode, page_size", [("flash_paged", 256), ("flash_gather", 16), ("flash_gather", 256)])
+def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
+    """The tensor-core prefill path on a mixed batch: a chunk continuing a cached context across pages, a whole
+    prompt, a decode row; shuffled pages. flash_paged needs a torch whose FA2 takes a block table."""
+    from folio import reference_ops
+    from folio.model import flash
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batch, k_cache, v_cache = paged_batch([(300, 45), (37, 37), (290, 1)], page_size, gen)  # (context, new)
     q = torch.randn(batch.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 128**-0.5
     chosen = flash.choose_mode(q, k_cache, scale, mode)
@@ -101,17 +106,7 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
     monkeypatch.setattr(flash, "_dense_seen", {})
     monkeypatch.setattr(flash, "DENSE_MIN_WORK", 3 * 300 * 300)  # a small case (the default wants 4M)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    lens = [(290, 1), (300, 300), (300, 300), (300, 300)]  # (context, new tokens)
-    pages_per_seq = [-(-ctx // page_size) for ctx, _ in lens]
-    num_pages = sum(pages_per_seq) + 2
-    k_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(num_pages, page_size, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    order = torch.randperm(num_pages).tolist()
-    chunks, used = [], 0
-    for (ctx, new), n in zip(lens, pages_per_seq):
-        chunks.append(SeqChunk([0] * new, ctx - new, order[used:used + n]))
-        used += n
-    batch = ForwardBatch.build(chunks, page_size, "cuda")
+    batch, k_cache, v_cache = paged_batch([(290, 1), (300, 300), (300, 300), (300, 300)], page_size, gen)
     qkv = torch.randn(batch.num_tokens, (32 + 2 * 8) * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     qkv[:, 32 * 128 : 40 * 128] = k_cache.view(-1, 8 * 128)[batch.slot_mapping]
     qkv[:, 40 * 128 :] = v_cache.view(-1, 8 * 128)[batch.slot_mapping]
