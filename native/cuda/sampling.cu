@@ -33,6 +33,11 @@ constexpr int kCompactCap = 1024;
 constexpr int kUnroll = 8;
 constexpr int64_t kChunk = static_cast<int64_t>(kSampleThreads) * kUnroll;
 constexpr double kTopPSlack = 1e-6;
+// Weight keys are the bits of weights in [0, 1]: their top byte is at most that of 1.0f.
+constexpr int kMaxKeyBucket = 0x3f;
+// The keys pass counts this many of the highest top-byte buckets (weights down to 2^-15); a row whose top_k-th
+// weight is smaller takes one more pass for the full histogram.
+constexpr int kTopBuckets = 8;
 constexpr unsigned kFull = 0xffffffffu;
 
 // Last kept element of a prefix of the order: element (key, i) is kept iff key > this.key, or key == this.key
@@ -218,6 +223,8 @@ __device__ long long nth_with_key(const uint32_t* keys, int64_t vocab, const Bou
 // Adds `amount` to histogram[bucket] for every lane with bucket >= 0, one shared-memory atomic per distinct
 // bucket in the warp (weights cluster in a few exponents, so per-lane atomics would serialize).
 __device__ __forceinline__ void histogram_add(SampleShared& sh, int bucket, unsigned long long amount, bool by_mass) {
+  // a radix pass past the first matches a few thousand elements of a 128k row: most warps have none to add
+  if (!__any_sync(kFull, bucket >= 0)) return;
   const unsigned peers = __match_any_sync(kFull, bucket);
   if (bucket < 0) return;
   unsigned long long total;
@@ -479,16 +486,38 @@ __device__ void sample_short_top_k(const SampleParams& p, int64_t r, const float
                                    int64_t vocab, float temperature, float max_z, int top_k, SampleShared& sh) {
   for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
   __syncthreads();
-  for_each_slot(logits, vocab, 0.0f, [&](float v, int64_t i) {  // every slot: histogram_add shuffles a whole warp
+  // The keys, and the counts of the kTopBuckets highest top-byte buckets on the way: lane j of each warp counts
+  // bucket kMaxKeyBucket - j from warp ballots (a weight is at most 1, so no key has a higher top byte). Most of
+  // a row's weights are far smaller; the per-element cost is a few ballots instead of a shared-memory histogram.
+  const int lane = threadIdx.x & 31;
+  unsigned top_count = 0;
+  for_each_slot(logits, vocab, 0.0f, [&](float v, int64_t i) {  // every slot: the ballots need the whole warp
     int bucket = -1;
     if (i < vocab) {
       const uint32_t k = weight_key(v, temperature, max_z);
       keys[i] = k;
       bucket = static_cast<int>(k >> 24);
     }
-    histogram_add(sh, bucket, 1ull, false);
+    if (!__any_sync(kFull, bucket > kMaxKeyBucket - kTopBuckets)) return;
+#pragma unroll
+    for (int j = 0; j < kTopBuckets; ++j) {
+      const unsigned ballot = __ballot_sync(kFull, bucket == kMaxKeyBucket - j);
+      if (lane == j) top_count += __popc(ballot);
+    }
   });
-  __syncthreads();  // the histogram is complete, and the block reads back keys that other threads wrote
+  if (lane < kTopBuckets && top_count > 0) atomicAdd(&sh.histogram[kMaxKeyBucket - lane], top_count);
+  __syncthreads();  // the counts are complete, and the block reads back keys that other threads wrote
+  unsigned long long counted = 0;
+  for (int j = 0; j < kTopBuckets; ++j) counted += sh.histogram[kMaxKeyBucket - j];
+  if (counted < static_cast<unsigned long long>(top_k)) {  // the top_k-th weight is below those buckets (rare)
+    __syncthreads();  // every thread has read the partial counts
+    for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.histogram[b] = 0;
+    __syncthreads();
+    histogram_pass(keys, vocab, Boundary{0u, LLONG_MAX}, false, 24, 0u, sh);
+    __syncthreads();
+  }
+  // Either way sh.histogram now holds the exact counts of every bucket down to the one where the count reaches
+  // top_k (the buckets below it are zero or exact), which is all that pick_bucket reads to choose that bucket.
 
   const Boundary everything{0u, LLONG_MAX};
   const unsigned long long target = static_cast<unsigned long long>(top_k);
