@@ -13,9 +13,9 @@
 //
 // The passes are bound by memory latency (one block per row, a few blocks per SM), not bandwidth: each thread
 // loads kUnroll elements of a chunk before it uses any. The common case, 2 <= top-k <= kCompactCap, usually
-// takes three or four passes instead of eight: the argmax, the keys (which build the first radix histogram on
-// the way), a histogram pass or two only if needed, and the gather, as soon as the elements at or above the
-// selected radix bucket fit the short list (sample_short_top_k).
+// takes three or four passes instead of eight: the argmax, the keys (which count the highest buckets of the first
+// radix histogram on the way), a histogram pass or two only if needed, and the gather, as soon as the elements at
+// or above the selected radix bucket fit the short list (sample_short_top_k).
 #include <climits>
 #include <cstdint>
 
@@ -466,7 +466,8 @@ __device__ void gather_at_or_above(const uint32_t* keys, int64_t vocab, uint32_t
 // A row with top-k, 2 <= top_k <= kCompactCap and top_k < vocab (the usual sampling settings): writes the keys,
 // selects the top_k candidates into sh.ranked and finishes the row there.
 //
-// The keys pass also builds the first radix histogram (top byte, every element: no filter yet), and the count
+// The keys pass also counts the first radix histogram's highest buckets (top byte, every element: no filter yet;
+// the whole histogram in one more pass when those buckets hold fewer than top_k elements), and the count
 // select stops as soon as the short list can hold every element at or above the selected bucket. After the pass
 // at `shift` has selected bucket b, with A elements in higher buckets and c in b, the set S of elements whose key
 // bits from `shift` up are >= those of the prefix (b included) has exactly A + c elements, and A < top_k <= A + c.
