@@ -216,6 +216,22 @@ def bench_sampling(batch: int = 256, vocab: int = 128256) -> dict:
     return result
 
 
+def read_bandwidth() -> dict:
+    """Bytes read per second by reductions over 4 GiB (nothing written back): a decode attention kernel only reads
+    its K/V, and HBM may stream reads alone faster than the copies' mix of reads and writes. Sum in fp32 of bf16,
+    and max of int32 (no conversion work per byte)."""
+    num_bytes = 4 << 30
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    src_bf16 = src.view(torch.bfloat16).clamp_(-1e4, 1e4).nan_to_num_(0.0)
+    results = {
+        "sum_bf16": num_bytes / time_events(lambda: src_bf16.sum(dtype=torch.float32)),
+        "amax_int32": num_bytes / time_events(lambda: src.view(torch.int32).amax()),
+    }
+    del src, src_bf16
+    torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
@@ -231,6 +247,8 @@ def main() -> None:
     prefill = bench_prefill()
     sampling = bench_sampling()
     copy_last = copy_bandwidth(warmup_s=0.1)
+    reads = read_bandwidth()
+    read_method, read_bps = max(reads.items(), key=lambda item: item[1])
     # the ceiling: the best copy, before or after the kernels
     copy_method, copy_bps = max([*copy_first.items(), *copy_last.items()], key=lambda item: item[1])
 
@@ -238,14 +256,16 @@ def main() -> None:
     copies = ", ".join(f"{k} {v / 1e9:.0f}/{copy_last[k] / 1e9:.0f}" for k, v in copy_first.items())
     print(f"\n{device}: device-to-device copy {copy_bps / 1e9:.0f} GB/s (read + write, best: {copy_method}; "
           f"GB/s before/after the kernels: {copies})")
+    print(f"read-only reduction {read_bps / 1e9:.0f} GB/s (best: {read_method}; "
+          + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in reads.items()) + "): the decode kernels' 'of read' column")
     print("paged_attention_decode, Llama-3-8B heads (32 q / 8 kv, d 128, bf16): tensor-core kernel (default), "
           "then the CUDA-core one (FOLIO_DECODE_ATTENTION=simt)")
     print(f"{'page':>5} {'context':>8} {'batch':>6} {'us':>9} {'GB/s':>7} {'of copy':>8} {'rel err':>8} "
-          f"{'simt us':>9} {'of copy':>8} {'speedup':>8}")
+          f"{'simt us':>9} {'of copy':>8} {'speedup':>8} {'of read':>8}")
     for r in decode:
         print(f"{r['page_size']:>5} {r['context']:>8} {r['batch']:>6} {r['us']:>9.1f} {r['gbps']:>7.0f} "
               f"{r['gbps'] * 1e9 / copy_bps:>8.0%} {r['rel_err']:>8.1e} {r['simt_us']:>9.1f} "
-              f"{r['simt_gbps'] * 1e9 / copy_bps:>8.0%} {r['simt_us'] / r['us']:>7.2f}x")
+              f"{r['simt_gbps'] * 1e9 / copy_bps:>8.0%} {r['simt_us'] / r['us']:>7.2f}x {r['gbps'] * 1e9 / read_bps:>8.0%}")
     print(f"paged_attention prefill, {prefill['prompt_len']} tokens: {prefill['ms']:.2f} ms, "
           f"{prefill['tflops']:.1f} TFLOP/s (rel err {prefill['rel_err']:.1e})")
     line = f"sample_rows {sampling['batch']} x {sampling['vocab']}: {sampling['native_ms']:.3f} ms"
@@ -261,7 +281,8 @@ def main() -> None:
     if out_dir:
         report = dict(device=device, torch=torch.__version__, copy_gbps=copy_bps / 1e9, copy_method=copy_method,
                       copy_gbps_before={k: v / 1e9 for k, v in copy_first.items()},
-                      copy_gbps_after={k: v / 1e9 for k, v in copy_last.items()}, decode=decode,
+                      copy_gbps_after={k: v / 1e9 for k, v in copy_last.items()},
+                      read_gbps={k: v / 1e9 for k, v in reads.items()}, decode=decode,
                       prefill=prefill, sampling=sampling)
         Path(out_dir, "kernels.json").write_text(json.dumps(report, indent=1))
 
