@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,10 @@ class Model:
         # Prefill attention path on CUDA (see folio.model.flash): "auto" picks tensor-core FlashAttention when it
         # passes a numerical probe here, else our paged kernel; set another mode to force one.
         self.prefill_attention = "auto"
+        # The o_proj and down GEMMs add into the residual stream themselves (cuBLAS with beta = 1), so the norm
+        # after them reads one [T, H] tensor and writes one instead of two each; FOLIO_RESIDUAL_GEMM=0 turns it
+        # off (A/B timing). The native GEMV (decode batches of a few rows) keeps the separate fused add + norm.
+        self.residual_in_gemm = os.environ.get("FOLIO_RESIDUAL_GEMM", "1") != "0"
 
     @classmethod
     def from_pretrained(
@@ -100,16 +105,35 @@ class Model:
         w, eps = self.weights, self.config.rms_norm_eps
         residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
         prefill = self._prefill_plan(batch, cache)
-        x = ops.rms_norm(residual, w.layers[0].input_norm, eps)
+        mlp_out = None  # embeddings: nothing to add yet
         for layer_idx, layer in enumerate(w.layers):
-            if layer_idx > 0:
-                ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
-            h = self._attention(layer_idx, layer, x, batch, cache, prefill)
-            ops.fused_add_rms_norm(h, residual, layer.post_attention_norm, eps)
-            x = self._mlp(layer, h)
-        ops.fused_add_rms_norm(x, residual, w.final_norm, eps)
+            x = self._add_norm(mlp_out, residual, layer.input_norm)
+            attn_out = self._attention(layer_idx, layer, x, batch, cache, prefill, residual)
+            x = self._add_norm(attn_out, residual, layer.post_attention_norm)
+            mlp_out = self._mlp(layer, x, residual)
+        x = self._add_norm(mlp_out, residual, w.final_norm)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
         return self._logits(x[batch.logits_idx], w.lm_head)
+
+    def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += out, then RMSNorm(residual). out None: a projection already added itself into the residual
+        (`_project_into`). Otherwise out is overwritten with the normalized residual and returned."""
+        eps = self.config.rms_norm_eps
+        if out is None:
+            return ops.rms_norm(residual, weight, eps)
+        ops.fused_add_rms_norm(out, residual, weight, eps)
+        return out
+
+    def _project_into(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """x @ weight.T (+ bias). With a residual, where the product would be a cuBLAS GEMM: added into the residual
+        in place (the GEMM's beta = 1; the sum is rounded once, from fp32) and None returned."""
+        if (residual is None or not self.residual_in_gemm or bias is not None
+                or ops.linear_supported(x, weight, bias)):
+            return self._linear(x, weight, bias)
+        residual.addmm_(x, weight.t())
+        return None
 
     def _prefill_plan(self, batch: ForwardBatch, cache: Cache) -> flash.PrefillPlan | None:
         """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here."""
@@ -122,8 +146,9 @@ class Model:
 
     def _attention(
         self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache,
-        prefill: flash.PrefillPlan | None = None,
-    ) -> torch.Tensor:
+        prefill: flash.PrefillPlan | None = None, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Attention and o_proj; see `_project_into` for `residual`."""
         cfg = self.config
         num_tokens, head_dim = x.shape[0], cfg.head_dim
         qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
@@ -149,15 +174,16 @@ class Model:
                 q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
                 self.attention_scale, batch.max_q_len,
             )
-        return self._linear(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias)
+        return self._project_into(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias, residual)
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """SwiGLU MLP; see `_project_into` for `residual`."""
         if x.dtype != torch.float32 and ops.linear_supported(x, layer.gate_up):
             # decode: the GEMV gates in its epilogue (bit-identical to silu_and_mul after it), one launch fewer
             activation = ops.linear(x, layer.gate_up, silu_gate=True)
         else:
             activation = ops.silu_and_mul(self._linear(x, layer.gate_up))
-        return self._linear(activation, layer.down)
+        return self._project_into(activation, layer.down, None, residual)
 
     def _logits(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CUDA, past the GEMV's few rows, one GEMM that accumulates in fp32 and writes fp32 (not
