@@ -42,13 +42,12 @@ struct MmaArgs {
   float* partial_ml;
 };
 
-// STAGES: tiles per warp in its cp.async ring, STAGES - 1 of them in flight while one is computed.
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM>
 struct Layout {
   static constexpr int kChunks = HEAD_DIM / 8;                          // 16-byte chunks per K or V row
   static constexpr int kTileBytes = kTileKeys * HEAD_DIM * 2;           // one tile of K (or V)
   static constexpr int kStageBytes = 2 * kTileBytes;                    // K and V
-  static constexpr int kWarpBytes = STAGES * kStageBytes;
+  static constexpr int kWarpBytes = 2 * kStageBytes;                    // double buffer
   static constexpr int kPipeBytes = kWarps * kWarpBytes;
   static constexpr int kMergeBytes = kWarps * kMaxGroup * (HEAD_DIM + 2) * 4;  // per warp: O rows, max, sum
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
@@ -68,8 +67,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst_shared, const void* src,
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_one_pending() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_none_pending() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
@@ -115,9 +113,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // Lane (g = lane / 4, t = lane % 4) holds, in mma fragment terms: S and P rows g (r = 0) and g + 8 (r = 1) = query
 // heads head0 + g and head0 + g + 8; for the keys, columns 2t, 2t + 1 of each 8-key half; O columns 8n + 2t, +1.
-template <typename T, int HEAD_DIM, int STAGES>
-__global__ void __launch_bounds__(kThreads, STAGES == 2 ? 3 : 2) decode_attention_mma_kernel(MmaArgs a) {
-  using L = Layout<HEAD_DIM, STAGES>;
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaArgs a) {
+  using L = Layout<HEAD_DIM>;
   constexpr int kSteps = HEAD_DIM / 16;  // k16 steps of Q K^T
   constexpr int kDimTiles = HEAD_DIM / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -194,18 +192,13 @@ __global__ void __launch_bounds__(kThreads, STAGES == 2 ? 3 : 2) decode_attentio
     }
   };
 
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (warp + i * kWarps < num_tiles) prefetch(warp + i * kWarps, i);
-    cp_async_commit();
-  }
+  if (warp < num_tiles) prefetch(warp, 0);
+  cp_async_commit();
   int stage = 0;
-  for (int tile = warp; tile < num_tiles; tile += kWarps, stage = stage + 1 == STAGES ? 0 : stage + 1) {
-    // the stage computed in the previous iteration refills with the tile STAGES - 1 turns ahead
-    const int ahead = tile + (STAGES - 1) * kWarps;
-    if (ahead < num_tiles) prefetch(ahead, stage == 0 ? STAGES - 1 : stage - 1);
-    cp_async_commit();  // possibly empty: "STAGES - 1 pending" then always means "this tile has landed"
-    cp_async_wait_pending<STAGES - 1>();
+  for (int tile = warp; tile < num_tiles; tile += kWarps, stage ^= 1) {
+    if (tile + kWarps < num_tiles) prefetch(tile + kWarps, stage ^ 1);
+    cp_async_commit();  // possibly empty: "one pending" then always means "this tile has landed"
+    cp_async_wait_one_pending();
     __syncwarp();  // every lane's copies of this tile are visible to the whole warp
 
     const uint32_t k_tile = warp_smem + stage * L::kStageBytes, v_tile = k_tile + L::kTileBytes;
@@ -322,24 +315,14 @@ __global__ void __launch_bounds__(kThreads, STAGES == 2 ? 3 : 2) decode_attentio
   }
 }
 
-// FOLIO_DECODE_STAGES=3: a three-tile ring per warp (two tiles in flight, two blocks per SM) instead of the double
-// buffer (one in flight, three blocks per SM), for A/B timing.
-int stages_from_env() {
-  static const int stages = [] {
-    const char* v = std::getenv("FOLIO_DECODE_STAGES");
-    return v != nullptr && std::strcmp(v, "3") == 0 ? 3 : 2;
-  }();
-  return stages;
-}
-
 bool mma_disabled_by_env() {
   const char* v = std::getenv("FOLIO_DECODE_ATTENTION");
   return v != nullptr && std::strcmp(v, "simt") == 0;
 }
 
-template <typename T, int HEAD_DIM, int STAGES>
+template <typename T, int HEAD_DIM>
 cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
-  constexpr int kBytes = Layout<HEAD_DIM, STAGES>::kSmemBytes;
+  constexpr int kBytes = Layout<HEAD_DIM>::kSmemBytes;
   // More than 48 KB of dynamic shared memory must be allowed per kernel and device, once (benign race: every
   // writer sets the same value).
   constexpr int kMaxDevices = 64;
@@ -348,14 +331,14 @@ cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
   if (device < 0 || device >= kMaxDevices || !allowed[device]) {
-    status = cudaFuncSetAttribute(decode_attention_mma_kernel<T, HEAD_DIM, STAGES>,
+    status = cudaFuncSetAttribute(decode_attention_mma_kernel<T, HEAD_DIM>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     if (status != cudaSuccess) return status;
     if (device >= 0 && device < kMaxDevices) allowed[device] = true;
   }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(a.p.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
-  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM, STAGES>, grid, dim3(kThreads), kBytes, stream, a);
+  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM>, grid, dim3(kThreads), kBytes, stream, a);
 }
 
 }  // namespace
@@ -385,9 +368,9 @@ cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows
     if constexpr (std::is_same_v<T, float>) {
       status = cudaErrorInvalidValue;  // decode_attention_mma_applies() refuses float32
     } else if (p.head_dim == 64) {
-      status = stages_from_env() == 3 ? launch<T, 64, 3>(a, num_rows, stream) : launch<T, 64, 2>(a, num_rows, stream);
+      status = launch<T, 64>(a, num_rows, stream);
     } else {
-      status = stages_from_env() == 3 ? launch<T, 128, 3>(a, num_rows, stream) : launch<T, 128, 2>(a, num_rows, stream);
+      status = launch<T, 128>(a, num_rows, stream);
     }
   });
   return status;
