@@ -334,28 +334,33 @@ class StepTrace:
     @staticmethod
     def _summarise(prof, wall_us: float, steps: int) -> None:
         spans, totals, counts = [], {}, {}
+        host_events = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type != torch.autograd.DeviceType.CUDA]
         runtime: dict[str, list[float]] = {}  # host-side CUDA runtime/driver calls: where the host may block
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 if e.name.startswith(("cuda", "cu")):
                     runtime.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
                 continue
-            spans.append((e.time_range.start, e.time_range.end))
+            spans.append((e.time_range.start, e.time_range.end, e.name))
             totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
             counts[e.name] = counts.get(e.name, 0) + 1
         if not spans:
             log("  trace: no device events")
             return
         spans.sort()
-        busy, gaps = 0.0, []
-        cur_start, cur_end = spans[0]
-        for start, end in spans[1:]:
+        busy, gaps, where = 0.0, [], []  # where: (gap us, its start from the window's start in ms, kernels around)
+        cur_start, cur_end, cur_name = spans[0]
+        for start, end, name in spans[1:]:
             if start > cur_end:
                 busy += cur_end - cur_start
                 gaps.append(start - cur_end)
+                where.append((start - cur_end, (cur_end - spans[0][0]) / 1e3, cur_name[:40], name[:40], cur_end, start))
                 cur_start, cur_end = start, end
             else:
                 cur_end = max(cur_end, end)
+            if end >= cur_end:
+                cur_name = name
         busy += cur_end - cur_start
         window = spans[-1][1] - spans[0][0]
         big = [g for g in gaps if g > 20]
@@ -363,6 +368,12 @@ class StepTrace:
             f"{window / steps / 1e3:.3f} ms/step, busy {busy / steps / 1e3:.3f} ms/step ({100 * busy / window:.0f}%), "
             f"{len(big)} gaps > 20 us totalling {sum(big) / steps / 1e3:.3f} ms/step, largest "
             f"{sorted(big)[-5:] if big else []} us")
+        for i, (gap, at_ms, before, after, g0, g1) in enumerate(sorted(where, reverse=True)[:4]):
+            log(f"    gap {gap / 1e3:.1f} ms at {at_ms:.1f} ms, after {before} / before {after}")
+            if i < 2:  # the host work inside the gap: the longest host events that overlap it
+                inside = sorted(((min(e, g1) - max(b, g0), n) for b, e, n in host_events if b < g1 and e > g0),
+                                reverse=True)
+                log("      host during it: " + "; ".join(f"{n[:50]} {d / 1e3:.1f} ms" for d, n in inside[:6]))
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
         log("  host runtime calls (us/step, calls/step, longest us):")
