@@ -371,9 +371,11 @@ class StepTrace:
         for i, (gap, at_ms, before, after, g0, g1) in enumerate(sorted(where, reverse=True)[:4]):
             log(f"    gap {gap / 1e3:.1f} ms at {at_ms:.1f} ms, after {before} / before {after}")
             if i < 2:  # the host work inside the gap: the longest host events that overlap it
-                inside = sorted(((min(e, g1) - max(b, g0), n) for b, e, n in host_events if b < g1 and e > g0),
+                inside = sorted(((min(e, g1) - max(b, g0), n, b, e) for b, e, n in host_events if b < g1 and e > g0),
                                 reverse=True)
-                log("      host during it: " + "; ".join(f"{n[:50]} {d / 1e3:.1f} ms" for d, n in inside[:6]))
+                log("      host during it (its part of the gap; whole span from the window's start): " + "; ".join(
+                    f"{n[:50]} {d / 1e3:.1f} ms ({(b - spans[0][0]) / 1e3:.1f}-{(e - spans[0][0]) / 1e3:.1f})"
+                    for d, n, b, e in inside[:6]))
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
         log("  host runtime calls (us/step, calls/step, longest us):")

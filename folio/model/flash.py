@@ -45,6 +45,11 @@ DENSE_MIN_SEEN = 1  # earlier steps of the same (B, L) before cuDNN takes it
 DENSE_MIN_WORK = 1 << 22
 _dense_seen: dict[tuple, int] = {}  # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
 _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
+# The probe's shape: two sequences of 2048 tokens, a shape the dense path takes (B * L^2 >= DENSE_MIN_WORK). cuDNN
+# compiles its kernel per configuration at the first plan that needs it (on a fresh H100, the first 32 x 512 step of
+# a run took 528 ms where a later process took ~46 ms), and small shapes get another configuration than large ones;
+# probing a large shape pays that compile at warm-up instead of in the middle of the first batch.
+_PROBE_BATCH, _PROBE_LEN = 2, 2048
 _dense_ok: dict[tuple, bool] = {}  # (device, dtype, heads, head_dim) -> cuDNN agrees with FA2 here
 stats = {"dense_calls": 0}  # attention calls (one per layer) that ran on cuDNN's dense path; for benchmarks' logs
 _probed: dict[tuple, str] = {}  # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
@@ -209,14 +214,15 @@ def dense_cudnn_ok(device: torch.device, dtype: torch.dtype, num_q_heads: int, n
     if key not in _dense_ok:
         gen = torch.Generator(device=device).manual_seed(2)
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
-        fused = torch.randn(3 * 160, width, device=device, dtype=dtype, generator=gen)
+        fused = torch.randn(_PROBE_BATCH * _PROBE_LEN, width, device=device, dtype=dtype, generator=gen)
         qs, ks, vs = fused.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
         qs = qs.view(-1, num_q_heads, head_dim)
         ks, vs = ks.view(-1, num_kv_heads, head_dim), vs.view(-1, num_kv_heads, head_dim)
-        cu = torch.tensor([0, 160, 320, 480], dtype=torch.int32, device=device)
+        cu = torch.arange(0, _PROBE_BATCH + 1, dtype=torch.int32, device=device) * _PROBE_LEN
         try:
-            got = _cudnn_dense(qs, ks, vs, 3, 160, scale).float()
-            want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, 160, 160, scale).float()
+            got = _cudnn_dense(qs, ks, vs, _PROBE_BATCH, _PROBE_LEN, scale).float()
+            want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, _PROBE_LEN, _PROBE_LEN,
+                          scale).float()
             _dense_ok[key] = ((got - want).norm() / want.norm()).item() <= _PROBE_MAX_REL_ERR
         except (RuntimeError, TypeError, ValueError):
             _dense_ok[key] = False
