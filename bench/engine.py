@@ -378,6 +378,12 @@ class StepTrace:
                     for d, n, b, e in inside[:6]))
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
+        calls = [(e - b, b, e, n) for b, e, n in host_events if n.startswith(("cuda", "cu"))]
+        if calls:  # the longest runtime call, and the host ops it ran inside (innermost first)
+            d, b0, e0, n0 = max(calls)
+            around = sorted((e - b, n) for b, e, n in host_events if b <= b0 and e >= e0 and n != n0)
+            log(f"  longest runtime call: {n0} {d / 1e3:.1f} ms ({(b0 - spans[0][0]) / 1e3:.1f}-"
+                f"{(e0 - spans[0][0]) / 1e3:.1f} ms), inside: " + " < ".join(n[:60] for _, n in around[:5]))
         log("  host runtime calls (us/step, calls/step, longest us):")
         for name, times in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]:
             log(f"    {sum(times) / steps:9.1f}  x{len(times) / steps:5.1f}  max {max(times):8.1f}  {name}")

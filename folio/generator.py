@@ -270,8 +270,21 @@ class DynamicGenerator:
         self.pool.reset()
 
     def warmup(self) -> None:
-        """Run a short generation so kernels and allocators are initialised, leaving no cached pages behind."""
+        """Run a few short jobs so that the kernels a serving step uses are loaded and allocators initialised,
+        leaving no cached pages behind (the queue must be empty).
+
+        CUDA loads a kernel's code at its first launch, and that load waits for the work already queued on the
+        device: a kernel first used under load stops the host from running ahead. So besides a greedy job, the
+        warm-up samples with the default settings (penalties, top-k, top-p) and runs a step that mixes one job's
+        decode row with another job's prompt."""
         self.generate("Once upon a time,", max_new_tokens=8, gen_settings=SamplerSettings.greedy())
+        ids = self.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+        ids = (list(ids) * 2)[:max(2, len(ids))]  # at least two tokens: a prompt chunk, not a decode row
+        self.enqueue(DynamicJob(ids, max_new_tokens=6, gen_settings=SamplerSettings(), seed=0))
+        self.iterate()  # its prompt; the next steps decode it while the second job's prompt joins them
+        self.enqueue(DynamicJob(ids[::-1], max_new_tokens=2, gen_settings=SamplerSettings(), seed=1))
+        while self.num_remaining_jobs():
+            self.iterate()
         self.reset_page_table()
 
     # --- the step ---

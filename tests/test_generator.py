@@ -404,6 +404,20 @@ def test_warmup_and_reset_page_table_leave_no_cached_pages(peaked):
         gen.reset_page_table()
 
 
+def test_warmup_runs_a_mixed_step_and_sampled_settings(peaked):
+    """The warm-up must launch what serving launches (CUDA loads each kernel at its first launch, waiting for the
+    device): a step with a prompt chunk beside a decode row, and the default (sampled, penalised) settings."""
+    gen = peaked.generator()
+    plans, settings = [], []
+    forward, row_params = gen._forward, gen._row_params
+    gen._forward = lambda plan, ids=None: plans.append([c.end - c.start for c in plan.chunks]) or forward(plan, ids)
+    gen._row_params = lambda seq, u: settings.append(seq.job.gen_settings) or row_params(seq, u)
+    gen.warmup()
+    assert any(max(sizes) > 1 and min(sizes) == 1 for sizes in plans if sizes), plans
+    assert any(s == folio.SamplerSettings() for s in settings)
+    assert gen.pool.num_cached == 0 and gen.pool.num_in_use == 0
+
+
 def test_generate_abort_and_last_results(peaked):
     import threading
 
