@@ -203,20 +203,33 @@ def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with torch.profiler.record_function(f"folio.{key}"):  # named spans for --trace-steps
+                    return fn(*args, **kwargs)
             finally:
                 profile.seconds[key] += time.perf_counter() - t0
         return wrapper
 
+    def marked(fn, name):  # a span in --trace-steps' host timeline, not timed
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(f"folio.{name}"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    launch_ahead, sample_and_emit, wait = gen._launch_ahead, gen._sample_and_emit, folio_generator._SampledOnHost.wait
     gen.scheduler.plan = timed(plan, "plan")
     gen.scheduler.plan_ahead = timed(plan_ahead, "plan")
     gen._forward = timed(forward, "forward")
     gen._emit = timed(emit, "emit")
     folio_generator.sample = timed(sample, "sample")
+    gen._launch_ahead = marked(launch_ahead, "launch_ahead")
+    gen._sample_and_emit = marked(sample_and_emit, "sample_and_emit")
+    folio_generator._SampledOnHost.wait = marked(wait, "wait_tokens")
 
     def undo():
-        del gen.scheduler.plan, gen.scheduler.plan_ahead, gen._forward, gen._emit
+        del gen.scheduler.plan, gen.scheduler.plan_ahead, gen._forward, gen._emit, gen._launch_ahead
+        del gen._sample_and_emit
         folio_generator.sample = sample
+        folio_generator._SampledOnHost.wait = wait
 
     return undo
 
@@ -378,6 +391,10 @@ class StepTrace:
                     for d, n, b, e in inside[:6]))
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
+        marks = sorted((b, e, n) for b, e, n in host_events if n.startswith("folio.") and e - b > 1000)
+        log("  host spans over 1 ms, first 400 ms (ms from the window's start): " + "; ".join(
+            f"{n[6:]} {(b - spans[0][0]) / 1e3:.1f}-{(e - spans[0][0]) / 1e3:.1f}" for b, e, n in marks
+            if b - spans[0][0] < 400e3))
         calls = [(e - b, b, e, n) for b, e, n in host_events if n.startswith(("cuda", "cu"))]
         if calls:  # the longest runtime call, and the host ops it ran inside (innermost first)
             d, b0, e0, n0 = max(calls)
