@@ -221,13 +221,15 @@ def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device
     gen._forward = timed(forward, "forward")
     gen._emit = timed(emit, "emit")
     folio_generator.sample = timed(sample, "sample")
+    iterate = gen.iterate
+    gen.iterate = marked(iterate, "iterate")
     gen._launch_ahead = marked(launch_ahead, "launch_ahead")
     gen._sample_and_emit = marked(sample_and_emit, "sample_and_emit")
     folio_generator._SampledOnHost.wait = marked(wait, "wait_tokens")
 
     def undo():
         del gen.scheduler.plan, gen.scheduler.plan_ahead, gen._forward, gen._emit, gen._launch_ahead
-        del gen._sample_and_emit
+        del gen._sample_and_emit, gen.iterate
         folio_generator.sample = sample
         folio_generator._SampledOnHost.wait = wait
 
@@ -351,6 +353,8 @@ class StepTrace:
                        if e.device_type != torch.autograd.DeviceType.CUDA]
         runtime: dict[str, list[float]] = {}  # host-side CUDA runtime/driver calls: where the host may block
         for e in prof.events():
+            if e.name.startswith("folio."):
+                continue  # the named host spans (instrument); the profiler mirrors them on the device timeline
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 if e.name.startswith(("cuda", "cu")):
                     runtime.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
@@ -391,10 +395,17 @@ class StepTrace:
                     for d, n, b, e in inside[:6]))
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
             log(f"    {total / steps:9.1f} us/step  x{counts[name] / steps:5.1f}  {name[:100]}")
-        marks = sorted((b, e, n) for b, e, n in host_events if n.startswith("folio.") and e - b > 1000)
-        log("  host spans over 1 ms, first 400 ms (ms from the window's start): " + "; ".join(
-            f"{n[6:]} {(b - spans[0][0]) / 1e3:.1f}-{(e - spans[0][0]) / 1e3:.1f}" for b, e, n in marks
-            if b - spans[0][0] < 400e3))
+        # the named host spans of the first 40 ms (or the first 400 when the steps are longer), and where the device
+        # was idle then: which host work the device waited for
+        horizon = 400e3 if window / steps > 100e3 else 40e3
+        marks = sorted((b, e, n) for b, e, n in host_events if n.startswith("folio.") and e - b > horizon / 400)
+        log("  host spans (ms from the window's start): " + "; ".join(
+            f"{n[6:]} {(b - spans[0][0]) / 1e3:.2f}-{(e - spans[0][0]) / 1e3:.2f}" for b, e, n in marks
+            if b - spans[0][0] < horizon))
+        log("  device idle > 20 us then (ms): " + "; ".join(
+            f"{(g0 - spans[0][0]) / 1e3:.2f}-{(g1 - spans[0][0]) / 1e3:.2f} after {before[:24]}"
+            for gap, _, before, _, g0, g1 in sorted(where, key=lambda w: w[4])
+            if gap > 20 and g0 - spans[0][0] < horizon))
         calls = [(e - b, b, e, n) for b, e, n in host_events if n.startswith(("cuda", "cu"))]
         if calls:  # the longest runtime call, and the host ops it ran inside (innermost first)
             d, b0, e0, n0 = max(calls)
