@@ -402,6 +402,10 @@ class StepTrace:
         log("  host spans (ms from the window's start): " + "; ".join(
             f"{n[6:]} {(b - spans[0][0]) / 1e3:.2f}-{(e - spans[0][0]) / 1e3:.2f}" for b, e, n in marks
             if b - spans[0][0] < horizon))
+        long_ops = sorted((b, e, n) for b, e, n in host_events
+                          if not n.startswith("folio.") and e - b > horizon / 80 and b - spans[0][0] < horizon)
+        log("  host ops over " + f"{horizon / 80e3:.1f} ms then: " + "; ".join(
+            f"{n[:40]} {(b - spans[0][0]) / 1e3:.1f}-{(e - spans[0][0]) / 1e3:.1f}" for b, e, n in long_ops[:30]))
         log("  device idle > 20 us then (ms): " + "; ".join(
             f"{(g0 - spans[0][0]) / 1e3:.2f}-{(g1 - spans[0][0]) / 1e3:.2f} after {before[:24]}"
             for gap, _, before, _, g0, g1 in sorted(where, key=lambda w: w[4])
