@@ -274,10 +274,13 @@ class DynamicGenerator:
         leaving no cached pages behind (the queue must be empty).
 
         CUDA loads a kernel's code at its first launch, and that load waits for the work already queued on the
-        device: a kernel first used under load stops the host from running ahead. So besides a greedy job, the
-        warm-up samples with the default settings (penalties, top-k, top-p) and runs a step that mixes one job's
+        device: a kernel first used under load stops the host from running ahead (on an H100, the first 16k-token
+        prompt step's GEMM held the host for the whole 330 ms of the step before it). So besides a greedy job,
+        the warm-up prefills one full chunk of prompt tokens (long prompt steps use other GEMM kernels than short
+        ones), samples with the default settings (penalties, top-k, top-p) and runs a step that mixes one job's
         decode row with another job's prompt."""
         self.generate("Once upon a time,", max_new_tokens=8, gen_settings=SamplerSettings.greedy())
+        self._prefill_one_full_chunk()
         ids = self.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
         ids = (list(ids) * 2)[:max(2, len(ids))]  # at least two tokens: a prompt chunk, not a decode row
         self.enqueue(DynamicJob(ids, max_new_tokens=6, gen_settings=SamplerSettings(), seed=0))
@@ -286,6 +289,23 @@ class DynamicGenerator:
         while self.num_remaining_jobs():
             self.iterate()
         self.reset_page_table()
+
+    def _prefill_one_full_chunk(self) -> None:
+        """Prompts that fill one step's max_chunk_size (as far as max_seq_len, the batch and the pool allow), one
+        greedy token each."""
+        length = min(self.max_seq_len - 1, self.max_chunk_size)
+        pages_each = -(-(length + 1) // self.page_size)
+        count = min(self.max_chunk_size // max(length, 1), self.max_batch_size, self.pool.num_pages // pages_each)
+        if length < 2 or count < 1:
+            return
+        vocab = min(self.tokenizer.vocab_size, self.model.config.vocab_size)
+        # distinct first tokens: no prompt shares a page with another
+        waiting = [DynamicJob([(k + 7 * i) % vocab for i in range(length)], max_new_tokens=1,
+                              gen_settings=SamplerSettings.greedy()) for k in range(count)]
+        while waiting or self.num_remaining_jobs():
+            while waiting and self.num_pending_jobs() < self.max_q_size:
+                self.enqueue(waiting.pop())
+            self.iterate()
 
     # --- the step ---
 

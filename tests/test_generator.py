@@ -414,6 +414,9 @@ def test_warmup_runs_a_mixed_step_and_sampled_settings(peaked):
     gen._row_params = lambda seq, u: settings.append(seq.job.gen_settings) or row_params(seq, u)
     gen.warmup()
     assert any(max(sizes) > 1 and min(sizes) == 1 for sizes in plans if sizes), plans
+    # one step of long prompts, as long as the chunk allows (its GEMMs take other kernels than short steps')
+    length = min(gen.max_seq_len - 1, gen.max_chunk_size)
+    assert max(sum(sizes) for sizes in plans) == (gen.max_chunk_size // length) * length, plans
     assert any(s == folio.SamplerSettings() for s in settings)
     assert gen.pool.num_cached == 0 and gen.pool.num_in_use == 0
 
