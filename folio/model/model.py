@@ -53,9 +53,10 @@ class Model:
         # Prefill attention path on CUDA (see folio.model.flash): "auto" picks tensor-core FlashAttention when it
         # passes a numerical probe here, else our paged kernel; set another mode to force one.
         self.prefill_attention = "auto"
-        # The o_proj and down GEMMs add into the residual stream themselves (cuBLAS with beta = 1), so the norm
-        # after them reads one [T, H] tensor and writes one instead of two each; FOLIO_RESIDUAL_GEMM=0 turns it
-        # off (A/B timing). The native GEMV (decode batches of a few rows) keeps the separate fused add + norm.
+        # The o_proj and down GEMMs add into the residual stream themselves (addmm_, beta = 1; cuBLAS on CUDA), so
+        # the norm after them reads one [T, H] tensor and writes one instead of two each (a 16k-token prompt step
+        # on an H100: RMSNorm 10.4 -> 5.5 ms, the GEMMs ~1 ms more). FOLIO_RESIDUAL_GEMM=0 turns it off (A/B
+        # timing). The native GEMV (decode batches of a few rows) keeps the separate fused add + norm.
         self.residual_in_gemm = os.environ.get("FOLIO_RESIDUAL_GEMM", "1") != "0"
 
     @classmethod
