@@ -348,14 +348,15 @@ class StepTrace:
 
     @staticmethod
     def _summarise(prof, wall_us: float, steps: int) -> None:
-        spans, totals, counts = [], {}, {}
-        host_events = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                       if e.device_type != torch.autograd.DeviceType.CUDA]
+        spans, totals, counts, host_events = [], {}, {}, []
         runtime: dict[str, list[float]] = {}  # host-side CUDA runtime/driver calls: where the host may block
         for e in prof.events():
+            on_host = e.device_type != torch.autograd.DeviceType.CUDA
+            if on_host:
+                host_events.append((e.time_range.start, e.time_range.end, e.name))
             if e.name.startswith("folio."):
                 continue  # the named host spans (instrument); the profiler mirrors them on the device timeline
-            if e.device_type != torch.autograd.DeviceType.CUDA:
+            if on_host:
                 if e.name.startswith(("cuda", "cu")):
                     runtime.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
                 continue
