@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import folio.generator as folio_generator  # noqa: E402
-from folio import Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, Tokenizer  # noqa: E402
+from folio import (Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, Tokenizer,  # noqa: E402
+                   activation_reserve_bytes)
 from folio.model import flash  # noqa: E402
 
 SHAPES = {
@@ -253,6 +254,7 @@ class RunResult:
 def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: int, prefix_cache: bool = True,
                    cache_tokens: int | None = None, prefill_ahead: bool = True) -> tuple[DynamicGenerator, Cache]:
     device = pair.model.device
+    reserve = 0
     if cache_tokens is not None or device.type != "cuda":
         page = 256
         tokens = cache_tokens or max_batch_size * max_seq_len
@@ -260,13 +262,15 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
     else:
         gc.collect()
         torch.cuda.empty_cache()
-        cache = Cache(pair.model, max_memory_fraction=0.85)
+        reserve = activation_reserve_bytes(pair.model, max_batch_size, OPTIONS.get("chunk_size") or None)
+        cache = Cache(pair.model, max_memory_fraction=0.85, reserve_bytes=reserve)
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            max_q_size=num_jobs + 1, prefix_cache=prefix_cache,
                            max_chunk_size=OPTIONS.get("chunk_size") or None,
                            overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead)
-    log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB), batch {max_batch_size}, "
+    log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB"
+        f"{f', {reserve / 2**30:.1f} GiB kept for activations' if reserve else ''}), batch {max_batch_size}, "
         f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.decode_graphs else 'off'} "
         f"({time.perf_counter() - t0:.1f} s)")
     return gen, cache

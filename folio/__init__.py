@@ -18,6 +18,7 @@ _PUBLIC = {
     "Tokenizer": "folio.tokenizer",
     "DynamicGenerator": "folio.generator",
     "QueueFull": "folio.generator",
+    "activation_reserve_bytes": "folio.generator",
     "DynamicJob": "folio.job",
     "SamplerSettings": "folio.sampling",
     "DynamicGeneratorAsync": "folio.aio",

@@ -99,6 +99,29 @@ class _SampledOnHost:
         return self.logits[self._logits_rows[row]].to(torch.float32, copy=True)
 
 
+def resolve_max_chunk_size(max_chunk_size: int | None, page_size: int) -> int:
+    """DynamicGenerator's max_chunk_size: the given one, checked, or the default rounded to whole pages."""
+    if max_chunk_size is None:
+        return max(page_size, DEFAULT_MAX_CHUNK_TOKENS - DEFAULT_MAX_CHUNK_TOKENS % page_size)
+    if not isinstance(max_chunk_size, int) or max_chunk_size < page_size or max_chunk_size % page_size:
+        raise ValueError(f"max_chunk_size must be a positive multiple of the page size ({page_size}), "
+                         f"got {max_chunk_size!r}")
+    return max_chunk_size
+
+
+def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BATCH_SIZE,
+                             max_chunk_size: int | None = None, page_size: int = 256) -> int:
+    """Device memory that a DynamicGenerator with these settings needs beside its cache (Cache's reserve_bytes):
+    its largest eager step (a full prompt chunk with a decode row for every other running sequence) and, on
+    CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows)."""
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    chunk = resolve_max_chunk_size(max_chunk_size, page_size)
+    eager = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
+    graphs = model.step_activation_bytes(max_batch_size, max_batch_size) if model.device.type == "cuda" else 0
+    return eager + graphs
+
+
 class QueueFull(RuntimeError):
     """More jobs are waiting than the generator's `max_q_size` allows; retry once some have started."""
 
@@ -135,7 +158,7 @@ class DynamicGenerator:
         self.paged = paged
         self.max_seq_len = self._resolve_max_seq_len(max_seq_len)
         self.max_batch_size = self._resolve_max_batch_size(max_batch_size)
-        self.max_chunk_size = self._resolve_max_chunk_size(max_chunk_size)
+        self.max_chunk_size = resolve_max_chunk_size(max_chunk_size, self.page_size)
         if not isinstance(max_q_size, int) or max_q_size < 1:
             raise ValueError(f"max_q_size must be an integer >= 1, got {max_q_size!r}")
         self.max_q_size = max_q_size
@@ -182,14 +205,6 @@ class DynamicGenerator:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         return max_batch_size
-
-    def _resolve_max_chunk_size(self, max_chunk_size: int | None) -> int:
-        if max_chunk_size is None:
-            return max(self.page_size, DEFAULT_MAX_CHUNK_TOKENS - DEFAULT_MAX_CHUNK_TOKENS % self.page_size)
-        if not isinstance(max_chunk_size, int) or max_chunk_size < self.page_size or max_chunk_size % self.page_size:
-            raise ValueError(f"max_chunk_size must be a positive multiple of the page size ({self.page_size}), "
-                             f"got {max_chunk_size!r}")
-        return max_chunk_size
 
     def _capture_decode_graphs(self, cuda_graphs: bool | None) -> DecodeGraphs | None:
         on_cuda = self.model.device.type == "cuda"

@@ -24,9 +24,15 @@ class Cache:
         num_tokens: int | None = None,
         page_size: int = 256,
         max_memory_fraction: float | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         """Size the cache by num_tokens (a multiple of page_size), or on CUDA by max_memory_fraction of the
-        currently free device memory."""
+        currently free device memory.
+
+        reserve_bytes (CUDA only): memory the forward passes will need beside the cache, their activations (see
+        folio.generator.activation_reserve_bytes). With max_memory_fraction it is set aside before the fraction
+        is taken; with num_tokens, a cache that leaves less than it free is refused here, with the numbers,
+        instead of running out of memory at the first large step."""
         _check_page_size(page_size)
         cfg = model.config
         self.page_size = page_size
@@ -34,7 +40,7 @@ class Cache:
         element_size = torch.empty((), dtype=model.dtype).element_size()
         # K and V, every layer
         self.bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
-        self.num_pages = self._resolve_num_pages(model.device, num_tokens, max_memory_fraction)
+        self.num_pages = self._resolve_num_pages(model.device, num_tokens, max_memory_fraction, reserve_bytes)
         shape = (cfg.num_layers, self.num_pages, *self.page_shape)
         # zeros, not empty: deterministic contents for slots no sequence has written yet
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
@@ -58,14 +64,28 @@ class Cache:
         ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
 
     def _resolve_num_pages(
-        self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None
+        self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None, reserve_bytes: int
     ) -> int:
         if num_tokens is not None and max_memory_fraction is not None:
             raise ValueError("give either num_tokens or max_memory_fraction, not both")
+        if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be an int >= 0, got {reserve_bytes!r}")
+        if reserve_bytes and device.type != "cuda":
+            raise ValueError(f"reserve_bytes needs a CUDA device (model is on {device}): it is checked against "
+                             f"the device's free memory")
         if num_tokens is not None:
             if num_tokens <= 0 or num_tokens % self.page_size:
                 raise ValueError(f"num_tokens={num_tokens} must be a positive multiple of page_size={self.page_size}")
-            return num_tokens // self.page_size
+            num_pages = num_tokens // self.page_size
+            if reserve_bytes:
+                free_bytes, _ = torch.cuda.mem_get_info(device)
+                if num_pages * self.bytes_per_page + reserve_bytes > free_bytes:
+                    raise ValueError(
+                        f"a cache of {num_tokens} tokens ({num_pages * self.bytes_per_page / 2**30:.2f} GiB) and "
+                        f"the {reserve_bytes / 2**30:.2f} GiB reserved for activations do not fit in the "
+                        f"{free_bytes / 2**30:.2f} GiB free on {device}: give fewer tokens or a smaller chunk size"
+                    )
+            return num_pages
         if max_memory_fraction is None:
             raise ValueError("the cache size is unknown: give num_tokens (or max_memory_fraction on CUDA)")
         if device.type != "cuda":
@@ -73,11 +93,11 @@ class Cache:
         if not 0.0 < max_memory_fraction <= 1.0:
             raise ValueError(f"max_memory_fraction={max_memory_fraction} must be in (0, 1]")
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        num_pages = int(free_bytes * max_memory_fraction) // self.bytes_per_page
+        num_pages = int(max(0, free_bytes - reserve_bytes) * max_memory_fraction) // self.bytes_per_page
         if num_pages < 1:
             raise ValueError(
-                f"{max_memory_fraction} of the {free_bytes} free bytes on {device} holds no page "
-                f"of {self.bytes_per_page} bytes"
+                f"{max_memory_fraction} of the {free_bytes} free bytes on {device}, less {reserve_bytes} reserved "
+                f"for activations, holds no page of {self.bytes_per_page} bytes"
             )
         return num_pages
 

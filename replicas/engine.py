@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from folio.aio import DynamicGeneratorAsync, DynamicJobAsync, GeneratorClosed
-from folio.generator import DynamicGenerator, QueueFull
+from folio.generator import DynamicGenerator, QueueFull, activation_reserve_bytes
 from folio.job import JobState
 from folio.kv_cache import Cache
 from folio.model.model import Model
@@ -52,7 +52,12 @@ class Engine:
         """Load model -> tokenizer -> allocate cache -> generator -> warm up -> start the engine thread."""
         model = load_model(config)
         tokenizer = Tokenizer.from_pretrained(config.model_path)
-        cache = Cache(model, page_size=config.page_size, **config.cache_size())
+        cache_size = config.cache_size()
+        if model.device.type == "cuda":
+            # leave room for the largest step's activations and the decode graphs (or fail here, with the numbers)
+            cache_size["reserve_bytes"] = activation_reserve_bytes(model, config.max_batch_size,
+                                                                   config.max_chunk_size, config.page_size)
+        cache = Cache(model, page_size=config.page_size, **cache_size)
         generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                                      max_chunk_size=config.max_chunk_size, max_q_size=config.max_queue_size)

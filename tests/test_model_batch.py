@@ -118,10 +118,31 @@ def test_cache_shapes(model) -> None:
     (dict(page_size=16), ValueError, "give num_tokens"),
     (dict(max_memory_fraction=0.5), ValueError, "max_memory_fraction needs a CUDA device"),
     (dict(num_tokens=256, max_memory_fraction=0.5), ValueError, "either num_tokens or max_memory_fraction"),
+    (dict(num_tokens=256, reserve_bytes=1 << 20), ValueError, "reserve_bytes needs a CUDA device"),
+    (dict(num_tokens=256, reserve_bytes=-1), ValueError, "reserve_bytes must be an int >= 0"),
 ])
 def test_cache_errors(model, kwargs, error, message) -> None:
     with pytest.raises(error, match=message):
         Cache(model, **kwargs)
+
+
+def test_step_activation_bytes_grows_with_the_step_and_is_what_a_generator_reserves(model) -> None:
+    from folio.generator import activation_reserve_bytes
+
+    small, large = model.step_activation_bytes(64, 4), model.step_activation_bytes(4096, 4)
+    assert 0 < small < large
+    assert model.step_activation_bytes(64, 8) > small  # more logit rows, more sampler buffers
+    assert model.step_activation_bytes(64, 4, max_context_tokens=64) <= small
+    with pytest.raises(ValueError, match="num_logit_rows <= num_tokens"):
+        model.step_activation_bytes(4, 5)
+    # a generator's largest eager step: a full chunk (the default 2048, or the given one) plus a decode row per
+    # other sequence; no decode graphs on a CPU
+    assert activation_reserve_bytes(model, 8, page_size=256) == model.step_activation_bytes(2048 + 8, 8)
+    assert activation_reserve_bytes(model, 8, 4096, page_size=256) == model.step_activation_bytes(4096 + 8, 8)
+    with pytest.raises(ValueError, match="max_chunk_size must be a positive multiple"):
+        activation_reserve_bytes(model, 8, 1000, page_size=256)
+    with pytest.raises(ValueError, match="max_batch_size must be an integer"):
+        activation_reserve_bytes(model, 0)
 
 
 def test_cache_copy_page_slots(model) -> None:

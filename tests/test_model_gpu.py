@@ -56,6 +56,19 @@ def test_cache_sized_from_free_memory(tmp_path) -> None:
     assert cache.bytes == cache.k.numel() * 4 * 2
     with pytest.raises(ValueError, match=r"max_memory_fraction=1.5 must be in \(0, 1\]"):
         Cache(model, max_memory_fraction=1.5)
+    del cache
+    # memory kept for activations is set aside before the fraction is taken ...
+    free_bytes, _ = torch.cuda.mem_get_info(model.device)
+    reserve = free_bytes // 2
+    cache = Cache(model, page_size=256, max_memory_fraction=0.02, reserve_bytes=reserve)
+    assert cache.num_pages == int((free_bytes - reserve) * 0.02) // cache.bytes_per_page
+    del cache
+    # ... and a cache of a given size that leaves less than it free is refused before anything is allocated
+    free_bytes, _ = torch.cuda.mem_get_info(model.device)
+    with pytest.raises(ValueError, match="reserved for activations do not fit"):
+        Cache(model, num_tokens=256, page_size=256, reserve_bytes=free_bytes)
+    assert torch.cuda.mem_get_info(model.device)[0] == free_bytes
+    Cache(model, num_tokens=256, page_size=256, reserve_bytes=free_bytes // 2)
 
 
 def paged_batch(lens: list[tuple[int, int]], page_size: int, gen: torch.Generator):
@@ -145,3 +158,66 @@ def test_logits_gemm_writes_fp32_directly() -> None:
     assert got.dtype == torch.float32 and got.shape == (256, 3000)
     assert ((got.double() - exact).abs().max() <= (rounded.double() - exact).abs().max()).item()
     assert torch.allclose(got, rounded, rtol=1e-2, atol=1e-2)
+
+
+def _bf16_model(**shape) -> Model:
+    """A random bf16 Llama of the given shape, built on the GPU (no files)."""
+    import transformers
+
+    from folio.model.config import ModelConfig
+
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    raw = config.to_dict()
+    raw["dtype"] = "bfloat16"
+    return Model.from_state_dict(ModelConfig.from_dict(raw), hf.state_dict())
+
+
+# (context, new tokens) of each sequence: equal fresh prompts (cuDNN's dense path from their second step) beside
+# decode rows; and prompts continuing cached prefixes (the flash path gathers their contexts from the cache).
+_STEPS = {
+    "fresh prompts and decode rows": [(1024, 1024)] * 8 + [(300, 1)] * 16,
+    "cached prefixes": [(1280, 256), (2048, 1024)] + [(700, 1)] * 4,
+}
+
+
+@pytest.mark.parametrize("step", sorted(_STEPS))
+@pytest.mark.parametrize("top_tokens", [0, 5])
+def test_step_activation_bytes_bounds_the_allocator_peak(step, top_tokens) -> None:
+    """Model.step_activation_bytes against the caching allocator's own peak over a forward and its sampling
+    (the native sampler, or with top tokens asked for, the torch one). The bound must hold and stay within 2.5x
+    of the peak, or the cache it sizes gives memory away."""
+    from folio.sampling import RowParams, SamplerSettings, sample
+
+    model = _bf16_model(num_hidden_layers=2, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=3584, vocab_size=32000)
+    page_size = 256
+    lens = _STEPS[step]
+    cache = Cache(model, num_tokens=sum(-(-ctx // page_size) for ctx, _ in lens) * page_size, page_size=page_size)
+    chunks, used = [], 0
+    for ctx, new in lens:
+        pages = -(-ctx // page_size)
+        chunks.append(SeqChunk([7] * new, ctx - new, list(range(used, used + pages))))
+        used += pages
+    batch = ForwardBatch.build(chunks, page_size, model.device)
+    rows = [RowParams(SamplerSettings(), u=0.5, return_top_tokens=top_tokens) for _ in lens]
+    model.forward(batch, cache)  # first call: probes, plans and library workspaces are made once, not per step
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = sample(model.forward(batch, cache), rows, in_place=True)
+    assert out.token_ids.shape == (len(lens),)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    multi_token_context = sum(ctx for ctx, new in lens if new > 1)
+    bound = model.step_activation_bytes(batch.num_tokens, len(lens), max_context_tokens=multi_token_context)
+    print(f"{step}, top {top_tokens}: peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB "
+          f"({bound / peak:.2f}x)")
+    assert peak <= bound
+    assert bound <= 2.5 * peak

@@ -116,6 +116,34 @@ class Model:
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
         return self._logits(x[batch.logits_idx], w.lm_head)
 
+    def step_activation_bytes(self, num_tokens: int, num_logit_rows: int, max_context_tokens: int | None = None) -> int:
+        """An upper bound on the device memory that one forward of num_tokens new tokens, num_logit_rows of them
+        producing logits, allocates and frees again, sampling included: what a cache sized from free memory
+        must leave free (Cache's reserve_bytes). Counted from the tensors `forward` keeps alive at once, layer by
+        layer; library workspaces (cuBLAS, cuDNN) are not in it.
+
+        max_context_tokens: the most context tokens (cached prefix and new) that the step's multi-token rows have
+        together, which the flash prefill path may gather from the cache; None: as many as it ever gathers."""
+        if num_tokens < 1 or not 0 <= num_logit_rows <= num_tokens:
+            raise ValueError(f"need num_tokens >= 1 and 0 <= num_logit_rows <= num_tokens, "
+                             f"got {num_tokens} and {num_logit_rows}")
+        cfg = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        gathered = flash.GATHER_MAX_TOKENS if max_context_tokens is None else min(max_context_tokens,
+                                                                                   flash.GATHER_MAX_TOKENS)
+        # Through every layer: the residual stream, the normalized input, and for a moment the next one beside it.
+        stream = 3 * cfg.hidden_size
+        # Attention: the fused QKV product; the flash path's q copy, its output and the concatenation with the
+        # one-token rows' output; and the context K/V that path may gather from the cache.
+        attention = (num_tokens * (stream + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.q_size)
+                     + 2 * gathered * cfg.kv_size) * element
+        # MLP: the gate/up product and its SiLU (the largest phase for Llama shapes).
+        mlp = num_tokens * (stream + 3 * cfg.intermediate_size) * element
+        # Logits and sampling: the selected rows' copy, fp32 logits, and up to eight logits-sized fp32 buffers for
+        # the sampler (the torch path's padded copy, sort values and int64 indices, probabilities, cumulative sums).
+        logits = num_logit_rows * (cfg.hidden_size * element + 9 * cfg.vocab_size * 4)
+        return max(attention, mlp) + logits
+
     def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """residual += out, then RMSNorm(residual). out None: a projection already added itself into the residual
         (`_project_into`). Otherwise out is overwritten with the normalized residual and returned."""
