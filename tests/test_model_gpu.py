@@ -175,15 +175,17 @@ def _bf16_model(**shape) -> Model:
     finally:
         torch.set_default_dtype(previous)
     raw = config.to_dict()
-    raw["dtype"] = "bfloat16"
+    raw.update(dtype="bfloat16", architectures=["LlamaForCausalLM"])
     return Model.from_state_dict(ModelConfig.from_dict(raw), hf.state_dict())
 
 
 # (context, new tokens) of each sequence: equal fresh prompts (cuDNN's dense path from their second step) beside
-# decode rows; and prompts continuing cached prefixes (the flash path gathers their contexts from the cache).
+# decode rows; prompts continuing cached prefixes (the flash path gathers their contexts from the cache); a full
+# decode batch, where the sampler's buffers are most of the step.
 _STEPS = {
     "fresh prompts and decode rows": [(1024, 1024)] * 8 + [(300, 1)] * 16,
     "cached prefixes": [(1280, 256), (2048, 1024)] + [(700, 1)] * 4,
+    "decode rows": [(300, 1)] * 256,
 }
 
 
@@ -192,7 +194,8 @@ _STEPS = {
 def test_step_activation_bytes_bounds_the_allocator_peak(step, top_tokens) -> None:
     """Model.step_activation_bytes against the caching allocator's own peak over a forward and its sampling
     (the native sampler, or with top tokens asked for, the torch one). The bound must hold and stay within 2.5x
-    of the peak, or the cache it sizes gives memory away."""
+    of the peak, or the cache it sizes gives memory away -- except where the native sampler samples a full decode
+    batch: the bound counts the torch path's buffers, which that step does not allocate."""
     from folio.sampling import RowParams, SamplerSettings, sample
 
     model = _bf16_model(num_hidden_layers=2, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
@@ -220,4 +223,5 @@ def test_step_activation_bytes_bounds_the_allocator_peak(step, top_tokens) -> No
     print(f"{step}, top {top_tokens}: peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB "
           f"({bound / peak:.2f}x)")
     assert peak <= bound
-    assert bound <= 2.5 * peak
+    if top_tokens or step != "decode rows":
+        assert bound <= 2.5 * peak
