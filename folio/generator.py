@@ -118,7 +118,9 @@ def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BAT
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
     chunk = resolve_max_chunk_size(max_chunk_size, page_size)
     eager = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
-    graphs = model.step_activation_bytes(max_batch_size, max_batch_size) if model.device.type == "cuda" else 0
+    graphs = 0
+    if model.device.type == "cuda":  # (a graph runs the forward; the sampler runs eagerly after it)
+        graphs = model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)
     return eager + graphs
 
 

@@ -133,6 +133,7 @@ def test_step_activation_bytes_grows_with_the_step_and_is_what_a_generator_reser
     assert 0 < small < large
     assert model.step_activation_bytes(64, 8) > small  # more logit rows, more sampler buffers
     assert model.step_activation_bytes(64, 4, max_context_tokens=64) <= small
+    assert model.step_activation_bytes(64, 4, sampling=False) < small
     with pytest.raises(ValueError, match="num_logit_rows <= num_tokens"):
         model.step_activation_bytes(4, 5)
     # a generator's largest eager step: a full chunk (the default 2048, or the given one) plus a decode row per

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 
 _mm_fp32_ok: dict[tuple, bool] = {}
+# The most logits-sized fp32 buffers sampling holds at once beside the logits: the torch path with a full sort of
+# the vocabulary (no top-k; rows that ask for top tokens take it) held 11.3 on an H100 at 256 rows of 32k (its
+# working copy, the sort's keys and int64 values with their double buffers, probabilities, sums). The native
+# sampler holds one.
+SAMPLER_LOGITS_COPIES = 13
 
 
 def _mm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -116,14 +121,16 @@ class Model:
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
         return self._logits(x[batch.logits_idx], w.lm_head)
 
-    def step_activation_bytes(self, num_tokens: int, num_logit_rows: int, max_context_tokens: int | None = None) -> int:
+    def step_activation_bytes(self, num_tokens: int, num_logit_rows: int, max_context_tokens: int | None = None,
+                              sampling: bool = True) -> int:
         """An upper bound on the device memory that one forward of num_tokens new tokens, num_logit_rows of them
         producing logits, allocates and frees again, sampling included: what a cache sized from free memory
         must leave free (Cache's reserve_bytes). Counted from the tensors `forward` keeps alive at once, layer by
         layer; library workspaces (cuBLAS, cuDNN) are not in it.
 
         max_context_tokens: the most context tokens (cached prefix and new) that the step's multi-token rows have
-        together, which the flash prefill path may gather from the cache; None: as many as it ever gathers."""
+        together, which the flash prefill path may gather from the cache; None: as many as it ever gathers.
+        sampling: count the sampler's buffers too (False: the forward alone, as a captured decode graph runs it)."""
         if num_tokens < 1 or not 0 <= num_logit_rows <= num_tokens:
             raise ValueError(f"need num_tokens >= 1 and 0 <= num_logit_rows <= num_tokens, "
                              f"got {num_tokens} and {num_logit_rows}")
@@ -139,9 +146,10 @@ class Model:
                      + 2 * gathered * cfg.kv_size) * element
         # MLP: the gate/up product and its SiLU (the largest phase for Llama shapes).
         mlp = num_tokens * (stream + 3 * cfg.intermediate_size) * element
-        # Logits and sampling: the selected rows' copy, fp32 logits, and up to eight logits-sized fp32 buffers for
-        # the sampler (the torch path's padded copy, sort values and int64 indices, probabilities, cumulative sums).
-        logits = num_logit_rows * (cfg.hidden_size * element + 9 * cfg.vocab_size * 4)
+        # Logits: the selected rows' copy and the fp32 logits; then the sampler's buffers.
+        logits = num_logit_rows * (cfg.hidden_size * element + cfg.vocab_size * 4)
+        if sampling:
+            logits += num_logit_rows * cfg.vocab_size * 4 * SAMPLER_LOGITS_COPIES
         return max(attention, mlp) + logits
 
     def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
