@@ -36,6 +36,10 @@ from folio.tokenizer import Tokenizer
 DEFAULT_MAX_CHUNK_TOKENS = 2048
 MAX_DERIVED_BATCH_SIZE = 256
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
+# Device memory that CUDA libraries take at their first use beside torch's tensors, kept free with the activations
+# (activation_reserve_bytes): cuBLAS's workspaces (32 MiB a handle on Hopper), cuDNN's plans and the code of
+# kernels loaded lazily at their first launch.
+LIBRARY_RESERVE_BYTES = 256 << 20
 
 
 @dataclass
@@ -113,14 +117,15 @@ def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BAT
                              max_chunk_size: int | None = None, page_size: int = 256) -> int:
     """Device memory that a DynamicGenerator with these settings needs beside its cache (Cache's reserve_bytes):
     its largest eager step (a full prompt chunk with a decode row for every other running sequence) and, on
-    CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows)."""
+    CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows) and the libraries'
+    own (LIBRARY_RESERVE_BYTES)."""
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
     chunk = resolve_max_chunk_size(max_chunk_size, page_size)
     eager = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
     graphs = 0
     if model.device.type == "cuda":  # (a graph runs the forward; the sampler runs eagerly after it)
-        graphs = model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)
+        graphs = model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False) + LIBRARY_RESERVE_BYTES
     return eager + graphs
 
 

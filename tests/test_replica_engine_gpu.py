@@ -1,0 +1,46 @@
+"""A replica's engine on a CUDA device (no cluster): its cache, sized from free memory, leaves room for the steps
+it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from replicas.config import ServeConfig
+from replicas.schema import Completion, EngineRequest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_a_cache_of_all_free_memory_still_runs_full_chunks(demo_dir):
+    """cache_memory_fraction=1.0: the cache takes everything free but the activation reserve. The warm-up
+    (which prefills a full chunk) and a prompt as long as the chunk then run; without the reserve the first
+    step's activations have nowhere to go."""
+    from folio.generator import activation_reserve_bytes
+    from replicas.engine import Engine
+
+    chunk = 2048
+    config = ServeConfig(model_path=str(demo_dir), device="cuda", num_gpus=1, cache_memory_fraction=1.0,
+                         page_size=256, max_batch_size=8, max_chunk_size=chunk, max_seq_len=4096, warmup=True)
+    engine = Engine.build(config)
+    try:
+        # the cache took all but the reserve (what the warm-up left in torch's allocator counts as taken)
+        free_bytes, _ = torch.cuda.mem_get_info()
+        assert free_bytes < activation_reserve_bytes(engine.model, 8, chunk, 256) + engine.cache.bytes_per_page
+
+        async def run():
+            requests = [EngineRequest(input_ids=tuple((i * 7 + j) % 900 + 3 for j in range(chunk - 8)),
+                                      max_new_tokens=8, stop_conditions=(), sampler={"temperature": 0.0, "top_k": 1})
+                        for i in range(3)]
+            jobs = [engine.start_job(r) for r in requests]
+            return [[c async for c in engine.stream(job, time.monotonic())] for job in jobs]
+
+        for chunks in asyncio.run(run()):
+            assert Completion.from_chunks(chunks).finish.usage.completion_tokens == 8
+    finally:
+        asyncio.run(engine.close(drain_timeout_s=5))
+        del engine
+        torch.cuda.empty_cache()
