@@ -42,6 +42,8 @@ class ServeConfig:
     dtype: float32 / float16 / bfloat16; None keeps the checkpoint's.
     cache_tokens / cache_memory_fraction: KV-cache size per replica, in tokens (a multiple of page_size) or as a
         share of the GPU's free memory; at most one. Neither: 0.85 of free memory on a GPU, 16384 tokens on a CPU.
+        On a GPU the largest step's activations are set aside first (folio.activation_reserve_bytes, from
+        max_chunk_size and max_batch_size); a cache_tokens that leaves too little for them fails at start-up.
     page_size: tokens per KV-cache page (a power of two >= 16); also the prefix-sharing granularity.
     max_batch_size: sequences one replica runs at once.
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
