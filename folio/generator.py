@@ -122,11 +122,12 @@ def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BAT
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
     chunk = resolve_max_chunk_size(max_chunk_size, page_size)
-    eager = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
-    graphs = 0
-    if model.device.type == "cuda":  # (a graph runs the forward; the sampler runs eagerly after it)
-        graphs = model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False) + LIBRARY_RESERVE_BYTES
-    return eager + graphs
+    reserve = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
+    if model.device.type == "cuda":
+        # the decode graphs' pool (a graph runs the forward; the sampler runs eagerly after it), the libraries'
+        reserve += model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)
+        reserve += LIBRARY_RESERVE_BYTES
+    return reserve
 
 
 class QueueFull(RuntimeError):
