@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_a_cache_of_all_free_memory_still_runs_full_chunks(demo_dir):
     """cache_memory_fraction=1.0: the cache takes everything free but the activation reserve. The warm-up
-    (which prefills a full chunk) and a prompt as long as the chunk then run; without the reserve the first
-    step's activations have nowhere to go."""
+    (which prefills a full chunk) and prompts as long as the chunk then run. With the reserve forced to 0
+    (bench/check_reserve_off.py) this fails already in allocating the cache's V tensor (the allocator rounds the
+    K tensor up), so it shows that a reserve is needed, not that its activation term is right: that is
+    test_step_activation_bytes_bounds_the_allocator_peak's job."""
     from folio.generator import activation_reserve_bytes
     from replicas.engine import Engine
 
