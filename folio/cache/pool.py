@@ -118,6 +118,10 @@ class PagePool:
     def page_state(self, page_id: int) -> PageState:
         return self._page(page_id).state
 
+    def is_ready(self, page_id: int) -> bool:
+        """Whether the page holds a ready hash (its content is fixed: others may share it)."""
+        return self._page(page_id).ready
+
     def lookup(self, hashes: Sequence[bytes]) -> PrefixLookup:
         """How many leading `hashes` are READY, and how many right after those are PENDING. Changes nothing.
 
