@@ -18,13 +18,22 @@ _PUBLIC = {
     "Tokenizer": "folio.tokenizer",
     "DynamicGenerator": "folio.generator",
     "QueueFull": "folio.generator",
-    "activation_reserve_bytes": "folio.generator",
+    "StepOutput": "folio.generator",
+    "activation_reserve_bytes": "folio.sizing",
+    "EngineOptions": "folio.options",
+    "StepStats": "folio.stats",
+    "CacheSnapshot": "folio.cache.manager",
+    "PrefixCacheStats": "folio.cache.manager",
     "DynamicJob": "folio.job",
+    "JobState": "folio.job",
     "SamplerSettings": "folio.sampling",
     "DynamicGeneratorAsync": "folio.aio",
     "DynamicJobAsync": "folio.aio",
+    "GeneratorClosed": "folio.aio",
     "Stage": "folio.results",
     "EosReason": "folio.results",
+    "Result": "folio.results",
+    "StreamingResult": "folio.results",
 }
 
 __all__ = sorted(_PUBLIC)

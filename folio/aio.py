@@ -44,7 +44,7 @@ class DynamicGeneratorAsync:
             raise TypeError("pass either a DynamicGenerator or its constructor arguments, not both")
         self.generator = generator
         self._inbox: deque[_Command] = deque()
-        self._jobs: dict[int, DynamicJobAsync] = {}  # id(sync job) -> async job, engine thread only
+        self._jobs: dict[DynamicJob, DynamicJobAsync] = {}  # sync job -> async job, engine thread only
         self._wake = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
@@ -63,10 +63,11 @@ class DynamicGeneratorAsync:
     def enqueue(self, job: DynamicJobAsync) -> None:
         # Validate here so a bad request fails in the caller's task, not later in its stream.
         self.generator.validate_job(job.job)
+        bound = self.generator.max_queued_jobs
         with self._wake:
             queued = sum(1 for c in self._inbox if c.kind == "enqueue")
-            if queued + self.generator.num_pending_jobs() >= self.generator.max_q_size:
-                raise QueueFull(f"the generator's queue is full ({self.generator.max_q_size} pending jobs)")
+            if bound is not None and queued + self.generator.num_pending_jobs() >= bound:
+                raise QueueFull(f"the generator's queue is full ({bound} waiting jobs)")
         self._submit(_Command("enqueue", job))
 
     async def cancel(self, job: DynamicJobAsync) -> None:
@@ -141,22 +142,22 @@ class DynamicGeneratorAsync:
             except Exception as error:  # noqa: BLE001 — e.g. the queue filled up meanwhile
                 ajob._push(error)
                 return
-            self._jobs[id(ajob.job)] = ajob
+            self._jobs[ajob.job] = ajob
         elif command.kind == "cancel":
             ajob.cancelled = True
-            if id(ajob.job) in self._jobs:
+            if ajob.job in self._jobs:
                 self.generator.cancel(ajob.job)
-                del self._jobs[id(ajob.job)]
+                del self._jobs[ajob.job]
             ajob._push(_END)
             if command.done is not None:
                 command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
 
     def _deliver(self, result: Result) -> None:
-        ajob = self._jobs.get(id(result.job))
+        ajob = self._jobs.get(result.job)
         if ajob is None:
             return
         if result.eos:
-            del self._jobs[id(result.job)]
+            del self._jobs[result.job]
         ajob._push(result)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -1,11 +1,12 @@
 """DynamicJob: one request — its settings, and what happens to each token it samples.
 
-A job never touches pages or tensors beyond the rows handed to it: page bookkeeping lives in `folio.scheduler`,
-text handling in `folio.text`. This module joins the two into typed results.
+A job never touches pages or tensors beyond the rows handed to it: its runtime state lives in its
+`folio.sequence.Sequence`, text handling in `folio.text`. This module turns sampled tokens into typed results.
 """
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 from collections import deque
@@ -20,10 +21,14 @@ from folio.text import TextStream
 if TYPE_CHECKING:
     import torch
 
+    from folio.sequence import Sequence
+
     from folio.tokenizer import Tokenizer
 
 
-class JobState:
+class JobState(str, enum.Enum):
+    """What a job's user sees of it (the engine's own record is folio.sequence.SeqStatus)."""
+
     NEW = "new"
     PENDING = "pending"
     ACTIVE = "active"
@@ -32,7 +37,7 @@ class JobState:
 
 
 @dataclass
-class _TokenExtras:
+class TokenExtras:
     """What a sampled token carries besides its id, held until the text pipeline releases the token."""
 
     prob: float | None
@@ -110,19 +115,17 @@ class DynamicJob:
         # Set when the job is enqueued.
         self.serial: int | None = None
         self.state = JobState.NEW
-        self.skips = 0
         self.new_tokens = 0
         self.generated_ids: list[int] = []
         self.full_completion = ""
         self._tokenizer: Tokenizer | None = None
         self._text: TextStream | None = None
-        self._held: deque[_TokenExtras] = deque()
+        self._held: deque[TokenExtras] = deque()
         self.time_enqueue: float | None = None
         self.time_first_prefill: float | None = None
         self.time_first_token: float | None = None
         self.time_last_token: float | None = None
-        self.cached_tokens = 0
-        self.cached_pages = 0
+        self.sequence: Sequence | None = None  # the engine's runtime record of this job, set at enqueue
 
     @staticmethod
     def _split_stop_conditions(conditions: Sequence[int | str] | None) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -161,6 +164,15 @@ class DynamicJob:
         return len(self.input_ids)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache at admission."""
+        return self.sequence.num_prefix_hit_tokens if self.sequence is not None else 0
+
+    @property
+    def cached_pages(self) -> int:
+        return self.sequence.num_prefix_hit_pages if self.sequence is not None else 0
+
+    @property
     def blocked_tokens(self) -> frozenset[int]:
         """Tokens the sampler must not pick for this job's next token."""
         return self.stop_tokens if self.new_tokens < self.min_new_tokens else frozenset()
@@ -174,7 +186,7 @@ class DynamicJob:
         return PrefillResult(job=self, serial=self.serial, identifier=self.identifier,
                              curr_progress=curr_progress, max_progress=max_progress)
 
-    def receive_token(self, token_id: int, extras: _TokenExtras) -> StreamingResult:
+    def receive_token(self, token_id: int, extras: TokenExtras) -> StreamingResult:
         """Run one sampled token through stop checks and the text pipeline; return its result (eos set when the
         job ends). Stop tokens are not part of the text; text held before them is released."""
         now = time.monotonic()

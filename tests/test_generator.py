@@ -20,17 +20,21 @@ def prompts(tokenizer, n: int, base: str = "The lighthouse keeper") -> list[list
     return [tokenizer.encode(t) for t in texts]
 
 
-def run_to_end(generator, jobs, check_every_step: bool = True) -> dict[int, list]:
-    """Enqueue jobs, iterate until all finish; returns {serial: [results]} (pool.check() after every step)."""
+def run_to_end(generator, jobs, check_every_step: bool = True, stats: list | None = None) -> dict[int, list]:
+    """Enqueue jobs, step until all finish; returns {serial: [results]} (the pool's invariants checked after every
+    step); each step's StepStats go to `stats` if given."""
     results: dict[int, list] = {}
     for job in jobs:
         generator.enqueue(job)
     steps = 0
     while generator.num_remaining_jobs():
-        for r in generator.iterate():
+        out = generator.step()
+        if stats is not None:
+            stats.append(out.stats)
+        for r in out.results:
             results.setdefault(r.serial, []).append(r)
         if check_every_step:
-            generator.pool.check()
+            generator.cache_manager.check()
         steps += 1
         assert steps < 10_000, "generator made no progress"
     return results
@@ -97,7 +101,7 @@ def test_in_flight_jobs_share_prefix_pages(peaked):
     peak_shared = 0
     while gen.num_remaining_jobs():
         gen.iterate()
-        gen.pool.check()
+        gen.cache_manager.check()
         tables = [s.block_table for s in gen.scheduler.active]
         if len(tables) > 1:
             first_pages = [t[0] for t in tables if t]
@@ -187,7 +191,7 @@ def test_cache_smaller_than_worst_case_still_runs_every_job(peaked):
     assert worst_case_pages > 2 * gen.cache.num_pages
     got = outputs(gen, token_lists, max_new_tokens=60)
     assert [len(o) for o in got] == [60] * 8
-    assert gen.pool.num_in_use == 0
+    assert gen.cache_manager.num_in_use == 0
 
 
 def test_more_jobs_run_concurrently_than_reservation_allows(peaked):
@@ -207,7 +211,7 @@ def test_more_jobs_run_concurrently_than_reservation_allows(peaked):
     assert reservation_limit <= 2
     assert peak_decoding == 10
     gen.clear_queue()
-    gen.pool.check()
+    gen.cache_manager.check()
 
 
 # --- stop conditions and text ---
@@ -287,9 +291,9 @@ def test_max_skips_bounds_overtaking(peaked):
         for r in gen.iterate():
             if r.stage == Stage.STARTED:
                 started_order.append(r.job)
-        gen.pool.check()
+        gen.cache_manager.check()
     assert started_order.index(big) <= 2  # at most max_skips small jobs went first
-    assert big.skips == 2
+    assert big.sequence.num_skips == 2
     assert all(j.state == JobState.FINISHED for j in [hog, big, *smalls])
 
 
@@ -308,9 +312,9 @@ def test_cancel_in_every_state(peaked):
     prefilling = make_jobs([long_ids])[0]
     gen.enqueue(prefilling)
     gen.iterate()
-    assert gen.pool.num_in_use > 0 and not gen.scheduler.active[0].is_decoding
+    assert gen.cache_manager.num_in_use > 0 and not gen.scheduler.active[0].is_decoding
     gen.cancel(prefilling)
-    assert gen.pool.num_in_use == 0
+    assert gen.cache_manager.num_in_use == 0
 
     decoding = make_jobs([tok.encode("short")], max_new_tokens=50)[0]
     gen.enqueue(decoding)
@@ -318,24 +322,35 @@ def test_cancel_in_every_state(peaked):
         gen.iterate()
     assert decoding.new_tokens > 0
     gen.cancel(decoding)
-    assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
+    assert gen.cache_manager.num_in_use == 0 and gen.num_remaining_jobs() == 0
 
     finished = make_jobs([tok.encode("done")], max_new_tokens=2)[0]
     run_to_end(gen, [finished])
     gen.cancel(finished)  # no-op
     assert finished.state == JobState.FINISHED
-    gen.pool.check()
+    gen.cache_manager.check()
 
 
 # --- errors users see ---
 
 def test_queue_full(peaked):
-    gen = peaked.generator(max_q_size=2)
+    gen = peaked.generator(max_queued_jobs=2)
     jobs = make_jobs(prompts(peaked.tokenizer, 3))
     gen.enqueue(jobs[0])
     gen.enqueue(jobs[1])
     with pytest.raises(QueueFull, match="queue is full"):
         gen.enqueue(jobs[2])
+
+
+def test_max_q_size_is_tokens_per_sequence_not_the_queue_bound(peaked):
+    """Code written for the reference sets max_q_size=1 (one token per sequence per forward) and enqueues many
+    jobs at once: that must work, and give what the default gives."""
+    token_lists = prompts(peaked.tokenizer, 5)
+    gen = peaked.generator(max_q_size=1)
+    assert gen.max_queued_jobs is None
+    assert outputs(gen, token_lists, max_new_tokens=6) == outputs(peaked.generator(), token_lists, max_new_tokens=6)
+    with pytest.raises(ValueError, match="max_q_size"):
+        peaked.generator(max_q_size=0)
 
 
 def test_over_long_prompt_rejected(peaked):
@@ -393,12 +408,12 @@ def test_unpaged_runs_one_job_at_a_time_and_reuses_prefix(peaked):
 def test_warmup_and_reset_page_table_leave_no_cached_pages(peaked):
     gen = peaked.generator()
     gen.warmup()
-    assert gen.pool.num_cached == 0 and gen.pool.num_in_use == 0
+    assert gen.cache_manager.num_cached == 0 and gen.cache_manager.num_in_use == 0
     outputs(gen, prompts(peaked.tokenizer, 2))
-    assert gen.pool.num_cached > 0
+    assert gen.cache_manager.num_cached > 0
     gen.reset_page_table()
-    assert gen.pool.num_cached == 0
-    gen.pool.check()
+    assert gen.cache_manager.num_cached == 0
+    gen.cache_manager.check()
     gen.enqueue(make_jobs(prompts(peaked.tokenizer, 1))[0])
     with pytest.raises(RuntimeError, match="empty queue"):
         gen.reset_page_table()
@@ -408,17 +423,19 @@ def test_warmup_runs_a_mixed_step_and_sampled_settings(peaked):
     """The warm-up must launch what serving launches (CUDA loads each kernel at its first launch, waiting for the
     device): a step with a prompt chunk beside a decode row, and the default (sampled, penalised) settings."""
     gen = peaked.generator()
-    plans, settings = [], []
-    forward, row_params = gen._forward, gen._row_params
-    gen._forward = lambda plan, ids=None: plans.append([c.end - c.start for c in plan.chunks]) or forward(plan, ids)
-    gen._row_params = lambda seq, u: settings.append(seq.job.gen_settings) or row_params(seq, u)
+    steps, settings = [], []
+    step, sample = gen.step, gen.runner.sample
+    gen.step = lambda: steps.append(step()) or steps[-1]
+    gen.runner.sample = lambda chunks, logits: settings.extend(c.seq.job.gen_settings for c in chunks) or sample(
+        chunks, logits)
     gen.warmup()
-    assert any(max(sizes) > 1 and min(sizes) == 1 for sizes in plans if sizes), plans
+    stats = [out.stats for out in steps]
+    assert any(s.num_prompt_tokens > 0 and s.num_decode_rows > 0 for s in stats), stats
     # one step of long prompts, as long as the chunk allows (its GEMMs take other kernels than short steps')
     length = min(gen.max_seq_len - 1, gen.max_chunk_size)
-    assert max(sum(sizes) for sizes in plans) == (gen.max_chunk_size // length) * length, plans
+    assert max(s.num_prompt_tokens for s in stats) == (gen.max_chunk_size // length) * length, stats
     assert any(s == folio.SamplerSettings() for s in settings)
-    assert gen.pool.num_cached == 0 and gen.pool.num_in_use == 0
+    assert gen.cache_manager.num_cached == 0 and gen.cache_manager.num_in_use == 0
 
 
 def test_generate_abort_and_last_results(peaked):
@@ -432,7 +449,7 @@ def test_generate_abort_and_last_results(peaked):
     aborted = threading.Event()
     aborted.set()
     assert gen.generate(["a", "b"], max_new_tokens=50, abort_event=aborted) is None
-    assert gen.num_remaining_jobs() == 0 and gen.pool.num_in_use == 0
+    assert gen.num_remaining_jobs() == 0 and gen.cache_manager.num_in_use == 0
 
 
 # --- overlapped emission (on by default with CUDA graphs; forced here on the CPU) ---
@@ -465,14 +482,22 @@ def _summary(results: dict) -> list:
     return out
 
 
+def assert_same_runs(got: list, want: list) -> None:
+    """Tokens, text, reasons and counts equal; probabilities within float tolerance, since runs that batch rows
+    differently (steps launched ahead, emission a step later) may round them differently in the last bits."""
+    assert [r[:4] for r in got] == [r[:4] for r in want]
+    for g, w in zip(got, want):
+        assert g[4] == pytest.approx(w[4], rel=1e-5, abs=1e-7)
+
+
 def test_overlapped_emission_gives_the_same_results(demo):
     runs = {}
     for overlap in (False, True):
         gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap)
         assert gen.overlap_emit is overlap
         runs[overlap] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer)))
-        assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
-    assert runs[True] == runs[False]
+        assert gen.cache_manager.num_in_use == 0 and gen.num_remaining_jobs() == 0
+    assert_same_runs(runs[True], runs[False])
     reasons = {r[2] for r in runs[True]}
     assert EosReason.MAX_NEW_TOKENS in reasons and EosReason.STOP_STRING in reasons
 
@@ -486,24 +511,18 @@ def test_decode_ahead_gives_the_same_results(demo, overlap):
     for ahead, prefill_ahead in ((False, True), (True, False), (True, True)):
         gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, overlap_emit=overlap,
                              decode_ahead=ahead, prefill_ahead=prefill_ahead, max_chunk_size=32)
-        admitted_ahead = []
-        plan_ahead = gen.scheduler.plan_ahead
-
-        def recording(seqs, plan_ahead=plan_ahead, admitted_ahead=admitted_ahead):
-            plan = plan_ahead(seqs)
-            admitted_ahead.extend(plan.started if plan is not None else ())
-            return plan
-        gen.scheduler.plan_ahead = recording
-        results = run_to_end(gen, _overlap_jobs(demo.tokenizer))
+        steps = []
+        results = run_to_end(gen, _overlap_jobs(demo.tokenizer), stats=steps)
+        admitted_ahead = [s for s in steps if s.launched_ahead and s.num_started]
         # a job that a stop token ends frees its slot for a queued job in a step launched ahead
         assert bool(admitted_ahead) is (ahead and prefill_ahead)
         runs[ahead, prefill_ahead] = _summary(results)
         assert all(sum(r.stage == Stage.STARTED for r in rs) == 1 for rs in results.values())
-        assert gen.pool.num_in_use == 0 and gen.num_remaining_jobs() == 0
-        assert (gen.num_steps_ahead > 0) is ahead
-        assert (gen.num_prefill_steps_ahead > 0) is (ahead and prefill_ahead)
-    assert runs[True, False] == runs[False, True]
-    assert runs[True, True] == runs[False, True]
+        assert gen.cache_manager.num_in_use == 0 and gen.num_remaining_jobs() == 0
+        assert any(s.launched_ahead for s in steps) is ahead
+        assert any(s.launched_ahead and s.num_prompt_tokens for s in steps) is (ahead and prefill_ahead)
+    assert_same_runs(runs[True, False], runs[False, True])
+    assert_same_runs(runs[True, True], runs[False, True])
 
 
 def test_decode_ahead_with_a_small_cache_and_cancel(demo):
@@ -513,24 +532,23 @@ def test_decode_ahead_with_a_small_cache_and_cancel(demo):
     plain = _summary(run_to_end(demo.generator(num_tokens=128, page_size=16, max_batch_size=4,
                                                decode_ahead=False), _overlap_jobs(demo.tokenizer)))
     gen = demo.generator(num_tokens=128, page_size=16, max_batch_size=4, decode_ahead=True)
-    ahead = _summary(run_to_end(gen, jobs))
-    assert gen.num_steps_ahead > 0 and gen.scheduler.num_preemptions > 0
+    steps = []
+    ahead = _summary(run_to_end(gen, jobs, stats=steps))
+    assert any(s.launched_ahead for s in steps) and sum(s.num_preemptions for s in steps) > 0
     # Preemptions fall on other steps (planning ahead never preempts), so re-prefilled K/V, and with them the
     # probabilities, may differ in the last bits; tokens, text and reasons may not.
-    assert [r[:4] for r in ahead] == [r[:4] for r in plain]
-    for want, got in zip(plain, ahead):
-        assert got[4] == pytest.approx(want[4], rel=1e-5)
+    assert_same_runs(ahead, plain)
     jobs = _overlap_jobs(demo.tokenizer)[:3]
     for job in jobs:
         gen.enqueue(job)
-    while gen.num_steps_ahead == 0 or gen._ahead is None:
+    while gen.pipeline.step is None:
         gen.iterate()
     gen.cancel(jobs[1])
     while gen.num_remaining_jobs():
         for r in gen.iterate():
             assert r.job is not jobs[1]
-        gen.pool.check()
-    assert jobs[1].state == JobState.CANCELLED and gen.pool.num_in_use == 0
+        gen.cache_manager.check()
+    assert jobs[1].state == JobState.CANCELLED and gen.cache_manager.num_in_use == 0
 
 
 def test_overlapped_emission_cancel_and_generate(demo):
@@ -544,7 +562,7 @@ def test_overlapped_emission_cancel_and_generate(demo):
     while gen.num_remaining_jobs():
         for r in gen.iterate():
             assert r.job is not jobs[1]
-    assert jobs[1].state == JobState.CANCELLED and gen.pool.num_in_use == 0
+    assert jobs[1].state == JobState.CANCELLED and gen.cache_manager.num_in_use == 0
     plain = demo.generator(num_tokens=2048, page_size=16, overlap_emit=False)
     prompt = "The lighthouse keeper"
     assert gen.generate(prompt, max_new_tokens=12, gen_settings=GREEDY) == \
@@ -568,7 +586,8 @@ def test_cancel_while_its_prompt_chunk_is_in_a_step_launched_ahead(demo):
     results: dict[int, list] = {}
 
     def prefilling_ahead(job):
-        return gen._ahead is not None and any(c.seq.job is job and c.end - c.start > 1 for c in gen._ahead.plan.chunks)
+        ahead = gen.pipeline.step
+        return ahead is not None and any(c.seq.job is job and c.num_tokens > 1 for c in ahead.plan.chunks)
     steps = 0
     while not prefilling_ahead(mine[2]):
         for r in gen.iterate():
@@ -580,6 +599,6 @@ def test_cancel_while_its_prompt_chunk_is_in_a_step_launched_ahead(demo):
         for r in gen.iterate():
             assert r.job is not mine[2]
             results.setdefault(r.serial, []).append(r)
-        gen.pool.check()
-    assert mine[2].state == JobState.CANCELLED and gen.pool.num_in_use == 0
+        gen.cache_manager.check()
+    assert mine[2].state == JobState.CANCELLED and gen.cache_manager.num_in_use == 0
     assert _summary({s: rs for s, rs in results.items() if s != mine[2].serial}) == want

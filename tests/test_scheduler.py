@@ -1,4 +1,4 @@
-"""The scheduler and page pool together, without a model (torch-free).
+"""The scheduler, the KV cache manager and the page pool together, without a model (torch-free).
 
 A fake KV store records which token each cache slot holds: writing a chunk fills its slots, a partial-page copy
 copies slots. After every step, every cached position of every running sequence must hold that sequence's token —
@@ -16,17 +16,16 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from folio.cache import PagePool
-from folio.scheduler import Scheduler, SeqState, StepPlan
+from folio.cache.manager import KVCacheManager
+from folio.scheduler import Scheduler, StepPlan
+from folio.sequence import Sequence, SeqStatus
 
 
 @dataclass(eq=False)
 class FakeJob:
     max_new_tokens: int
+    prompt_tokens: int
     max_skips: int | None = 4
-    skips: int = 0
-    new_tokens: int = 0
-    cached_pages: int = 0
-    cached_tokens: int = 0
 
 
 class Harness:
@@ -36,18 +35,19 @@ class Harness:
 
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int = 8, max_chunk_size: int = 32,
                  prefix_cache: bool = True, ahead: bool = False):
-        self.pool = PagePool(num_pages, page_size)
-        self.sched = Scheduler(self.pool, max_batch_size, max_chunk_size, prefix_cache)
+        self.pool = PagePool(num_pages, page_size)  # inspected by check(); the manager is its only user
+        self.cache = KVCacheManager(num_pages, page_size, prefix_cache, pool=self.pool)
+        self.sched = Scheduler(self.cache, max_batch_size, max_chunk_size)
         self.slots: dict[tuple[int, int], int] = {}  # (page, slot) -> token written there
         self.finished = 0
         self.ahead = ahead
         self.num_steps_ahead = 0
         self._ahead_plan: StepPlan | None = None
-        self._fed: set[int] = set()  # ids of the sequences whose rows the ahead plan feeds
-        self.outputs: dict[int, list[int]] = {}  # id(seq) -> its tokens when it finished
+        self._fed: set[Sequence] = set()  # the sequences whose rows the ahead plan feeds
+        self.outputs: dict[Sequence, list[int]] = {}  # tokens of each sequence when it finished
 
-    def enqueue(self, prompt: list[int], max_new_tokens: int) -> SeqState:
-        seq = SeqState(job=FakeJob(max_new_tokens), token_ids=list(prompt))
+    def enqueue(self, prompt: list[int], max_new_tokens: int) -> Sequence:
+        seq = Sequence(job=FakeJob(max_new_tokens, len(prompt)), token_ids=list(prompt))
         self.sched.add(seq)
         return seq
 
@@ -55,29 +55,30 @@ class Harness:
         plan, self._ahead_plan = self._ahead_plan, None
         if plan is not None:
             plan.chunks = [c for c in plan.chunks if c.seq in self.sched.active]
-            self._write(plan, [c for c in plan.chunks if id(c.seq) in self._fed], copies=False)
+            self._write(plan, [c for c in plan.chunks if c.seq in self._fed], copies=False)
         else:
             plan = self.sched.plan()
             self._write(plan, plan.chunks)
         self.sched.commit(plan)
         sampled = [c.seq for c in plan.chunks if c.wants_logits and c.seq in self.sched.active]
         if self.ahead and sampled:
-            fed = [seq for seq in sampled if seq.job.new_tokens + 1 < seq.job.max_new_tokens]
+            fed = [seq for seq in sampled if seq.num_sampled + 1 < seq.job.max_new_tokens]
             ahead = self.sched.plan_ahead(fed)
             if ahead is not None:
                 assert [c.seq for c in ahead.chunks[:len(fed)]] == fed
                 assert all(c.end - c.start == 1 and c.start == len(c.seq.token_ids) for c in ahead.chunks[:len(fed)])
                 self._write(ahead, ahead.chunks[len(fed):])
-                self._ahead_plan, self._fed = ahead, {id(seq) for seq in fed}
+                self._ahead_plan, self._fed = ahead, set(fed)
                 self.num_steps_ahead += 1
         for seq in sampled:
             # A deterministic "model": sequences with equal histories continue equally, so generated pages
             # collide too and exercise dedup of generated content.
-            self.sched.append_token(seq, (sum(seq.token_ids[-3:]) * 7 + len(seq.token_ids)) % 5)
-            seq.job.new_tokens += 1
-            if seq.job.new_tokens >= seq.job.max_new_tokens:
+            seq.token_ids.append((sum(seq.token_ids[-3:]) * 7 + len(seq.token_ids)) % 5)
+            seq.num_sampled += 1
+            if seq.num_sampled >= seq.job.max_new_tokens:
                 self.sched.remove(seq)
-                self.outputs[id(seq)] = list(seq.token_ids)
+                seq.status = SeqStatus.FINISHED
+                self.outputs[seq] = list(seq.token_ids)
                 self.finished += 1
 
     def _write(self, plan: StepPlan, chunks: list, copies: bool = True) -> None:
@@ -114,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.h = Harness(num_pages=24, page_size=4, max_batch_size=6, max_chunk_size=8)
-        self.seqs: list[SeqState] = []
+        self.seqs: list[Sequence] = []
 
     @rule(prefix=st.integers(0, 3), length=st.integers(1, 30), tail=st.integers(0, 4), new=st.integers(1, 12))
     def enqueue(self, prefix, length, tail, new):
@@ -132,6 +133,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     def cancel(self, pick):
         seq = self.seqs.pop(pick % len(self.seqs))
         self.h.sched.remove(seq)
+
+    @precondition(lambda self: not self.h.ahead and any(s.num_sampled for s in self.h.sched.active))
+    @rule(pick=st.integers(0, 1000), fraction=st.floats(0.0, 1.0))
+    def rollback(self, pick, fraction):
+        """Forget some generated tokens of a running sequence: the K/V of what it keeps must still be its own,
+        through released pages, copy-on-write of shared ones and the re-fed last token."""
+        running = [s for s in self.h.sched.active if s.num_sampled]
+        seq = running[pick % len(running)]
+        num_tokens = round(fraction * seq.num_sampled)
+        self.h.cache.rollback(seq, num_tokens)
+        seq.num_sampled -= num_tokens
 
     @invariant()
     def consistent(self):
@@ -186,7 +198,7 @@ def test_planning_ahead_changes_no_output(num_pages):
             h.check()
         assert h.finished == len(jobs) and h.pool.num_in_use == 0
         assert (h.num_steps_ahead > 0) is ahead
-        outputs[ahead] = [h.outputs[id(seq)] for seq in seqs]
+        outputs[ahead] = [h.outputs[seq] for seq in seqs]
     assert outputs[True] == outputs[False]
 
 
@@ -194,7 +206,7 @@ def test_ten_thousand_jobs_leak_no_page():
     rng = random.Random(7)
     h = Harness(num_pages=64, page_size=8, max_batch_size=32, max_chunk_size=64)
     submitted = cancelled = 0
-    live: list[SeqState] = []
+    live: list[Sequence] = []
     while submitted < 10_000 or h.sched.num_sequences:
         while submitted < 10_000 and len(h.sched.pending) < 16:
             base = rng.randrange(8)
@@ -235,7 +247,7 @@ def test_waiting_job_takes_pages_computed_by_another():
     h.step()
     h.check()
     assert b.block_table[:3] == a.block_table[:3]
-    assert b.job.cached_pages == 3
+    assert b.num_prefix_hit_pages == 3
 
 
 def test_num_prefill_tokens_counts_the_backlog():
@@ -262,3 +274,32 @@ def test_preempted_in_the_step_of_its_partial_copy_records_no_slots():
             h.enqueue([(prefix * 3 + i) % 5 for i in range(length)] + [tail] * (tail % 3), new)
         h.check()
     assert h.sched.num_preemptions >= 2
+
+
+def test_rollback_copies_a_registered_page_instead_of_writing_into_it():
+    """Rolling back into a full page that the pool holds ready (others may share it) swaps in a private page with
+    the kept slots copied; the re-fed token is written there, and the sequence then continues exactly as one that
+    was never rolled back."""
+    plain = Harness(num_pages=32, page_size=4, max_chunk_size=64)
+    want = plain.enqueue(list(range(1, 10)), 8)
+    while plain.sched.num_sequences:
+        plain.step()
+    h = Harness(num_pages=32, page_size=4, max_chunk_size=64)
+    seq = h.enqueue(list(range(1, 10)), 8)
+    while seq.num_sampled < 6:  # 15 tokens, 14 cached: pages 0-2 full and ready
+        h.step()
+    shared = seq.block_table[2]
+    assert h.pool.is_ready(shared) and len(seq.token_ids) == 15
+    h.cache.rollback(seq, 5)
+    seq.num_sampled -= 5
+    assert seq.token_ids == want.token_ids[:10] and seq.num_cached_tokens == 9
+    assert seq.block_table[2] != shared and h.pool.refcount(shared) == 0  # kept in the cache for its hash
+    assert len(seq.block_table) == 3
+    h.step()  # runs the copy of slot 0 of the old page, re-feeds position 9
+    h.check()
+    while h.sched.num_sequences:
+        h.step()
+        h.check()
+    assert h.outputs[seq] == plain.outputs[want]
+    with pytest.raises(ValueError, match="generated tokens"):
+        h.cache.rollback(h.enqueue([1, 2, 3], 2), 1)

@@ -63,6 +63,9 @@ class Model:
         # on an H100: RMSNorm 10.4 -> 5.5 ms, the GEMMs ~1 ms more). FOLIO_RESIDUAL_GEMM=0 turns it off (A/B
         # timing). The native GEMV (decode batches of a few rows) keeps the separate fused add + norm.
         self.residual_in_gemm = os.environ.get("FOLIO_RESIDUAL_GEMM", "1") != "0"
+        from folio.options import EngineOptions  # TEMPORARY until the native-registry branch lands
+
+        self.options = EngineOptions()
 
     @classmethod
     def from_pretrained(

@@ -1,0 +1,122 @@
+"""Emitter: from sampled tokens to results. Staging appends a token to its sequence (so the next step can be
+planned) and retires a sequence that the token ends; emission hands the token to its job (stop strings, text) and
+turns it into a result. With overlapped emission the two are a step apart (folio.pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from folio.job import DynamicJob, JobState, TokenExtras
+from folio.results import Result
+from folio.runner import ModelRunner, SampledTokens
+from folio.scheduler import Chunk, Scheduler, StepPlan
+from folio.sequence import Sequence, SeqStatus
+from folio.stats import StepStats
+
+
+@dataclass
+class StagedToken:
+    """A sampled token between staging (appended to its sequence) and emission (handed to its job)."""
+
+    seq: Sequence
+    token_id: int
+    extras: TokenExtras
+    failure: Result | None = None  # the job failed at staging: emit this result instead
+
+
+class Emitter:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.live: dict[DynamicJob, Sequence] = {}  # enqueued jobs that have not ended, in enqueue order
+        self.stats = StepStats()  # the current step's (the generator swaps in a new one each step)
+
+    def add(self, seq: Sequence) -> None:
+        self.live[seq.job] = seq
+        self.runner.add_sequence(seq)
+        self.scheduler.add(seq)
+
+    def stage_all(self, chunks: list[Chunk], sampled: SampledTokens) -> list[StagedToken]:
+        staged = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if not seq.is_live:
+                continue  # ended (stop string, error, cancel) while this step ran: its token is dropped
+            k = seq.job.return_top_tokens
+            extras = TokenExtras(
+                prob=sampled.probs[i] if sampled.probs is not None else None,
+                top_k_tokens=sampled.top_tokens[i][:k] if k else None,
+                top_k_probs=sampled.top_probs[i][:k] if k else None,
+                logits=sampled.logits.get(i))
+            staged.append(self.stage(seq, sampled.token_ids[i], extras))
+        return staged
+
+    def stage(self, seq: Sequence, token_id: int, extras: TokenExtras) -> StagedToken:
+        """Append a sampled token to its sequence; a job that this token ends (max_new_tokens, a stop token)
+        leaves the scheduler now. Its text and result come at emission."""
+        job = seq.job
+        if token_id < 0:
+            return StagedToken(seq, token_id, extras, failure=self.fail(seq, RuntimeError(
+                "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
+        seq.token_ids.append(token_id)
+        seq.num_sampled += 1
+        self.stats.num_sampled += 1
+        if seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
+            self.scheduler.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        return StagedToken(seq, token_id, extras)
+
+    def emit(self, staged: list[StagedToken]) -> list[Result]:
+        """Hand staged tokens to their jobs (stop checks, text); results in staging order."""
+        results = []
+        for entry in staged:
+            if entry.failure is not None:
+                results.append(entry.failure)
+                continue
+            seq, job = entry.seq, entry.seq.job
+            if job not in self.live:
+                continue  # cancelled or failed since it was staged
+            try:
+                result = job.receive_token(entry.token_id, entry.extras)
+            except Exception as error:  # noqa: BLE001 - one job's failure must not take down the batch
+                results.append(self.fail(seq, error))
+                continue
+            results.append(result)
+            if result.eos:
+                self.retire(seq, SeqStatus.FINISHED)
+        return results
+
+    def started_results(self, plan: StepPlan) -> list[Result]:
+        results = []
+        for seq in plan.started:
+            if seq.is_live:
+                results.append(seq.job.started_result())
+                seq.job.state = JobState.ACTIVE
+        self.stats.num_started += len(results)
+        return results
+
+    def prefill_results(self, plan: StepPlan) -> list[Result]:
+        """Prompt progress of the sequences that prefilled this step and have sampled nothing yet."""
+        results = []
+        seen: set[Sequence] = set()
+        progressed = [c.seq for c in plan.chunks if c.is_prompt] + [s for s in plan.progressed]
+        for seq in progressed:
+            if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            seen.add(seq)
+            target = seq.num_prefill_target
+            results.append(seq.job.prefill_result(min(seq.num_cached_tokens, target), target))
+        return results
+
+    def fail(self, seq: Sequence, error: BaseException) -> Result:
+        self.retire(seq, SeqStatus.FAILED)
+        self.stats.num_failed += 1
+        return seq.job.error_result(error)
+
+    def retire(self, seq: Sequence, status: SeqStatus) -> None:
+        """The job ended or was cancelled: forget it and release its pages."""
+        if self.live.pop(seq.job, None) is not None:
+            self.stats.num_finished += status is not SeqStatus.CANCELLED
+        self.runner.remove_sequence(seq)
+        self.scheduler.remove(seq)
+        seq.status = status

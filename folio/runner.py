@@ -1,0 +1,205 @@
+"""ModelRunner: the device side of a step. It owns the model, the KV tensors, the captured decode graphs, the
+penalty histories kept on the device and the pinned readback of sampled tokens; it executes a planned step (slot
+copies, prompt chunks, decode rows and verify rows), samples, and makes the step's one intended host sync
+(`SampledStep.read`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from folio.kv_cache import Cache
+from folio.model.batch import ForwardBatch, SeqChunk
+from folio.model.decode_graphs import DecodeGraphs
+from folio.model.model import Model
+from folio.sampling import RowParams, sample
+from folio.sampling.device_history import DeviceHistories
+from folio.sampling.host import to_device
+from folio.sampling.penalties import window_size
+from folio.sampling.rng import uniforms
+from folio.sampling.sampler import SampleOutput
+from folio.scheduler import Chunk, StepPlan
+from folio.sequence import Sequence
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens on the host, one entry per sampled row."""
+
+    token_ids: list[int]
+    probs: list[float] | None
+    top_tokens: list[list[int]] | None
+    top_probs: list[list[float]] | None
+    logits: dict[int, torch.Tensor]  # row -> processed logits, fp32 on the CPU (rows that asked for them)
+
+
+class SampledStep:
+    """A step's sampler outputs: `token_ids` stays on the device (a step launched ahead feeds on it); what the
+    host reads is copied as soon as it is computed, on CUDA into pinned memory without blocking."""
+
+    def __init__(self, output: SampleOutput, probs: bool, top: bool, logits_rows: list[int]):
+        self.token_ids = output.token_ids
+        device = output.token_ids.device
+        self._event = None
+        self._logits_rows = logits_rows
+        self._host = [self._fetch(output.token_ids),
+                      self._fetch(output.token_probs) if probs else None,
+                      self._fetch(output.top_k_tokens) if top else None,
+                      self._fetch(output.top_k_probs) if top else None]
+        self._logits = None
+        if logits_rows:
+            rows = logits_rows if len(logits_rows) < output.logits.shape[0] else slice(None)
+            if isinstance(rows, list):
+                rows = to_device(rows, torch.int64, device)
+            self._logits = self._fetch(output.logits[rows])
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @staticmethod
+    def _fetch(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def read(self) -> SampledTokens:
+        """The one intended host sync of a step: the sampled ids decide what every job does next."""
+        if self._event is not None:
+            self._event.synchronize()
+        ids, probs, top_ids, top_probs = (None if t is None else t.tolist() for t in self._host)
+        logits = {row: self._logits[k].to(torch.float32, copy=True) for k, row in enumerate(self._logits_rows)}
+        return SampledTokens(ids, probs, top_ids, top_probs, logits)
+
+
+class ModelRunner:
+    def __init__(self, model: Model, cache: Cache, max_batch_size: int, max_seq_len: int, vocab_size: int,
+                 max_q_size: int = 8, cuda_graphs: bool | None = None):
+        """max_q_size: the most tokens of one sequence in a decode forward (a verify row's length).
+        cuda_graphs: capture decode steps (rows of one or several tokens, up to max_batch_size token rows in all)
+        in CUDA graphs; None: whenever the model is on a CUDA device."""
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.vocab_size = vocab_size  # real vocabulary entries: logits beyond are masked
+        self.max_q_size = max_q_size
+        self.graphs = self._capture_graphs(cuda_graphs, max_batch_size, max_seq_len)
+        self._histories = DeviceHistories(model.device)  # prompt + sampled ids of sequences with penalties
+
+    def _capture_graphs(self, cuda_graphs: bool | None, max_rows: int, max_seq_len: int) -> DecodeGraphs | None:
+        on_cuda = self.model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a model on a CUDA device")
+        if cuda_graphs is False or not on_cuda:
+            return None
+        return DecodeGraphs(self.model, self.cache, max_rows, max_seq_len)
+
+    # --- sequences ---
+
+    def add_sequence(self, seq: Sequence) -> None:
+        job = seq.job
+        if job.gen_settings.penalty_window != 0:
+            self._histories.add(seq, job.input_ids, job.prompt_tokens + job.max_new_tokens)
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self._histories.remove(seq)
+
+    # --- the forward ---
+
+    def forward(self, plan: StepPlan, fed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+        """Run the plan's slot copies and chunks. fed_ids: on the device, the input ids of the plan's first
+        len(fed_ids) chunks, decode rows planned ahead whose tokens are not in their sequences yet. Returns the
+        logits (rows in chunk order, `Chunk.num_logits` each; None without chunks) and whether a captured graph
+        ran."""
+        for copy in plan.copies:
+            self.cache.copy_page_slots(copy.src_page, copy.dst_page, copy.num_slots)
+        if not plan.chunks:
+            return None, False
+        num_fed = 0 if fed_ids is None else fed_ids.shape[0]
+        rows = plan.chunks
+        for c in rows:
+            if c.verify and c.num_tokens > self.max_q_size:
+                raise ValueError(f"a verify row of {c.num_tokens} tokens exceeds max_q_size={self.max_q_size}")
+        # a fed row's token is not in its sequence yet, so its chunk cannot tell that it wants logits
+        modes = ["last" if k < num_fed else ("all" if c.verify else ("last" if c.wants_logits else "none"))
+                 for k, c in enumerate(rows)]
+        if self.graphs is not None and all(m == "all" or (m == "last" and c.num_tokens == 1)
+                                           for m, c in zip(modes, rows)):
+            if self.graphs.bucket_for(sum(c.num_tokens for c in rows)) is not None:
+                return self._replay(rows, fed_ids, num_fed), True
+        chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.seq.token_ids[c.start:c.end], start_pos=c.start,
+                           block_table=c.seq.block_table, logits=mode)
+                  for k, (c, mode) in enumerate(zip(rows, modes))]
+        batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
+        if num_fed:
+            fed = fed_ids.to(batch.input_ids.dtype)
+            input_ids = fed if num_fed == len(chunks) else torch.cat([fed, batch.input_ids[num_fed:]])
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        return self.model.forward(batch, self.cache), False
+
+    def _replay(self, rows: list[Chunk], fed_ids: torch.Tensor | None, num_fed: int) -> torch.Tensor:
+        """Decode and verify rows through a captured graph: a verify row of n tokens runs as n one-token rows over
+        the same pages, row j attending to positions <= start + j (its K/V and those before are all written by
+        the same forward before attention reads them)."""
+        known, positions, tables = [], [], []
+        for k, c in enumerate(rows):
+            if k >= num_fed:
+                known.extend(c.seq.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            tables.extend([c.seq.block_table] * c.num_tokens)
+        if num_fed == 0:
+            ids = known
+        elif known:
+            ids = torch.cat([fed_ids, to_device(known, fed_ids.dtype, fed_ids.device)])
+        else:
+            ids = fed_ids
+        return self.graphs.run(ids, positions, tables)
+
+    # --- sampling ---
+
+    def sample(self, chunks: Seq[Chunk], logits: torch.Tensor) -> SampledStep:
+        """One token for each chunk (each wants the logits of its last token, one row of `logits` each). The
+        sampled ids are appended to the penalty histories on the device."""
+        seqs = [c.seq for c in chunks]
+        jobs = [s.job for s in seqs]
+        draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
+        rows = [self._row_params(s, u) for s, u in zip(seqs, draws)]
+        # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
+        # overwrites only after this step's sampler in stream order) are read by nothing else
+        output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True)
+        self._record_sampled(seqs, output.token_ids)
+        return SampledStep(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
+                           [i for i, j in enumerate(jobs) if j.return_logits])
+
+    def _row_params(self, seq: Sequence, u: float) -> RowParams:
+        job = seq.job
+        return RowParams.unchecked(
+            settings=job.gen_settings, u=u,
+            history_ids=(),  # the penalties read the device histories (see _penalty_windows)
+            blocked_ids=tuple(job.stop_tokens) if seq.num_sampled < job.min_new_tokens else (),
+            vocab_size=self.vocab_size, return_top_tokens=job.return_top_tokens, return_logits=job.return_logits)
+
+    def _penalty_windows(self, seqs: list[Sequence], num_columns: int) -> torch.Tensor | None:
+        """The rows' penalty ids gathered on the device, or None when no row has penalties."""
+        history = self._histories
+        keys = [s if s in history else None for s in seqs]
+        lengths = [s.prompt_len + s.num_sampled for s in seqs]
+        sizes = [0 if k is None else window_size(s.job.gen_settings, n) for k, s, n in zip(keys, seqs, lengths)]
+        if not any(sizes):
+            return None
+        return history.windows(keys, lengths, sizes, num_columns)
+
+    def _record_sampled(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
+        """Append each sampled id to its sequence's device history, on the device (a sequence that turns out to
+        have ended leaves a harmless extra id past its end)."""
+        rows = [i for i, s in enumerate(seqs) if s in self._histories]
+        if not rows:
+            return
+        if len(rows) < len(seqs):
+            token_ids = token_ids[to_device(rows, torch.int64, token_ids.device)]
+        self._histories.append([seqs[i] for i in rows], [seqs[i].prompt_len + seqs[i].num_sampled for i in rows],
+                               token_ids)

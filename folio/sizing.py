@@ -1,0 +1,42 @@
+"""How big a generator's steps get, and the device memory they need beside the KV cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from folio.model.model import Model
+
+DEFAULT_MAX_CHUNK_TOKENS = 2048
+MAX_DERIVED_BATCH_SIZE = 256
+# Device memory that CUDA libraries take at their first use beside torch's tensors, kept free with the activations
+# (activation_reserve_bytes): cuBLAS's workspaces (32 MiB a handle on Hopper), cuDNN's plans and the code of
+# kernels loaded lazily at their first launch.
+LIBRARY_RESERVE_BYTES = 256 << 20
+
+
+def resolve_max_chunk_size(max_chunk_size: int | None, page_size: int) -> int:
+    """DynamicGenerator's max_chunk_size: the given one, checked, or the default rounded to whole pages."""
+    if max_chunk_size is None:
+        return max(page_size, DEFAULT_MAX_CHUNK_TOKENS - DEFAULT_MAX_CHUNK_TOKENS % page_size)
+    if not isinstance(max_chunk_size, int) or max_chunk_size < page_size or max_chunk_size % page_size:
+        raise ValueError(f"max_chunk_size must be a positive multiple of the page size ({page_size}), "
+                         f"got {max_chunk_size!r}")
+    return max_chunk_size
+
+
+def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BATCH_SIZE,
+                             max_chunk_size: int | None = None, page_size: int = 256) -> int:
+    """Device memory that a DynamicGenerator with these settings needs beside its cache (Cache's reserve_bytes):
+    its largest eager step (a full prompt chunk with a decode row for every other running sequence) and, on
+    CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows) and the libraries'
+    own (LIBRARY_RESERVE_BYTES)."""
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    chunk = resolve_max_chunk_size(max_chunk_size, page_size)
+    reserve = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
+    if model.device.type == "cuda":
+        # the decode graphs' pool (a graph runs the forward; the sampler runs eagerly after it), the libraries'
+        reserve += model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)
+        reserve += LIBRARY_RESERVE_BYTES
+    return reserve

@@ -1,0 +1,39 @@
+"""StepStats: what one engine step did, returned by `DynamicGenerator.step()` and kept as `last_step_stats`.
+
+Benchmarks, tests and the serving layer read these instead of reaching into the engine. Host times are wall-clock
+seconds spent on the host in each phase of the step (the device may run concurrently, see folio.pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Host phases of a step, in the order they run.
+PHASES = ("plan", "forward", "sample", "launch_ahead", "wait_tokens", "emit")
+
+
+@dataclass
+class StepStats:
+    step_idx: int = 0
+    num_rows: int = 0  # sequences that fed tokens to the forward (a prompt chunk, decode row or verify row each)
+    num_prompt_tokens: int = 0  # prompt tokens computed (not counting those reused from the cache)
+    num_decode_rows: int = 0  # rows feeding one sampled token
+    num_verify_rows: int = 0  # rows feeding drafted tokens, every one with logits
+    num_sampled: int = 0  # tokens sampled
+    num_started: int = 0  # jobs admitted for the first time
+    num_finished: int = 0  # jobs that ended (any reason, errors included)
+    num_failed: int = 0
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt tokens reused from the cache by first admissions this step
+    num_pages_in_use: int = 0
+    num_pages_cached: int = 0
+    num_pages_free: int = 0
+    num_running: int = 0  # after the step
+    num_waiting: int = 0
+    launched_ahead: bool = False  # the step's forward was launched during the previous step
+    used_graph: bool = False  # the forward replayed a captured decode graph
+    host_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
+    total_s: float = 0.0
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
