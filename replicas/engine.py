@@ -60,7 +60,7 @@ class Engine:
         cache = Cache(model, page_size=config.page_size, **cache_size)
         generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                     max_chunk_size=config.max_chunk_size, max_q_size=config.max_queue_size)
+                                     max_chunk_size=config.max_chunk_size, max_queued_jobs=config.max_queue_size)
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
         runner = DynamicGeneratorAsync(generator=generator)
@@ -92,7 +92,7 @@ class Engine:
         def build(generator: DynamicGenerator) -> dict[str, Any]:
             running = generator.num_remaining_jobs() - generator.num_pending_jobs()
             queued = runner.num_remaining_jobs - running  # the scheduler's queue + enqueues not applied yet
-            return build_digest(generator.pool, running=running, queued=queued, epoch=epoch, max_hashes=max_hashes,
+            return build_digest(generator.cache_snapshot(), running=running, queued=queued, epoch=epoch, max_hashes=max_hashes,
                                 instance_id=instance_id, max_running=generator.max_batch_size,
                                 num_prefill_tokens=num_prefill_tokens(generator))
 

@@ -65,7 +65,7 @@ def test_32_concurrent_jobs_from_separate_tasks(peaked):
 def test_cancel_mid_stream_frees_pages(peaked):
     async def main():
         generator = make_async(peaked)
-        pool = generator.generator.pool
+        pool = generator.generator.cache_manager
         long_job = folio.DynamicJobAsync(generator, input_ids=peaked.tokenizer.encode("long one"),
                                          max_new_tokens=300, gen_settings=GREEDY, stop_conditions=[])
         seen = 0
@@ -94,7 +94,7 @@ def test_cancel_pending_job_before_it_starts(peaked):
         await job.cancel()
         results = await collect(job)
         await asyncio.sleep(0.05)
-        state = (generator.num_remaining_jobs, generator.generator.pool.num_in_use)
+        state = (generator.num_remaining_jobs, generator.generator.cache_manager.num_in_use)
         await generator.close()
         return results, state
 
@@ -121,7 +121,7 @@ def test_error_in_one_job_fails_only_that_job(peaked, monkeypatch):
         with pytest.raises(RuntimeError, match="filter blew up"):
             await collect(bad)
         good_results = await good_task
-        in_use = generator.generator.pool.num_in_use
+        in_use = generator.generator.cache_manager.num_in_use
         await generator.close()
         return good_results, in_use
 
@@ -172,8 +172,8 @@ def test_run_in_engine_reads_state_between_steps(peaked):
         seen = []
         async for result in job:
             if result.stage == Stage.STREAMING:
-                seen.append(await generator.run_in_engine(lambda g: (g.pool.num_in_use, g.num_steps)))
-        cached = await generator.run_in_engine(lambda g: list(g.pool.cached_hashes()))
+                seen.append(await generator.run_in_engine(lambda g: (g.cache_manager.num_in_use, g.num_steps)))
+        cached = await generator.run_in_engine(lambda g: list(g.cache_snapshot().cached_hashes()))
         with pytest.raises(ZeroDivisionError):
             await generator.run_in_engine(lambda g: 1 / 0)
         events = generator.generator.drain_page_events()

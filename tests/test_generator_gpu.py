@@ -35,7 +35,7 @@ def greedy_run(path, device, dtype, page_size=16, cuda_graphs=None, prompts=PROM
         for r in gen.iterate():
             if r.stage == folio.Stage.STREAMING and r.logits is not None:
                 logits[id(r.job)].append(r.logits)
-        gen.pool.check()
+        gen.cache_manager.check()
     return [(j.generated_ids, torch.cat(logits[id(j)])) for j in jobs], gen
 
 

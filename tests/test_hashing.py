@@ -110,5 +110,16 @@ def test_torch_free_modules():
                 assert name.split(".")[0] in {"__future__", "folio", "array", "hashlib", "struct", "sys",
                                               "collections", "dataclasses", "enum", "heapq", "typing"}, \
                     f"{path.name} imports {name}"
-                assert not name.startswith("folio.") or name.startswith(("folio.cache", "folio.hashing")), \
-                    f"{path.name} imports {name}"
+                assert not name.startswith("folio.") or name.startswith(
+                    ("folio.cache", "folio.hashing", "folio.sequence")), f"{path.name} imports {name}"
+
+
+def test_cache_manager_and_scheduler_import_without_torch():
+    """The page side of the engine runs where torch cannot even be imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+            "import folio.hashing, folio.cache, folio.cache.manager, folio.sequence, folio.scheduler\n"
+            "assert sys.modules['torch'] is None")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -263,7 +263,7 @@ def test_engine_streams_exact_lengths(engine):
     assert len(completion.token_ids) == 12
     assert completion.finish.usage.completion_tokens == 12
     assert completion.finish.usage.prompt_tokens == 5
-    assert engine.generator.pool.num_in_use == 0
+    assert engine.generator.cache_manager.num_in_use == 0
 
 
 def test_engine_routing_digest_lists_the_prompt_pages(engine):
@@ -293,12 +293,12 @@ def test_engine_stream_closed_early_cancels_the_job(engine):
             seen += len(chunk.token_ids)
             if seen >= 3:
                 break
-        in_use_while_running = engine.generator.pool.num_in_use
+        in_use_while_running = engine.generator.cache_manager.num_in_use
         await stream.aclose()
         return in_use_while_running
 
     assert asyncio.run(run()) > 0
-    assert engine.generator.pool.num_in_use == 0
+    assert engine.generator.cache_manager.num_in_use == 0
     assert engine.num_remaining == 0
 
 
