@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 from folio.cache import invariants
 from folio.cache.errors import InvariantViolation, OutOfPages, PageNotReady, PageStateError, RefcountUnderflow
-from folio.cache.events import PageEvent, PageEventKind
+from folio.cache.events import EventLog, PageEvent, PageEventKind
 from folio.cache.eviction import EvictionQueue
 from folio.cache.lineage import Lineage
-from folio.cache.page import PageRecord, PageState
+from folio.cache.page import PageRecord, PageState, check_hashes
 from folio.cache.partial_index import MIN_PARTIAL_MATCH, PartialIndex, PartialMatch
-from folio.hashing import HASH_SIZE
 
 __all__ = ["MIN_PARTIAL_MATCH", "PagePool", "PartialMatch", "PrefixLookup"]
 
@@ -61,7 +60,6 @@ class PagePool:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self._page_size = page_size
-        self._record_events = record_events
         self._pages = [PageRecord(page_id) for page_id in range(num_pages)]
         self._free: list[int] = list(range(num_pages))  # min-heap of free page ids (sorted = a valid heap)
         self._ready: dict[bytes, int] = {}  # ready hash -> page id (cached or in use)
@@ -69,7 +67,7 @@ class PagePool:
         self._eviction = EvictionQueue()  # allocate() pops it; self._lineage decides what it holds
         self._lineage = Lineage(self._pages, self._ready, self._eviction)  # parent links, eviction tiers
         self._partial_index = PartialIndex(self._pages)  # recorded tokens, for find_partial()
-        self._events: list[PageEvent] = []
+        self._events = EventLog(record_events)
         self._clock = 0
         self._num_in_use = 0
         self._num_cached = 0
@@ -131,8 +129,7 @@ class PagePool:
 
     def drain_events(self) -> list[PageEvent]:
         """Stored/evicted events since the last drain, oldest first; clears them."""
-        events, self._events = self._events, []
-        return events
+        return self._events.drain()
 
     # ---- taking pages ---------------------------------------------------------------------------------------
 
@@ -206,8 +203,8 @@ class PagePool:
         page = self._in_use_page(page_id, "claim")
         if page.hash is not None:
             raise PageStateError(f"claim: {page.describe()} already has a hash")
-        self._check_hash_args(page_hash, parent_hash)
-        self._check_parent(page, parent_hash, "claim")
+        check_hashes(page_hash, parent_hash)
+        page.check_parent(parent_hash, "claim")
         if page_hash in self._ready or page_hash in self._pending:
             return False
         self._lineage.link(page, parent_hash)
@@ -230,13 +227,13 @@ class PagePool:
         page = self._in_use_page(page_id, "set_ready")
         if page.ready:
             raise PageStateError(f"set_ready: {page.describe()} is already hashed; a page is hashed once")
-        self._check_hash_args(page_hash, parent_hash)
+        check_hashes(page_hash, parent_hash)
         if len(token_ids) != self._page_size:
             raise ValueError(f"set_ready: page {page_id} needs {self._page_size} token ids, got {len(token_ids)}")
         if page.hash is not None and page.hash != page_hash:
             raise PageStateError(f"set_ready: {page.describe()} was claimed for another hash than "
                                  f"{page_hash.hex()}")
-        self._check_parent(page, parent_hash, "set_ready")
+        page.check_parent(parent_hash, "set_ready")
         if page_hash in self._ready:
             self._drop_claim(page)
             self._partial_index.clear_tokens(page)
@@ -251,7 +248,7 @@ class PagePool:
         page.hash = page_hash
         page.ready = True
         self._ready[page_hash] = page_id
-        self._log(PageEventKind.STORED, page_hash)
+        self._events.log(PageEventKind.STORED, page_hash)
         return True
 
     def record_tokens(self, page_id: int, parent_hash: bytes | None, token_ids: Sequence[int],
@@ -268,7 +265,7 @@ class PagePool:
         if not 1 <= len(token_ids) <= self._page_size:
             raise ValueError(f"record_tokens: page {page_id} takes 1..{self._page_size} token ids, "
                              f"got {len(token_ids)}")
-        self._check_parent(page, parent_hash, "record_tokens")
+        page.check_parent(parent_hash, "record_tokens")
         self._lineage.link(page, parent_hash)
         self._partial_index.set_tokens(page, token_ids, namespace)
 
@@ -314,7 +311,7 @@ class PagePool:
             raise PageStateError(f"reset: {self._num_in_use} pages are in use")
         for page in self._pages:
             if page.ready:
-                self._log(PageEventKind.EVICTED, page.hash)
+                self._events.log(PageEventKind.EVICTED, page.hash)
         # In place: self._lineage and self._partial_index share the list.
         self._pages[:] = [PageRecord(page_id) for page_id in range(len(self._pages))]
         self._free = list(range(len(self._pages)))
@@ -341,26 +338,6 @@ class PagePool:
         if page.state is not PageState.IN_USE:
             raise PageStateError(f"{operation}: {page.describe()} is not in use")
         return page
-
-    @staticmethod
-    def _check_hash_args(page_hash: bytes, parent_hash: bytes | None) -> None:
-        if not isinstance(page_hash, bytes) or len(page_hash) != HASH_SIZE:
-            raise ValueError(f"page hash must be {HASH_SIZE} bytes, got {page_hash!r}")
-        if parent_hash is not None and (not isinstance(parent_hash, bytes) or len(parent_hash) != HASH_SIZE):
-            raise ValueError(f"parent hash must be None or {HASH_SIZE} bytes, got {parent_hash!r}")
-        if page_hash == parent_hash:
-            raise ValueError(f"page hash {page_hash.hex()} equals its parent hash")
-
-    @staticmethod
-    def _check_parent(page: PageRecord, parent_hash: bytes | None, operation: str) -> None:
-        if page.has_parent and page.parent != parent_hash:
-            shown = "None" if parent_hash is None else parent_hash.hex()
-            raise PageStateError(f"{operation}: {page.describe()} follows parent "
-                                 f"{'None' if page.parent is None else page.parent.hex()}, not {shown}")
-
-    def _log(self, kind: PageEventKind, page_hash: bytes) -> None:
-        if self._record_events:
-            self._events.append(PageEvent(kind, page_hash))
 
     def _take_reference(self, page: PageRecord) -> None:
         if page.state is PageState.CACHED:
@@ -389,7 +366,7 @@ class PagePool:
         """Cached page -> anonymous in-use page with refcount 1 (the caller hands it out)."""
         if page.ready:
             del self._ready[page.hash]
-            self._log(PageEventKind.EVICTED, page.hash)
+            self._events.log(PageEventKind.EVICTED, page.hash)
             page.hash = None
             page.ready = False
         self._partial_index.clear_tokens(page)  # before unlinking: the parent is part of the index key
