@@ -10,7 +10,8 @@ from folio.cache.errors import (
 )
 from folio.cache.events import PageEvent, PageEventKind
 from folio.cache.page import PageState
-from folio.cache.pool import MIN_PARTIAL_MATCH, PagePool, PartialMatch, PrefixLookup
+from folio.cache.partial_index import MIN_PARTIAL_MATCH, PartialMatch
+from folio.cache.pool import PagePool, PrefixLookup
 
 __all__ = [
     "MIN_PARTIAL_MATCH",

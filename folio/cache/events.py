@@ -15,3 +15,20 @@ class PageEventKind(enum.Enum):
 class PageEvent:
     kind: PageEventKind
     hash: bytes
+
+
+class EventLog:
+    """The events not yet drained, oldest first. A disabled log records nothing (no caller drains it)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._events: list[PageEvent] = []
+
+    def log(self, kind: PageEventKind, page_hash: bytes) -> None:
+        if self._enabled:
+            self._events.append(PageEvent(kind, page_hash))
+
+    def drain(self) -> list[PageEvent]:
+        """Every event logged since the last drain, oldest first; clears them."""
+        events, self._events = self._events, []
+        return events

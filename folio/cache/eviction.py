@@ -2,7 +2,7 @@
 
 Entries are ordered by (tier, stamp, page_id): tier 0 are true leaves (no page names them as parent), tier 1 are
 cached pages whose only children are pages in use; a cached page with a cached child is not queued at all (its child
-goes first). Lower stamp = released longer ago. The pool decides tiers; this module only keeps the order.
+goes first). Lower stamp = released longer ago. folio.cache.lineage decides tiers; this module only keeps the order.
 
 A binary heap with lazy deletion: moving or removing a page leaves its old entry in the heap, recognised as stale
 because it is no longer the page's live entry. That keeps put/discard O(1) and pop O(log n) amortised; the heap is

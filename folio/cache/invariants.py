@@ -1,7 +1,7 @@
 """PagePool.check(): recompute every index of the pool from its page records and compare.
 
-Lives apart from pool.py so the per-step code stays short; it reads the pool's private fields on purpose (it is the
-pool's own auditor, not a client).
+Lives apart from pool.py so the per-step code stays short; it reads the private fields of the pool and of its parts
+(lineage.Lineage, partial_index.PartialIndex, eviction.EvictionQueue) on purpose: it is their auditor, not a client.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from folio.cache.errors import InvariantViolation
 from folio.cache.page import PageRecord, PageState
+from folio.cache.partial_index import partial_key
 
 if TYPE_CHECKING:
     from folio.cache.pool import PagePool
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 def verify(pool: PagePool) -> None:
     """Raise InvariantViolation naming the first broken invariant."""
+    _verify_shared_state(pool)
     for page in pool._pages:
         _verify_page(pool, page)
     _verify_counters(pool)
@@ -31,6 +33,16 @@ def verify(pool: PagePool) -> None:
 
 def _fail(message: str) -> None:
     raise InvariantViolation(message)
+
+
+def _verify_shared_state(pool: PagePool) -> None:
+    """The pool's parts work on the pool's own page list, ready-hash index and eviction queue, not on copies."""
+    if pool._lineage._pages is not pool._pages or pool._partial_index._pages is not pool._pages:
+        _fail("the lineage or the partial-page index reads another page list than the pool's")
+    if pool._lineage._ready is not pool._ready:
+        _fail("the lineage reads another ready-hash index than the pool's")
+    if pool._lineage._queue is not pool._eviction:
+        _fail("the lineage fills another eviction queue than the one allocate() pops")
 
 
 def _verify_page(pool: PagePool, page: PageRecord) -> None:
@@ -106,9 +118,9 @@ def _verify_children(pool: PagePool) -> None:
             num_children[page.parent] += 1
             if page.state is PageState.CACHED:
                 num_cached_children[page.parent] += 1
-    if dict(num_children) != pool._num_children:
+    if dict(num_children) != pool._lineage.num_children:
         _fail("child counts do not match the pages' parent links")
-    if dict(num_cached_children) != pool._num_cached_children:
+    if dict(num_cached_children) != pool._lineage.num_cached_children:
         _fail("cached-child counts do not match the pages' parent links")
 
 
@@ -117,7 +129,7 @@ def _verify_eviction_queue(pool: PagePool) -> None:
     expected = {}
     for page in pool._pages:
         if page.state is PageState.CACHED:
-            tier = pool._eviction_tier(page)
+            tier = pool._lineage.tier(page)
             if tier is not None:
                 expected[page.page_id] = (tier, page.stamp)
     queued = {page_id: (tier, stamp) for page_id, tier, stamp in pool._eviction.items()}
@@ -130,15 +142,15 @@ def _verify_partial_index(pool: PagePool) -> None:
     expected: dict = {}
     for page in pool._pages:
         if page.tokens is not None and len(page.tokens) >= 2:
-            expected.setdefault(pool._partial_key(page), set()).add(page.page_id)
-    if expected != pool._partial_index:
+            expected.setdefault(partial_key(page), set()).add(page.page_id)
+    if expected != pool._partial_index.buckets:
         _fail("the partial-page index does not match the recorded tokens")
 
 
 def _verify_all_cached_evictable(pool: PagePool) -> None:
     """num_allocatable counts every cached page, so repeatedly evicting queued pages must reach all of them
     (it would not if parent links formed a cycle)."""
-    remaining = dict(pool._num_cached_children)
+    remaining = dict(pool._lineage.num_cached_children)
     ready_cached = {page.hash: page for page in pool._pages if page.ready and page.state is PageState.CACHED}
     frontier = [page for page in pool._pages
                 if page.state is PageState.CACHED and not (page.ready and remaining.get(page.hash, 0))]

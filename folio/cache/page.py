@@ -1,8 +1,12 @@
-"""The pool's record of one page. Internal to folio.cache: the scheduler only sees page ids."""
+"""The pool's record of one page, and the checks on what a page may be told. Internal to folio.cache: the scheduler
+only sees page ids."""
 
 from __future__ import annotations
 
 import enum
+
+from folio.cache.errors import PageStateError
+from folio.hashing import HASH_SIZE
 
 
 class PageState(enum.Enum):
@@ -40,6 +44,14 @@ class PageRecord:
     def is_pending(self) -> bool:
         return self.hash is not None and not self.ready
 
+    def check_parent(self, parent_hash: bytes | None, operation: str) -> None:
+        """Raise PageStateError if the page is linked to another parent than `parent_hash` (a link never
+        changes while it lasts)."""
+        if self.has_parent and self.parent != parent_hash:
+            shown = "None" if parent_hash is None else parent_hash.hex()
+            raise PageStateError(f"{operation}: {self.describe()} follows parent "
+                                 f"{'None' if self.parent is None else self.parent.hex()}, not {shown}")
+
     def describe(self) -> str:
         """Short human-readable state for error messages."""
         if self.ready:
@@ -51,3 +63,13 @@ class PageRecord:
         else:
             content = "anonymous"
         return f"page {self.page_id} ({self.state.value}, refcount {self.refcount}, {content})"
+
+
+def check_hashes(page_hash: bytes, parent_hash: bytes | None) -> None:
+    """Raise ValueError unless `page_hash` is a hash and `parent_hash` None or another hash."""
+    if not isinstance(page_hash, bytes) or len(page_hash) != HASH_SIZE:
+        raise ValueError(f"page hash must be {HASH_SIZE} bytes, got {page_hash!r}")
+    if parent_hash is not None and (not isinstance(parent_hash, bytes) or len(parent_hash) != HASH_SIZE):
+        raise ValueError(f"parent hash must be None or {HASH_SIZE} bytes, got {parent_hash!r}")
+    if page_hash == parent_hash:
+        raise ValueError(f"page hash {page_hash.hex()} equals its parent hash")

@@ -8,12 +8,11 @@ content kept, evictable). A page's content is described by
   - a hash (folio.hashing; it names the whole prefix up to the end of the page), either PENDING (claimed by the job
     filling the page right now, so others can wait instead of recomputing) or READY (its K/V are in the cache), and
   - its parent hash (the hash of the page before it; None for a sequence's first page) and the token ids whose K/V
-    are written, used to reuse a partially matching page.
+    are written, used to reuse a partially matching page (folio.cache.partial_index).
 
-Page ids are handed out deterministically: free pages lowest id first, then evicted pages in eviction order.
-Eviction takes cached leaves first (no cached or in-use page names them as parent), least recently released first
-(ties: lowest page id), so the longest prefixes survive; only when no leaf is cached does it take pages whose only
-children are in use. Eviction never touches in-use pages, so every cached page counts as allocatable.
+Page ids are handed out deterministically: free pages lowest id first, then evicted pages in eviction order: cached
+leaves first, least recently released first, so the longest prefixes survive (folio.cache.lineage tells the details).
+Eviction never touches in-use pages, so every cached page counts as allocatable.
 """
 
 from __future__ import annotations
@@ -22,20 +21,16 @@ import heapq
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from folio.cache import invariants
 from folio.cache.errors import InvariantViolation, OutOfPages, PageNotReady, PageStateError, RefcountUnderflow
-from folio.cache.events import PageEvent, PageEventKind
+from folio.cache.events import EventLog, PageEvent, PageEventKind
 from folio.cache.eviction import EvictionQueue
-from folio.cache.page import PageRecord, PageState
-from folio.hashing import HASH_SIZE
+from folio.cache.lineage import Lineage
+from folio.cache.page import PageRecord, PageState, check_hashes
+from folio.cache.partial_index import MIN_PARTIAL_MATCH, PartialIndex, PartialMatch
 
-# A page is a partial-reuse candidate if it has at least this many recorded tokens (the reference requires > 1:
-# copying one slot saves less than the copy costs).
-MIN_PARTIAL_MATCH = 2
-
-PartialKey = tuple[bytes | None, bytes, int, int]  # (parent hash, namespace, first token id, second token id)
+__all__ = ["MIN_PARTIAL_MATCH", "PagePool", "PartialMatch", "PrefixLookup"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +39,6 @@ class PrefixLookup:
 
     num_ready: int
     num_pending: int
-
-
-class PartialMatch(NamedTuple):
-    page_id: int
-    num_matching: int  # leading token ids (= K/V slots) of page_id that equal the caller's
 
 
 class PagePool:
@@ -70,17 +60,14 @@ class PagePool:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self._page_size = page_size
-        self._record_events = record_events
         self._pages = [PageRecord(page_id) for page_id in range(num_pages)]
         self._free: list[int] = list(range(num_pages))  # min-heap of free page ids (sorted = a valid heap)
         self._ready: dict[bytes, int] = {}  # ready hash -> page id (cached or in use)
         self._pending: dict[bytes, int] = {}  # pending hash -> page id (in use)
-        # parent hash -> number of cached or in-use pages naming it as parent / how many of those are cached.
-        self._num_children: dict[bytes, int] = {}
-        self._num_cached_children: dict[bytes, int] = {}
-        self._partial_index: dict[PartialKey, set[int]] = {}  # pages with >= MIN_PARTIAL_MATCH recorded tokens
-        self._eviction = EvictionQueue()
-        self._events: list[PageEvent] = []
+        self._eviction = EvictionQueue()  # allocate() pops it; self._lineage decides what it holds
+        self._lineage = Lineage(self._pages, self._ready, self._eviction)  # parent links, eviction tiers
+        self._partial_index = PartialIndex(self._pages)  # recorded tokens, for find_partial()
+        self._events = EventLog(record_events)
         self._clock = 0
         self._num_in_use = 0
         self._num_cached = 0
@@ -142,8 +129,7 @@ class PagePool:
 
     def drain_events(self) -> list[PageEvent]:
         """Stored/evicted events since the last drain, oldest first; clears them."""
-        events, self._events = self._events, []
-        return events
+        return self._events.drain()
 
     # ---- taking pages ---------------------------------------------------------------------------------------
 
@@ -180,7 +166,8 @@ class PagePool:
 
     def allocate(self, num_pages: int) -> list[int]:
         """`num_pages` anonymous pages with refcount 1: free pages (lowest id first), then evicted cached pages
-        (eviction order, see the module docstring). Evicting a ready page logs an "evicted" event.
+        (eviction order, see the module docstring and folio.cache.lineage). Evicting a ready page logs an
+        "evicted" event.
 
         All or nothing: raises OutOfPages, changing nothing, if fewer than num_pages are allocatable.
         """
@@ -216,11 +203,11 @@ class PagePool:
         page = self._in_use_page(page_id, "claim")
         if page.hash is not None:
             raise PageStateError(f"claim: {page.describe()} already has a hash")
-        self._check_hash_args(page_hash, parent_hash)
-        self._check_parent(page, parent_hash, "claim")
+        check_hashes(page_hash, parent_hash)
+        page.check_parent(parent_hash, "claim")
         if page_hash in self._ready or page_hash in self._pending:
             return False
-        self._link_parent(page, parent_hash)
+        self._lineage.link(page, parent_hash)
         page.hash = page_hash
         self._pending[page_hash] = page_id
         return True
@@ -240,28 +227,28 @@ class PagePool:
         page = self._in_use_page(page_id, "set_ready")
         if page.ready:
             raise PageStateError(f"set_ready: {page.describe()} is already hashed; a page is hashed once")
-        self._check_hash_args(page_hash, parent_hash)
+        check_hashes(page_hash, parent_hash)
         if len(token_ids) != self._page_size:
             raise ValueError(f"set_ready: page {page_id} needs {self._page_size} token ids, got {len(token_ids)}")
         if page.hash is not None and page.hash != page_hash:
             raise PageStateError(f"set_ready: {page.describe()} was claimed for another hash than "
                                  f"{page_hash.hex()}")
-        self._check_parent(page, parent_hash, "set_ready")
+        page.check_parent(parent_hash, "set_ready")
         if page_hash in self._ready:
             self._drop_claim(page)
-            self._clear_tokens(page)
-            self._unlink_parent(page)
+            self._partial_index.clear_tokens(page)
+            self._lineage.unlink(page)
             return False
         rival_id = self._pending.get(page_hash)
         if rival_id is not None and rival_id != page_id:
             self._drop_claim(self._pages[rival_id])
         self._drop_claim(page)
-        self._link_parent(page, parent_hash)
-        self._set_tokens(page, token_ids, namespace)
+        self._lineage.link(page, parent_hash)  # before recording tokens: the parent is part of their index key
+        self._partial_index.set_tokens(page, token_ids, namespace)
         page.hash = page_hash
         page.ready = True
         self._ready[page_hash] = page_id
-        self._log(PageEventKind.STORED, page_hash)
+        self._events.log(PageEventKind.STORED, page_hash)
         return True
 
     def record_tokens(self, page_id: int, parent_hash: bytes | None, token_ids: Sequence[int],
@@ -278,9 +265,9 @@ class PagePool:
         if not 1 <= len(token_ids) <= self._page_size:
             raise ValueError(f"record_tokens: page {page_id} takes 1..{self._page_size} token ids, "
                              f"got {len(token_ids)}")
-        self._check_parent(page, parent_hash, "record_tokens")
-        self._link_parent(page, parent_hash)
-        self._set_tokens(page, token_ids, namespace)
+        page.check_parent(parent_hash, "record_tokens")
+        self._lineage.link(page, parent_hash)
+        self._partial_index.set_tokens(page, token_ids, namespace)
 
     def find_partial(self, parent_hash: bytes | None, token_ids: Sequence[int],
                      *, namespace: bytes = b"") -> PartialMatch | None:
@@ -292,17 +279,7 @@ class PagePool:
         The namespace matters for first pages only (parent None cannot tell namespaces apart; a parent hash
         already includes the namespace) but is part of the key everywhere, so pass the sequence's namespace.
         """
-        if len(token_ids) < MIN_PARTIAL_MATCH:
-            return None
-        candidates = self._partial_index.get((parent_hash, namespace, token_ids[0], token_ids[1]))
-        if not candidates:
-            return None
-        best: PartialMatch | None = None
-        for page_id in sorted(candidates):
-            num_matching = _common_prefix_len(self._pages[page_id].tokens, token_ids)
-            if best is None or num_matching > best.num_matching:
-                best = PartialMatch(page_id, num_matching)
-        return best
+        return self._partial_index.best_match(parent_hash, token_ids, namespace)
 
     # ---- giving pages back ----------------------------------------------------------------------------------
 
@@ -334,13 +311,14 @@ class PagePool:
             raise PageStateError(f"reset: {self._num_in_use} pages are in use")
         for page in self._pages:
             if page.ready:
-                self._log(PageEventKind.EVICTED, page.hash)
-        self._pages = [PageRecord(page_id) for page_id in range(len(self._pages))]
+                self._events.log(PageEventKind.EVICTED, page.hash)
+        # In place: self._lineage and self._partial_index share the list.
+        self._pages[:] = [PageRecord(page_id) for page_id in range(len(self._pages))]
         self._free = list(range(len(self._pages)))
-        for index in (self._ready, self._pending, self._num_children, self._num_cached_children,
-                      self._partial_index):
-            index.clear()
-        self._eviction.clear()
+        self._ready.clear()
+        self._pending.clear()
+        self._lineage.clear()
+        self._partial_index.clear()
         self._num_cached = 0
 
     def check(self) -> None:
@@ -361,35 +339,12 @@ class PagePool:
             raise PageStateError(f"{operation}: {page.describe()} is not in use")
         return page
 
-    @staticmethod
-    def _check_hash_args(page_hash: bytes, parent_hash: bytes | None) -> None:
-        if not isinstance(page_hash, bytes) or len(page_hash) != HASH_SIZE:
-            raise ValueError(f"page hash must be {HASH_SIZE} bytes, got {page_hash!r}")
-        if parent_hash is not None and (not isinstance(parent_hash, bytes) or len(parent_hash) != HASH_SIZE):
-            raise ValueError(f"parent hash must be None or {HASH_SIZE} bytes, got {parent_hash!r}")
-        if page_hash == parent_hash:
-            raise ValueError(f"page hash {page_hash.hex()} equals its parent hash")
-
-    @staticmethod
-    def _check_parent(page: PageRecord, parent_hash: bytes | None, operation: str) -> None:
-        if page.has_parent and page.parent != parent_hash:
-            shown = "None" if parent_hash is None else parent_hash.hex()
-            raise PageStateError(f"{operation}: {page.describe()} follows parent "
-                                 f"{'None' if page.parent is None else page.parent.hex()}, not {shown}")
-
-    def _log(self, kind: PageEventKind, page_hash: bytes) -> None:
-        if self._record_events:
-            self._events.append(PageEvent(kind, page_hash))
-
     def _take_reference(self, page: PageRecord) -> None:
         if page.state is PageState.CACHED:
-            self._eviction.discard(page.page_id)
             page.state = PageState.IN_USE
             self._num_cached -= 1
             self._num_in_use += 1
-            if page.parent is not None:
-                _decrement(self._num_cached_children, page.parent)
-                self._refresh(page.parent)
+            self._lineage.on_revived(page)
         page.refcount += 1
         page.stamp = self._clock
 
@@ -401,12 +356,9 @@ class PagePool:
             page.state = PageState.CACHED
             page.stamp = self._clock
             self._num_cached += 1
-            if page.parent is not None:
-                self._num_cached_children[page.parent] = self._num_cached_children.get(page.parent, 0) + 1
-                self._refresh(page.parent)
-            self._refresh_page(page)
+            self._lineage.on_cached(page)
         else:
-            self._unlink_parent(page)
+            self._lineage.unlink(page)
             page.state = PageState.FREE
             heapq.heappush(self._free, page.page_id)
 
@@ -414,11 +366,11 @@ class PagePool:
         """Cached page -> anonymous in-use page with refcount 1 (the caller hands it out)."""
         if page.ready:
             del self._ready[page.hash]
-            self._log(PageEventKind.EVICTED, page.hash)
+            self._events.log(PageEventKind.EVICTED, page.hash)
             page.hash = None
             page.ready = False
-        self._clear_tokens(page)
-        self._unlink_parent(page)  # while still CACHED, so the parent's cached-children count drops too
+        self._partial_index.clear_tokens(page)  # before unlinking: the parent is part of the index key
+        self._lineage.unlink(page)  # while still CACHED, so the parent's cached-children count drops too
         page.state = PageState.IN_USE
         page.refcount = 1
         self._num_cached -= 1
@@ -428,82 +380,3 @@ class PagePool:
         if page.is_pending:
             del self._pending[page.hash]
             page.hash = None
-
-    def _link_parent(self, page: PageRecord, parent_hash: bytes | None) -> None:
-        if page.has_parent:
-            return  # _check_parent has verified it is the same parent
-        page.has_parent = True
-        page.parent = parent_hash
-        if parent_hash is not None:
-            self._num_children[parent_hash] = self._num_children.get(parent_hash, 0) + 1
-            self._refresh(parent_hash)
-
-    def _unlink_parent(self, page: PageRecord) -> None:
-        if not page.has_parent:
-            return
-        parent_hash = page.parent
-        page.has_parent = False
-        page.parent = None
-        if parent_hash is not None:
-            _decrement(self._num_children, parent_hash)
-            if page.state is PageState.CACHED:
-                _decrement(self._num_cached_children, parent_hash)
-            self._refresh(parent_hash)
-
-    def _set_tokens(self, page: PageRecord, token_ids: Sequence[int], namespace: bytes) -> None:
-        self._clear_tokens(page)
-        page.tokens = tuple(token_ids)
-        page.namespace = namespace
-        if len(page.tokens) >= MIN_PARTIAL_MATCH:
-            self._partial_index.setdefault(self._partial_key(page), set()).add(page.page_id)
-
-    def _clear_tokens(self, page: PageRecord) -> None:
-        if page.tokens is None:
-            return
-        if len(page.tokens) >= MIN_PARTIAL_MATCH:
-            key = self._partial_key(page)
-            bucket = self._partial_index[key]
-            bucket.discard(page.page_id)
-            if not bucket:
-                del self._partial_index[key]
-        page.tokens = None
-        page.namespace = b""
-
-    @staticmethod
-    def _partial_key(page: PageRecord) -> PartialKey:
-        return (page.parent, page.namespace, page.tokens[0], page.tokens[1])
-
-    def _eviction_tier(self, page: PageRecord) -> int | None:
-        """0: a leaf; 1: only in-use pages name it as parent; None: a cached page does (evict that one first)."""
-        if not page.ready or self._num_children.get(page.hash, 0) == 0:
-            return 0
-        return 1 if self._num_cached_children.get(page.hash, 0) == 0 else None
-
-    def _refresh(self, page_hash: bytes) -> None:
-        """The children of `page_hash` changed: requeue the cached page holding it, if any."""
-        page_id = self._ready.get(page_hash)
-        if page_id is not None and self._pages[page_id].state is PageState.CACHED:
-            self._refresh_page(self._pages[page_id])
-
-    def _refresh_page(self, page: PageRecord) -> None:
-        tier = self._eviction_tier(page)
-        if tier is None:
-            self._eviction.discard(page.page_id)
-        elif self._eviction.tier_of(page.page_id) != tier:
-            self._eviction.put(page.page_id, tier, page.stamp)
-
-
-def _common_prefix_len(recorded: Sequence[int], token_ids: Sequence[int]) -> int:
-    limit = min(len(recorded), len(token_ids))
-    idx = 0
-    while idx < limit and recorded[idx] == token_ids[idx]:
-        idx += 1
-    return idx
-
-
-def _decrement(counts: dict[bytes, int], key: bytes) -> None:
-    remaining = counts[key] - 1
-    if remaining:
-        counts[key] = remaining
-    else:
-        del counts[key]
