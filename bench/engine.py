@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import folio.generator as folio_generator  # noqa: E402
-from folio import (Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, Tokenizer,  # noqa: E402
-                   activation_reserve_bytes)
+from folio import (Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, StepStats,  # noqa: E402
+                   Tokenizer, activation_reserve_bytes)
+from folio.stats import PHASES  # noqa: E402
 from folio.model import flash  # noqa: E402
 
 SHAPES = {
@@ -182,59 +182,28 @@ def share_fused_weights(hf, model: Model) -> None:
 
 @dataclass
 class StepProfile:
-    """Host time per phase of the generator's steps, taken with no extra syncs: plan, forward (host side: input
-    buffers, graph replay or kernel launches), sample (launches), emit (tokens to jobs: text, results; with
-    overlap_emit it runs while the device computes the step) and rest (the step's one sync — waiting for the
-    device — staging, prefill results)."""
+    """Host time per phase of the generator's steps, from each step's StepStats (folio.stats.PHASES: plan,
+    forward (host side: input buffers, graph replay or kernel launches), sample (launches), launch_ahead,
+    wait_tokens (the step's one sync: waiting for the device, then staging), emit (tokens to jobs: text,
+    results; with overlap_emit it runs while the device computes the step)) and rest (the remainder of the step:
+    prefill results, bookkeeping)."""
 
     steps: int = 0
-    seconds: dict = field(default_factory=lambda: dict(plan=0.0, forward=0.0, sample=0.0, emit=0.0, rest=0.0))
+    seconds: dict = field(default_factory=lambda: {**{k: 0.0 for k in PHASES}, "rest": 0.0})
+    launched_ahead: int = 0
+    prompt_steps_ahead: int = 0
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        for phase, seconds in stats.host_s.items():
+            self.seconds[phase] += seconds
+        self.seconds["rest"] += stats.total_s - sum(stats.host_s.values())
+        self.launched_ahead += stats.launched_ahead
+        self.prompt_steps_ahead += stats.launched_ahead and stats.num_prompt_tokens > 0
 
     def per_step_ms(self) -> dict:
         n = max(1, self.steps)
         return {k: round(v / n * 1e3, 3) for k, v in self.seconds.items()}
-
-
-def instrument(gen: DynamicGenerator, profile: StepProfile, device: torch.device):
-    """Wrap the generator's phases with timers; returns an undo function."""
-    plan, plan_ahead = gen.scheduler.plan, gen.scheduler.plan_ahead
-    forward, emit, sample = gen._forward, gen._emit, folio_generator.sample
-
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                with torch.profiler.record_function(f"folio.{key}"):  # named spans for --trace-steps
-                    return fn(*args, **kwargs)
-            finally:
-                profile.seconds[key] += time.perf_counter() - t0
-        return wrapper
-
-    def marked(fn, name):  # a span in --trace-steps' host timeline, not timed
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(f"folio.{name}"):
-                return fn(*args, **kwargs)
-        return wrapper
-
-    launch_ahead, sample_and_emit, wait = gen._launch_ahead, gen._sample_and_emit, folio_generator._SampledOnHost.wait
-    gen.scheduler.plan = timed(plan, "plan")
-    gen.scheduler.plan_ahead = timed(plan_ahead, "plan")
-    gen._forward = timed(forward, "forward")
-    gen._emit = timed(emit, "emit")
-    folio_generator.sample = timed(sample, "sample")
-    iterate = gen.iterate
-    gen.iterate = marked(iterate, "iterate")
-    gen._launch_ahead = marked(launch_ahead, "launch_ahead")
-    gen._sample_and_emit = marked(sample_and_emit, "sample_and_emit")
-    folio_generator._SampledOnHost.wait = marked(wait, "wait_tokens")
-
-    def undo():
-        del gen.scheduler.plan, gen.scheduler.plan_ahead, gen._forward, gen._emit, gen._launch_ahead
-        del gen._sample_and_emit, gen.iterate
-        folio_generator.sample = sample
-        folio_generator._SampledOnHost.wait = wait
-
-    return undo
 
 
 @dataclass
@@ -266,12 +235,12 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
         cache = Cache(pair.model, max_memory_fraction=0.85, reserve_bytes=reserve)
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                           max_q_size=num_jobs + 1, prefix_cache=prefix_cache,
+                           max_queued_jobs=num_jobs + 1, prefix_cache=prefix_cache,
                            max_chunk_size=OPTIONS.get("chunk_size") or None,
                            overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB"
         f"{f', {reserve / 2**30:.1f} GiB kept for activations' if reserve else ''}), batch {max_batch_size}, "
-        f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.decode_graphs else 'off'} "
+        f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.runner.graphs else 'off'} "
         f"({time.perf_counter() - t0:.1f} s)")
     return gen, cache
 
@@ -281,30 +250,24 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
     jobs = [DynamicJob(input_ids=p, max_new_tokens=n, stop_conditions=[], gen_settings=settings, seed=i)
             for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     profile = StepProfile()
-    undo = instrument(gen, profile, device)
     sync(device)
     t0 = time.perf_counter()
-    try:
-        gen.enqueue(jobs)
-        remaining = len(jobs)
-        trace = StepTrace.from_options()
-        step_ends = []
-        while remaining:
-            if trace is not None:
-                trace.before_step(profile.steps)
-            s0 = time.perf_counter()
-            results = gen.iterate()
-            profile.steps += 1
-            profile.seconds["rest"] += time.perf_counter() - s0
-            step_ends.append(time.monotonic())
-            remaining -= sum(1 for r in results if getattr(r, "eos", False))
-            for r in results:
-                if getattr(r, "error", None) is not None:
-                    raise r.error
-    finally:
-        undo()
+    gen.enqueue(jobs)
+    remaining = len(jobs)
+    trace = StepTrace.from_options()
+    step_ends = []
+    while remaining:
+        if trace is not None:
+            trace.before_step(profile.steps)
+        with torch.profiler.record_function("folio.step"):  # a named host span for --trace-steps
+            results, stats = gen.step()
+        profile.add(stats)
+        step_ends.append(time.monotonic())
+        remaining -= sum(1 for r in results if getattr(r, "eos", False))
+        for r in results:
+            if getattr(r, "error", None) is not None:
+                raise r.error
     wall = time.perf_counter() - t0
-    profile.seconds["rest"] -= sum(v for k, v in profile.seconds.items() if k != "rest")
     ttft = [j.time_first_token - (j.time_enqueue or 0) for j in jobs]
     tpot = [(j.time_last_token - j.time_first_token) / (j.new_tokens - 1) for j in jobs if j.new_tokens > 1]
     # the prompt phase lasts until the last job's first token; the steps after it only decode
@@ -315,7 +278,9 @@ def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[
               "decode_phase_s": round(step_ends[-1] - last_first, 3),
               "decode_phase_steps": len(step_ends) - prompt_steps}
     return RunResult(wall, sum(j.new_tokens for j in jobs), ttft, tpot,
-                     {"steps": profile.steps, "per_step_ms": profile.per_step_ms(), **phases}, profile.steps)
+                     {"steps": profile.steps, "per_step_ms": profile.per_step_ms(), **phases,
+                      "launched_ahead": profile.launched_ahead, "prompt_steps_ahead": profile.prompt_steps_ahead},
+                     profile.steps)
 
 
 class StepTrace:
@@ -359,7 +324,7 @@ class StepTrace:
             if on_host:
                 host_events.append((e.time_range.start, e.time_range.end, e.name))
             if e.name.startswith("folio."):
-                continue  # the named host spans (instrument); the profiler mirrors them on the device timeline
+                continue  # the named host spans (run_folio); the profiler mirrors them on the device timeline
             if on_host:
                 if e.name.startswith(("cuda", "cu")):
                     runtime.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
@@ -428,7 +393,7 @@ class StepTrace:
 
 def decode_step_gpu_ms(gen: DynamicGenerator, batch: int) -> float | None:
     """GPU time of one captured decode step of `batch` rows (graph replay alone, no sampling or host work)."""
-    graphs = gen.decode_graphs
+    graphs = gen.runner.graphs
     if graphs is None:
         return None
     b = graphs.bucket_for(batch)
@@ -685,8 +650,8 @@ def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq
     gen.warmup()
     dense_before = flash.stats["dense_calls"]
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
-    log(f"  {workload}: {gen.num_steps} steps, {gen.num_steps_ahead} launched ahead "
-        f"({gen.num_prefill_steps_ahead} with prompt tokens); prompt attention on cuDNN's dense path in "
+    log(f"  {workload}: {gen.num_steps} steps, {res.profile['launched_ahead']} launched ahead "
+        f"({res.profile['prompt_steps_ahead']} with prompt tokens); prompt attention on cuDNN's dense path in "
         f"{flash.stats['dense_calls'] - dense_before} layer calls")
     gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
     if args.profile_host:

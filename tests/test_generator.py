@@ -602,3 +602,53 @@ def test_cancel_while_its_prompt_chunk_is_in_a_step_launched_ahead(demo):
         gen.cache_manager.check()
     assert mine[2].state == JobState.CANCELLED and gen.cache_manager.num_in_use == 0
     assert _summary({s: rs for s, rs in results.items() if s != mine[2].serial}) == want
+
+
+# --- verify rows (speculative decoding's: several tokens of one sequence, every logit wanted) ---
+
+def test_verify_rows_equal_one_token_steps(peaked_dir):
+    from runner_helpers import verify_rows_logits
+
+    verify, steps, used_graph = verify_rows_logits(peaked_dir, "cpu", torch.float32, graphs=False)
+    assert not used_graph
+    for got, want in zip(verify, steps):
+        assert got.shape == want.shape and got.shape[0] > 1
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# --- a failure inside a step fails only its job ---
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("presence", [-1e308, float("nan")])  # the sampler raises / leaves nothing to pick
+def test_a_job_that_breaks_the_sampler_fails_alone(demo, ahead, presence):
+    """A value that got past validation (here: mutated after enqueue) and breaks the sampler fails that job with
+    an error result; the others finish with exactly the tokens they get without it, and nothing wedges."""
+    lists = prompts(demo.tokenizer, 4, base="A quiet harbour")
+    sampled = folio.SamplerSettings(temperature=0.9, top_p=0.9, token_repetition_penalty=1.1)
+
+    def jobs(with_bad: bool):
+        good = [folio.DynamicJob(input_ids=ids, max_new_tokens=12, gen_settings=sampled, seed=i,
+                                 stop_conditions=[]) for i, ids in enumerate(lists[:3])]
+        bad = folio.DynamicJob(input_ids=lists[3], max_new_tokens=12, gen_settings=folio.SamplerSettings(),
+                               stop_conditions=[])
+        return good, bad
+
+    good, _ = jobs(False)
+    want = _summary(run_to_end(demo.generator(decode_ahead=ahead), good))
+    gen = demo.generator(decode_ahead=ahead)
+    good, bad = jobs(True)
+    for job in good + [bad]:
+        gen.enqueue(job)
+    object.__setattr__(bad.gen_settings, "token_presence_penalty", presence)
+    results: dict[int, list] = {}
+    steps = 0
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            results.setdefault(r.serial, []).append(r)
+        gen.cache_manager.check()
+        steps += 1
+        assert steps < 500, "the generator wedged"
+    final = results[bad.serial][-1]
+    assert final.eos and final.eos_reason == EosReason.ERROR and final.error is not None
+    assert_same_runs(_summary({s: rs for s, rs in results.items() if s != bad.serial}), want)
+    assert gen.cache_manager.num_in_use == 0

@@ -10,7 +10,6 @@ from tiny_models import LLAMA3_ROPE, make_hf_model
 
 import folio
 from folio import ops
-from folio.sampling import sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -82,9 +81,9 @@ def test_cuda_greedy_matches_cpu_fp32(tiny_models, arch, dtype, relative_gap):
 def test_graph_decode_equals_eager(tiny_models, page_size):
     with ops.use_backend("native"):
         graphs, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=True)
-        assert gen.decode_graphs is not None
+        assert gen.runner.graphs is not None
         eager, gen_eager = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=False)
-        assert gen_eager.decode_graphs is None
+        assert gen_eager.runner.graphs is None
     for want, got in zip(eager, graphs):
         assert_same_or_near_tie(want, got, 2e-2)
 
@@ -93,9 +92,9 @@ def test_decode_ahead_equals_plain_graph_decode(tiny_models):
     """Steps launched ahead from the device-side sampled ids run the same graphs on the same inputs."""
     with ops.use_backend("native"):
         ahead, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True)
-        assert gen.decode_ahead and gen.num_steps_ahead > NEW_TOKENS // 2
+        assert gen.decode_ahead and gen.pipeline.num_steps_ahead > NEW_TOKENS // 2
         plain, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True, decode_ahead=False)
-        assert gen.num_steps_ahead == 0
+        assert gen.pipeline.num_steps_ahead == 0
     for want, got in zip(plain, ahead):
         assert want[0] == got[0]
         assert torch.equal(want[1], got[1])
@@ -106,32 +105,42 @@ def test_decode_step_makes_no_host_sync(tiny_models):
     model = folio.Model.from_pretrained(path, device="cuda", dtype=torch.bfloat16, progress=False)
     tokenizer = folio.Tokenizer.from_pretrained(path)
     gen = folio.DynamicGenerator(model=model, cache=folio.Cache(model, num_tokens=4096, page_size=16),
-                                 tokenizer=tokenizer, max_batch_size=8, max_seq_len=512)
+                                 tokenizer=tokenizer, max_batch_size=8, max_seq_len=512, decode_ahead=False)
     for p in PROMPTS:
         gen.enqueue(folio.DynamicJob(input_ids=p, max_new_tokens=NEW_TOKENS,
                                      gen_settings=folio.SamplerSettings(temperature=0.9, top_p=0.9,
                                                                         token_repetition_penalty=1.1),
                                      stop_conditions=[]))
-    gen.decode_ahead = False  # planned by hand below
     for _ in range(4):  # through prefill, into steady decode
         gen.iterate()
     torch.cuda.synchronize()
-    plan = gen.scheduler.plan()
-    assert plan.chunks and all(c.end - c.start == 1 for c in plan.chunks)
-    rows = None
+    plan = gen.scheduler.plan()  # the step by hand, as DynamicGenerator.step runs it
+    assert plan.chunks and all(c.num_tokens == 1 for c in plan.chunks)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = gen._forward(plan)
-        rows = [gen._row_params(c.seq) for c in plan.chunks]
-        jobs = [c.seq.job for c in plan.chunks]
-        windows = gen._penalty_windows(jobs, logits.shape[1])
-        out = sample(logits, rows, windows)
-        gen._record_sampled(jobs, out.token_ids)
+        logits, used_graph = gen.runner.forward(plan)
+        sampled = gen.runner.sample(plan.chunks, logits)  # penalty windows and history on the device
         gen.scheduler.commit(plan)
         # the next step, launched ahead from the sampled ids on the device: no sync either
-        ahead = gen._launch_ahead(plan.chunks, out.token_ids)
+        gen.pipeline.launch(plan.chunks, sampled.token_ids, gen.scheduler, gen.runner, gen.max_batch_size)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert out.token_ids.shape == (len(plan.chunks),)
-    assert ahead is not None and ahead.logits.shape[0] == len(plan.chunks)
-    assert windows is not None and windows.shape[0] == len(plan.chunks)
+    assert used_graph and sampled.token_ids.shape == (len(plan.chunks),)
+    ahead = gen.pipeline.step
+    assert ahead is not None and ahead.error is None and ahead.logits.shape[0] == len(plan.chunks)
+
+
+def test_verify_rows_in_graphs_equal_eager_and_one_token_steps(tiny_models):
+    """Rows of several tokens whose every logit is wanted (speculative decoding's verify rows) replay in the
+    decode graphs as one-token rows over the same pages: the same logits as the eager forward, and as feeding
+    the tokens one step at a time."""
+    from runner_helpers import verify_rows_logits
+
+    with ops.use_backend("native"):
+        results = {graphs: verify_rows_logits(tiny_models["llama"], "cuda", torch.bfloat16, graphs)
+                   for graphs in (True, False)}
+    (graph_rows, graph_steps, used), (eager_rows, eager_steps, _) = results[True], results[False]
+    assert used  # the verify step replayed a graph
+    for got, want, steps in zip(graph_rows, eager_rows, eager_steps):
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+        assert torch.allclose(got, steps, rtol=2e-2, atol=2e-2)
