@@ -652,3 +652,19 @@ def test_a_job_that_breaks_the_sampler_fails_alone(demo, ahead, presence):
     assert final.eos and final.eos_reason == EosReason.ERROR and final.error is not None
     assert_same_runs(_summary({s: rs for s, rs in results.items() if s != bad.serial}), want)
     assert gen.cache_manager.num_in_use == 0
+
+
+def test_a_job_that_breaks_the_forward_fails_alone(demo):
+    """A forward that fails is retried chunk by chunk: the job whose chunk fails again (here a token id that got
+    past validation: the embedding raises) fails, the others finish as they would without it."""
+    lists = prompts(demo.tokenizer, 3, base="A quiet harbour")
+    want = outputs(demo.generator(), lists[:2], max_new_tokens=8)
+    gen = demo.generator()
+    jobs = make_jobs(lists, max_new_tokens=8)
+    for job in jobs:
+        gen.enqueue(job)
+    jobs[2].sequence.token_ids[3] = 10**9
+    results = run_to_end(gen, [])
+    final = results[jobs[2].serial][-1]
+    assert final.eos_reason == EosReason.ERROR and final.error is not None
+    assert [j.generated_ids for j in jobs[:2]] == want
