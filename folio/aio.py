@@ -18,6 +18,7 @@ from typing import Any
 from folio.generator import DynamicGenerator, QueueFull
 from folio.job import DynamicJob, JobState
 from folio.results import Result
+from folio.stats import StepStats
 
 _END = object()  # pushed to a job's queue when it ends without a final result (cancelled, generator closed)
 
@@ -35,14 +36,18 @@ class _Command:
 
 
 class DynamicGeneratorAsync:
-    """Owns a DynamicGenerator (pass one, or the DynamicGenerator constructor's keyword arguments)."""
+    """Owns a DynamicGenerator (pass one, or the DynamicGenerator constructor's keyword arguments).
 
-    def __init__(self, generator: DynamicGenerator | None = None, **generator_kwargs: Any):
+    on_step: called on the engine thread with each step's StepStats (keep it cheap: it runs between steps)."""
+
+    def __init__(self, generator: DynamicGenerator | None = None,
+                 on_step: Callable[[StepStats], None] | None = None, **generator_kwargs: Any):
         if generator is None:
             generator = DynamicGenerator(**generator_kwargs)
         elif generator_kwargs:
             raise TypeError("pass either a DynamicGenerator or its constructor arguments, not both")
         self.generator = generator
+        self._on_step = on_step
         self._inbox: deque[_Command] = deque()
         self._jobs: dict[DynamicJob, DynamicJobAsync] = {}  # sync job -> async job, engine thread only
         self._wake = threading.Condition()
@@ -119,6 +124,8 @@ class DynamicGeneratorAsync:
                 continue
             try:
                 results = self.generator.iterate()
+                if self._on_step is not None:
+                    self._on_step(self.generator.last_step_stats)
             except BaseException as error:  # noqa: BLE001 — a failed step must not kill the loop
                 self._fail_all(error)
                 continue

@@ -16,7 +16,7 @@ GREEDY = folio.SamplerSettings.greedy()
 def make_async(parts, **kwargs):
     cache = folio.Cache(parts.model, num_tokens=4096, page_size=16)
     return folio.DynamicGeneratorAsync(model=parts.model, cache=cache, tokenizer=parts.tokenizer,
-                                       max_q_size=64, **kwargs)
+                                       max_queued_jobs=64, **kwargs)
 
 
 async def collect(job) -> list:
@@ -186,3 +186,23 @@ def test_run_in_engine_reads_state_between_steps(peaked):
     assert len(cached) >= 2  # 60 tokens of 16-token pages were stored
     assert {e.hash for e in events if e.kind.value == "stored"} >= set(cached)
     assert not alive_after
+
+
+def test_on_step_sees_every_step(peaked):
+    """The engine thread hands each step's StepStats to on_step: together they account for every token."""
+    seen = []
+
+    async def main():
+        generator = make_async(peaked, on_step=seen.append)
+        jobs = [folio.DynamicJobAsync(generator, input_ids=peaked.tokenizer.encode(f"Tide {i}"), max_new_tokens=5,
+                                      gen_settings=GREEDY, stop_conditions=[]) for i in range(3)]
+        for job in jobs:
+            await collect(job)
+        steps = generator.generator.num_steps
+        await generator.close()
+        return jobs, steps
+
+    jobs, steps = asyncio.run(main())
+    assert len(seen) == steps and [s.step_idx for s in seen] == list(range(steps))
+    assert sum(s.num_sampled for s in seen) == sum(j.job.new_tokens for j in jobs) == 15
+    assert sum(s.num_started for s in seen) == 3 and sum(s.num_finished for s in seen) == 3
