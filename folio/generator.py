@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from folio import convenience
+from folio import convenience, isolation
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.emitter import Emitter
 from folio.job import DynamicJob, JobState
@@ -26,9 +26,10 @@ from folio.options import EngineOptions
 from folio.pipeline import LaunchAhead
 from folio.results import Result
 from folio.runner import ModelRunner
-from folio.scheduler import Chunk, Scheduler, StepPlan
+from folio.scheduler import Chunk, Scheduler
 from folio.sequence import Sequence, SeqStatus
-from folio.sizing import MAX_DERIVED_BATCH_SIZE, activation_reserve_bytes, resolve_max_chunk_size  # noqa: F401
+from folio.sizing import (activation_reserve_bytes, positive_int, resolve_max_batch_size,  # noqa: F401 (re-export)
+                          resolve_max_chunk_size, resolve_max_seq_len)
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
 from folio.validation import validate_job
@@ -70,11 +71,11 @@ class DynamicGenerator:
         self.options = options if options is not None else model.options
         self.page_size = cache.page_size
         self.paged = paged
-        self.max_seq_len = self._resolve_max_seq_len(max_seq_len)
-        self.max_batch_size = self._resolve_max_batch_size(max_batch_size)
+        self.max_seq_len = resolve_max_seq_len(max_seq_len, model.config.max_position_embeddings)
+        self.max_batch_size = resolve_max_batch_size(max_batch_size, paged, cache.num_pages)
         self.max_chunk_size = resolve_max_chunk_size(max_chunk_size, self.page_size)
-        self.max_q_size = _positive_int("max_q_size", max_q_size)
-        self.max_queued_jobs = None if max_queued_jobs is None else _positive_int("max_queued_jobs", max_queued_jobs)
+        self.max_q_size = positive_int("max_q_size", max_q_size)
+        self.max_queued_jobs = None if max_queued_jobs is None else positive_int("max_queued_jobs", max_queued_jobs)
         self.vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
         self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache)
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
@@ -95,23 +96,6 @@ class DynamicGenerator:
         self.num_steps = 0
         self.last_step_stats = StepStats()
         self.last_step_time = time.monotonic()  # time.monotonic() at the end of the last step
-
-    def _resolve_max_seq_len(self, max_seq_len: int | None) -> int:
-        limit = self.model.config.max_position_embeddings
-        if max_seq_len is None:
-            return limit
-        if max_seq_len < 1 or max_seq_len > limit:
-            raise ValueError(f"max_seq_len must be in [1, {limit}] (the model's context), got {max_seq_len}")
-        return max_seq_len
-
-    def _resolve_max_batch_size(self, max_batch_size: int | None) -> int:
-        if not self.paged:
-            if max_batch_size not in (None, 1):
-                raise ValueError("paged=False runs one job at a time: max_batch_size must be None or 1")
-            return 1
-        if max_batch_size is None:
-            return max(1, min(self.cache.num_pages, MAX_DERIVED_BATCH_SIZE))
-        return _positive_int("max_batch_size", max_batch_size)
 
     @property
     def decode_ahead(self) -> bool:
@@ -242,7 +226,7 @@ class DynamicGenerator:
         else:
             plan, logits, error = self.scheduler.plan(), None, None
         results = emitter.started_results(plan)
-        tick = _lap(stats, "plan", tick)
+        tick = stats.lap("plan", tick)
         if ahead is None:
             if plan.empty:
                 return results + emitter.emit(self.pipeline.take_staged())
@@ -252,35 +236,16 @@ class DynamicGenerator:
                 error = caught
         if error is not None:
             results += emitter.emit(self.pipeline.take_staged())
-            logits, failed = self._forward_each(plan, error)
+            logits, failed = isolation.forward_each(self.runner, emitter, plan, error)
             results += failed
         self.scheduler.commit(plan)
-        _count_rows(stats, plan)
-        tick = _lap(stats, "forward", tick)
+        stats.count_rows(plan.chunks)
+        tick = stats.lap("forward", tick)
         results += emitter.prefill_results(plan)
         sampled = [c for c in plan.chunks if c.wants_logits]
         if sampled:
             return results + self._sample_and_emit(sampled, logits, stats, tick)
         return results + emitter.emit(self.pipeline.take_staged())
-
-    def _forward_each(self, plan: StepPlan, error: Exception) -> tuple[torch.Tensor | None, list[Result]]:
-        """The step's forward failed: run its chunks one at a time, so that only the jobs whose chunks fail again
-        fail (with the error of their own chunk) and the others go on. Keeps the chunks that ran in the plan."""
-        logger.warning("a step's forward failed (%s); retrying its %d chunks one by one", error, len(plan.chunks))
-        kept, parts, failed = [], [], []
-        for chunk in plan.chunks:
-            if chunk.seq.status is not SeqStatus.RUNNING:
-                continue
-            try:
-                logits, _ = self.runner.forward(StepPlan(chunks=[chunk]))
-            except Exception as own:  # noqa: BLE001 - this chunk's job fails, the others go on
-                failed.append(self.emitter.fail(chunk.seq, own))
-                continue
-            kept.append(chunk)
-            if logits is not None:
-                parts.append(logits)
-        plan.chunks = kept
-        return (torch.cat(parts) if parts else None), failed
 
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
                          tick: float) -> list[Result]:
@@ -288,57 +253,20 @@ class DynamicGenerator:
         try:
             sampled = self.runner.sample(chunks, logits)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
-            return emitter.emit(pipeline.take_staged()) + self._sample_each(chunks, logits, error)
-        tick = _lap(stats, "sample", tick)
+            return emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks, logits,
+                                                                                 error)
+        tick = stats.lap("sample", tick)
         if pipeline.decode_ahead:
             pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
-            tick = _lap(stats, "launch_ahead", tick)
+            tick = stats.lap("launch_ahead", tick)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
         results = emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else []
-        tick = _lap(stats, "emit", tick)
+        tick = stats.lap("emit", tick)
         staged = emitter.stage_all(chunks, sampled.read())
-        tick = _lap(stats, "wait_tokens", tick)
+        tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit:
             pipeline.staged = staged
             return results
         results += emitter.emit(staged)
-        _lap(stats, "emit", tick)
+        stats.lap("emit", tick)
         return results
-
-    def _sample_each(self, chunks: list[Chunk], logits: torch.Tensor, error: Exception) -> list[Result]:
-        """Sampling the batch failed: sample each row alone, so that only the jobs whose rows fail again fail.
-        (The batch sampled the logits in place; a failure after its first in-place kernel, which validated jobs
-        do not reach, would leave those rows penalised twice.)"""
-        logger.warning("sampling a step failed (%s); sampling its %d rows one by one", error, len(chunks))
-        results = []
-        for row, chunk in enumerate(chunks):
-            try:
-                sampled = self.runner.sample([chunk], logits[row:row + 1].clone()).read()
-            except Exception as own:  # noqa: BLE001 - this row's job fails, the others go on
-                results.append(self.emitter.fail(chunk.seq, own))
-                continue
-            results += self.emitter.emit(self.emitter.stage_all([chunk], sampled))
-        return results
-
-
-def _lap(stats: StepStats, phase: str, since: float) -> float:
-    now = time.perf_counter()
-    stats.add_time(phase, now - since)
-    return now
-
-
-def _count_rows(stats: StepStats, plan: StepPlan) -> None:
-    stats.num_rows = len(plan.chunks)
-    for chunk in plan.chunks:
-        if chunk.verify:
-            stats.num_verify_rows += 1
-        elif chunk.is_prompt:
-            stats.num_prompt_tokens += chunk.num_tokens
-        else:
-            stats.num_decode_rows += 1
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value

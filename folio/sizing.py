@@ -31,8 +31,7 @@ def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BAT
     its largest eager step (a full prompt chunk with a decode row for every other running sequence) and, on
     CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows) and the libraries'
     own (LIBRARY_RESERVE_BYTES)."""
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    positive_int("max_batch_size", max_batch_size)
     chunk = resolve_max_chunk_size(max_chunk_size, page_size)
     reserve = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
     if model.device.type == "cuda":
@@ -40,3 +39,27 @@ def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BAT
         reserve += model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)
         reserve += LIBRARY_RESERVE_BYTES
     return reserve
+
+
+def resolve_max_seq_len(max_seq_len: int | None, model_limit: int) -> int:
+    if max_seq_len is None:
+        return model_limit
+    if max_seq_len < 1 or max_seq_len > model_limit:
+        raise ValueError(f"max_seq_len must be in [1, {model_limit}] (the model's context), got {max_seq_len}")
+    return max_seq_len
+
+
+def resolve_max_batch_size(max_batch_size: int | None, paged: bool, num_pages: int) -> int:
+    if not paged:
+        if max_batch_size not in (None, 1):
+            raise ValueError("paged=False runs one job at a time: max_batch_size must be None or 1")
+        return 1
+    if max_batch_size is None:
+        return max(1, min(num_pages, MAX_DERIVED_BATCH_SIZE))
+    return positive_int("max_batch_size", max_batch_size)
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value

@@ -6,7 +6,10 @@ seconds spent on the host in each phase of the step (the device may run concurre
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Host phases of a step, in the order they run.
 PHASES = ("plan", "forward", "sample", "launch_ahead", "wait_tokens", "emit")
@@ -37,3 +40,20 @@ class StepStats:
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
+
+    def lap(self, phase: str, since: float) -> float:
+        """Add the time since `since` (time.perf_counter()) to `phase`; returns now."""
+        now = time.perf_counter()
+        self.add_time(phase, now - since)
+        return now
+
+    def count_rows(self, chunks: Iterable[Any]) -> None:
+        """Rows of the forward that ran (folio.scheduler.Chunk)."""
+        for chunk in chunks:
+            self.num_rows += 1
+            if chunk.verify:
+                self.num_verify_rows += 1
+            elif chunk.is_prompt:
+                self.num_prompt_tokens += chunk.num_tokens
+            else:
+                self.num_decode_rows += 1

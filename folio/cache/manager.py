@@ -218,6 +218,12 @@ class KVCacheManager:
             if self._pool.claim(page, seq.page_hashes[page_idx], self._parent(seq, page_idx)):
                 seq.claimed_page_idx.add(page_idx)
 
+    @property
+    def pending_copies(self) -> tuple[PageCopy, ...]:
+        """Copies left by rollbacks that the next plan will run (take_copies); until then their slots are counted
+        as cached but not yet written."""
+        return tuple(self._copies)
+
     def take_copies(self) -> list[PageCopy]:
         """Slot copies left by rollbacks, to run before the next forward."""
         copies, self._copies = self._copies, []
