@@ -1,8 +1,9 @@
-"""Refusing at enqueue what the sampler or the cache would refuse later: folio.validation.validate_job.
+"""Refusing at enqueue what the sampler or the cache would refuse later: folio.validation.validate_job, and the
+bounds SamplerSettings puts on the values that reach fp32 logits.
 
-Oracle for the limits: a job at a limit is accepted, and it samples through folio.sampling.sample (the torch path
-on the CPU; the native kernels where built) without error: a valid id, never -1 while something is pickable, never
-a banned or blocked one, with a finite probability.
+Oracle for the bounds: a value at a bound is accepted, and a job carrying it samples through folio.sampling.sample
+(the torch path on the CPU; the native kernels where built, and on CUDA) without error: a valid id, never -1 while
+something is pickable, never a banned or blocked one, with a finite probability.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from folio import ops
 from folio.job import DynamicJob, JobState
 from folio.sampling import RowParams, SamplerSettings, sample, uniform
 from folio.sampling.sampler import _sample_native
+from folio.sampling.settings import (MAX_INT32, MAX_LOGIT_OFFSET, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
+                                     MIN_REPETITION_PENALTY)
 from folio.validation import validate_job
 
 VOCAB = 60  # real vocabulary entries; the logits have 64 columns, the last 4 masked as padding
@@ -139,3 +142,92 @@ def test_validate_job_accepts_at_the_limits(kw, engine):
     job = make_job(**kw)
     validate_job(job, **{**ENGINE, **engine})
     assert_samples_safely(job, history_ids=job.input_ids)
+
+
+# --- SamplerSettings: values that would break the sampler's fp32 logits are refused ---
+
+@pytest.mark.parametrize("kw, message", [
+    # Each of these broke the torch path (an index error, or no token at all) before the bounds.
+    (dict(token_presence_penalty=-1e308), r"token_presence_penalty must be in \[-10000.0, 10000.0\], got -1e\+308"),
+    (dict(token_presence_penalty=1e308), "token_presence_penalty"),
+    (dict(token_frequency_penalty=-1e300), "token_frequency_penalty"),
+    (dict(token_frequency_penalty=1e300), "token_frequency_penalty"),
+    (dict(token_repetition_penalty=1e-300), "token_repetition_penalty"),
+    (dict(token_repetition_penalty=1e-38), "token_repetition_penalty"),
+    (dict(token_repetition_penalty=1e300), "token_repetition_penalty"),
+    (dict(token_bias={3: 1e308}), r"token_bias\[3\]: bias must be in \[-10000.0, 10000.0\], or -inf"),
+    (dict(token_bias={3: -1e308}), r"token_bias\[3\]"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(temperature=1e30), "temperature"),
+    # Just past each bound.
+    (dict(token_presence_penalty=math.nextafter(-MAX_LOGIT_OFFSET, -INF)), "token_presence_penalty"),
+    (dict(token_frequency_penalty=math.nextafter(MAX_LOGIT_OFFSET, INF)), "token_frequency_penalty"),
+    (dict(token_repetition_penalty=math.nextafter(MIN_REPETITION_PENALTY, 0.0)), "token_repetition_penalty"),
+    (dict(token_repetition_penalty=math.nextafter(MAX_REPETITION_PENALTY, INF)), "token_repetition_penalty"),
+    (dict(token_repetition_penalty=0.0), "token_repetition_penalty"),
+    (dict(token_bias={7: math.nextafter(MAX_LOGIT_OFFSET, INF)}), r"token_bias\[7\]"),
+    (dict(token_bias={7: math.nextafter(-MAX_LOGIT_OFFSET, -INF)}), r"token_bias\[7\]"),
+    (dict(temperature=math.nextafter(MAX_TEMPERATURE, INF)), "temperature"),
+    # int32 in the native kernels: 2**31 wrapped, and the native CPU kernel dropped the penalty
+    (dict(top_k=MAX_INT32 + 1), "top_k"),
+    (dict(token_repetition_range=MAX_INT32 + 1), "token_repetition_range"),
+    (dict(token_repetition_decay=MAX_INT32 + 1), "token_repetition_decay"),
+    (dict(token_repetition_decay=2**63), "token_repetition_decay"),
+])
+def test_settings_refuse_values_that_break_the_sampler(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplerSettings(**kw)
+
+
+# Settings at the bounds, alone and in the combinations that push a logit furthest (a repeated token's logit
+# multiplied by 1e4 and raised by every offset, over the smallest sampled temperature), each with a history where
+# some tokens occur many times (the frequency penalty counts each occurrence).
+BOUNDARY_SETTINGS = [
+    dict(token_presence_penalty=-MAX_LOGIT_OFFSET),
+    dict(token_presence_penalty=MAX_LOGIT_OFFSET),
+    dict(token_frequency_penalty=-MAX_LOGIT_OFFSET),
+    dict(token_frequency_penalty=MAX_LOGIT_OFFSET),
+    dict(token_repetition_penalty=MIN_REPETITION_PENALTY),
+    dict(token_repetition_penalty=MAX_REPETITION_PENALTY),
+    dict(token_bias={5: MAX_LOGIT_OFFSET, 6: -MAX_LOGIT_OFFSET, 7: -INF}),
+    dict(temperature=MAX_TEMPERATURE),
+    dict(temperature=0.01),  # the smallest temperature that is sampled (below it is greedy)
+    dict(temperature=0.0099),
+    dict(top_k=MAX_INT32),
+    dict(top_k=MAX_INT32, temperature=MAX_TEMPERATURE, top_p=1.0, min_p=0.0),
+    dict(token_repetition_penalty=1.5, token_repetition_range=MAX_INT32, token_repetition_decay=MAX_INT32),
+    dict(token_repetition_penalty=1.5, token_repetition_range=0, token_repetition_decay=MAX_INT32),
+    dict(top_p=1e-300),
+    dict(top_p=1.0 - 1e-9),
+    dict(min_p=1.0),
+    dict(min_p=1e-300, top_p=0.0, top_k=0),
+    dict(top_p=1e-300, min_p=1.0, top_k=2),
+    dict(token_repetition_penalty=MIN_REPETITION_PENALTY, token_presence_penalty=-MAX_LOGIT_OFFSET,
+         token_frequency_penalty=-MAX_LOGIT_OFFSET, token_bias={3: MAX_LOGIT_OFFSET, 4: MAX_LOGIT_OFFSET},
+         temperature=0.01, top_k=0, top_p=0.0),
+    dict(token_repetition_penalty=MAX_REPETITION_PENALTY, token_presence_penalty=MAX_LOGIT_OFFSET,
+         token_frequency_penalty=MAX_LOGIT_OFFSET, token_bias={3: -MAX_LOGIT_OFFSET}, temperature=MAX_TEMPERATURE,
+         top_k=0, top_p=0.0),
+    dict(token_repetition_penalty=MIN_REPETITION_PENALTY, token_presence_penalty=MAX_LOGIT_OFFSET,
+         token_frequency_penalty=-MAX_LOGIT_OFFSET, temperature=0.01, top_k=0, top_p=0.5, min_p=0.5),
+]
+HISTORY = [3, 4] * 200 + list(range(VOCAB)) + [8] * 100  # ids 3, 4, 8 repeated; every id present once at least
+
+
+@pytest.mark.parametrize("kw", BOUNDARY_SETTINGS)
+def test_settings_at_the_bounds_sample_safely(kw):
+    job = make_job(gen_settings=SamplerSettings(**kw), stop_conditions=[9, 10], min_new_tokens=1,
+                   return_top_tokens=5)
+    validate_job(job, **ENGINE)
+    assert_samples_safely(job, history_ids=HISTORY)  # stop tokens blocked, top tokens asked: the torch path
+    assert_samples_safely(make_job(gen_settings=job.gen_settings), history_ids=HISTORY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kw", BOUNDARY_SETTINGS)
+def test_settings_at_the_bounds_sample_safely_on_cuda(kw):
+    # No top tokens asked: sample() takes the native CUDA kernels where built.
+    job = make_job(gen_settings=SamplerSettings(**kw), stop_conditions=[9, 10], min_new_tokens=1)
+    assert_samples_safely(job, history_ids=HISTORY, device="cuda")
+    assert_samples_safely(make_job(gen_settings=job.gen_settings), history_ids=HISTORY, device="cuda")
