@@ -10,6 +10,29 @@ from dataclasses import dataclass
 # Below this temperature a row is sampled greedily (the reference's rule).
 GREEDY_TEMPERATURE = 0.01
 
+# Bounds on the values that reach the sampler's fp32 logits (measured for issue 18 on folio.sampling.sample's torch
+# path and on the native CPU kernels). Past them:
+# - presence -1e308, frequency -1e300 or bias +1e308 turn into +inf logits; a row holding +inf has a NaN softmax,
+#   and the torch path failed with "index -1 is out of bounds"; presence +1e308 with frequency -1e308 gave
+#   inf - inf = NaN logits and no token at all (id -1);
+# - a repetition penalty of 1e-38 or less is 0 in fp32 and divides positive logits by zero (the same index error);
+#   1e300 is inf and turns a logit of exactly 0 into 0 * inf = NaN;
+# - a temperature of 1e39 is inf in fp32: masked logits become -inf / inf = NaN (the same index error).
+# Within them every logit stays finite: a model's logits (|l| ~ 1e2) scaled by a repetition penalty of 1e4 and
+# shifted by 1e4 of presence, 1e4 of frequency per occurrence (windows < 1e7 tokens) and 1e4 of bias, over the
+# smallest sampled temperature (0.01), stay below ~1e13, 25 orders of magnitude short of fp32's 3.4e38. They cost
+# no expressiveness: an offset of 1e4 scales a probability by e^(1e4 / T), beyond fp32's range (exp underflows below
+# -104) at any temperature under ~100, so larger offsets say nothing more; a bias of -inf bans a token exactly.
+MAX_LOGIT_OFFSET = 1e4  # |token_presence_penalty|, |token_frequency_penalty|, |token_bias| (besides -inf)
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+# Beyond ~1e2 a temperature flattens any model's distribution to uniform already; the bound keeps the divisor far
+# from fp32's overflow.
+MAX_TEMPERATURE = 1e4
+# top_k, token_repetition_range and token_repetition_decay reach the native kernels as int32: at 2**31 they wrap,
+# and with a range or decay of 2**31 the native CPU kernel dropped the penalty that the torch path applied.
+MAX_INT32 = 2**31 - 1
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -35,6 +58,9 @@ def _freeze_bias(token_bias: object) -> tuple[tuple[int, float], ...]:
         if not _is_real(bias) or math.isnan(bias) or bias == math.inf:
             raise ValueError(f"SamplerSettings.token_bias[{token_id}]: bias must be a finite number or -inf "
                              f"(to ban the token), got {bias!r}")
+        if bias != -math.inf and abs(bias) > MAX_LOGIT_OFFSET:
+            raise ValueError(f"SamplerSettings.token_bias[{token_id}]: bias must be in [{-MAX_LOGIT_OFFSET}, "
+                             f"{MAX_LOGIT_OFFSET}], or -inf to ban the token, got {bias!r}")
         if token_id in frozen:
             raise ValueError(f"SamplerSettings.token_bias: token id {token_id} appears twice")
         frozen[token_id] = float(bias)
@@ -56,6 +82,10 @@ class SamplerSettings:
     token_frequency_penalty: subtracted once per occurrence in the window.
     token_presence_penalty: subtracted once per distinct token in the window.
     token_bias: id -> value added to that logit (-inf bans the token); stored as a sorted tuple of (id, bias).
+
+    Values that would overflow the sampler's fp32 logits are rejected: presence, frequency and bias beyond
+    +-MAX_LOGIT_OFFSET (a bias of -inf stays allowed), repetition penalties outside [MIN_REPETITION_PENALTY,
+    MAX_REPETITION_PENALTY], temperatures above MAX_TEMPERATURE, and integers beyond int32.
     """
 
     temperature: float = 0.8
@@ -70,23 +100,22 @@ class SamplerSettings:
     token_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        self._check_real("temperature", low=0.0)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"SamplerSettings.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        # The bounds and the reasons for them: the constants at the top of this module.
+        self._check_real("temperature", low=0.0, high=MAX_TEMPERATURE)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"SamplerSettings.top_k must be an int in [0, {MAX_INT32}] (0 = off), "
+                             f"got {self.top_k!r}")
         self._check_real("top_p", low=0.0, high=1.0)
         self._check_real("min_p", low=0.0, high=1.0)
-        self._check_real("token_repetition_penalty")
-        if self.token_repetition_penalty <= 0:
-            raise ValueError("SamplerSettings.token_repetition_penalty must be > 0 (1 = off), "
-                             f"got {self.token_repetition_penalty!r}")
-        if not _is_int(self.token_repetition_range) or self.token_repetition_range < -1:
-            raise ValueError("SamplerSettings.token_repetition_range must be an int >= 0, or -1 for the whole "
-                             f"history, got {self.token_repetition_range!r}")
-        if not _is_int(self.token_repetition_decay) or self.token_repetition_decay < 0:
-            raise ValueError("SamplerSettings.token_repetition_decay must be an int >= 0, "
+        self._check_real("token_repetition_penalty", low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY)
+        if not _is_int(self.token_repetition_range) or not -1 <= self.token_repetition_range <= MAX_INT32:
+            raise ValueError(f"SamplerSettings.token_repetition_range must be an int in [0, {MAX_INT32}], or -1 "
+                             f"for the whole history, got {self.token_repetition_range!r}")
+        if not _is_int(self.token_repetition_decay) or not 0 <= self.token_repetition_decay <= MAX_INT32:
+            raise ValueError(f"SamplerSettings.token_repetition_decay must be an int in [0, {MAX_INT32}], "
                              f"got {self.token_repetition_decay!r}")
-        self._check_real("token_frequency_penalty")
-        self._check_real("token_presence_penalty")
+        self._check_real("token_frequency_penalty", low=-MAX_LOGIT_OFFSET, high=MAX_LOGIT_OFFSET)
+        self._check_real("token_presence_penalty", low=-MAX_LOGIT_OFFSET, high=MAX_LOGIT_OFFSET)
         object.__setattr__(self, "token_bias", _freeze_bias(self.token_bias))
 
     def _check_real(self, name: str, low: float | None = None, high: float | None = None) -> None:
