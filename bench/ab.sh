@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU call for A/B work on a kernel change: build for sm_90, run the native tests (optionally a -k subset),
-# the kernel benchmark, then engine workloads under environment variants. Logs go to $OUT; a short table last.
-#   TESTS_K="attention or linear" KERNELS=1 VARIANTS="base: nopdl:FOLIO_PDL=0" ENGINE_ARGS="--workloads W1 --no-peers" \
+# the kernel benchmark, then engine workloads under EngineOptions variants. Logs go to $OUT; a short table last.
+#   TESTS_K="attention or linear" KERNELS=1 VARIANTS="base: nopdl:--no-pdl" ENGINE_ARGS="--workloads W1 --no-peers" \
 #     bash bench/ab.sh
-# VARIANTS: space-separated name:ENV=VALUE,ENV=VALUE entries; "name:" (nothing after the colon) runs the defaults.
+# VARIANTS: space-separated name:FLAG,FLAG entries of bench/engine.py's option flags (--no-pdl, --decode-attention=simt,
+# --no-prefill-cudnn, --no-residual-gemm); "name:" (nothing after the colon) runs the defaults. KERNEL_ARGS go to
+# bench/kernels.py (e.g. --no-pdl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -26,15 +28,16 @@ if [ -n "${TESTS_K+x}" ]; then
   summary+=("tests: $(tail -1 "$OUT/pytest.log")")
 fi
 if [ "${KERNELS:-0}" = 1 ]; then
-  timeout 180 "$PY" bench/kernels.py >"$OUT/kernels.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout 180 "$PY" bench/kernels.py ${KERNEL_ARGS:-} >"$OUT/kernels.log" 2>&1
   tail -40 "$OUT/kernels.log"
 fi
 for variant in ${VARIANTS:-}; do
-  name="${variant%%:*}"; envs="${variant#*:}"
+  name="${variant%%:*}"; flags="${variant#*:}"
   # shellcheck disable=SC2086,SC2046
-  timeout "${ENGINE_TIMEOUT_S:-240}" env $(echo "$envs" | tr "," " ") "$PY" bench/engine.py ${ENGINE_ARGS:-} >"$OUT/engine-$name.log" 2>&1
+  timeout "${ENGINE_TIMEOUT_S:-240}" "$PY" bench/engine.py ${ENGINE_ARGS:-} $(echo "$flags" | tr "," " ") >"$OUT/engine-$name.log" 2>&1
   rc=$?
-  echo "== $name ($envs)"; sed -n '/^ceilings:/,$p' "$OUT/engine-$name.log" | head -30
+  echo "== $name ($flags)"; sed -n '/^ceilings:/,$p' "$OUT/engine-$name.log" | head -30
   [ $rc = 0 ] || tail -15 "$OUT/engine-$name.log"
   summary+=("$name: rc $rc")
 done

@@ -2,6 +2,7 @@
 
     python bench/engine.py [--workloads W4,W2,W3,W5,W1] [--no-peers] [--peer-requests 64] [--groups 16]
                            [--peer-reference W2:455,W3:218] [--chunk-size 8192] [--no-overlap] [--profile-host]
+                           [--no-pdl] [--decode-attention simt] [--no-prefill-cudnn] [--no-residual-gemm]
     python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
     ENGINE_BENCH=1 bash bench/gpu.sh                  (after the build, the GPU tests and the kernel benchmark)
 
@@ -33,7 +34,7 @@ import tempfile
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from folio import (Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, Samp
                    Tokenizer, activation_reserve_bytes)
 from folio.stats import PHASES  # noqa: E402
 from folio.model import flash  # noqa: E402
+from folio.options import EngineOptions  # noqa: E402
 
 SHAPES = {
     "8B": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -56,7 +58,8 @@ SHAPES = {
 COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=0,
               eos_token_id=None, architectures=["LlamaForCausalLM"])
 SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.8)
-OPTIONS: dict = {}  # command-line switches that reach into helpers (no_overlap)
+OPTIONS: dict = {}  # command-line switches that reach into helpers (no_overlap, engine_options)
+FLASH_STATES: list[flash.FlashState] = []  # every model's prefill-attention probes, for engine.json
 
 
 def log(*args) -> None:
@@ -149,7 +152,8 @@ def build_pair(shape: str, device: torch.device) -> Pair:
     raw["dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
     folio_config = ModelConfig.from_dict(raw)
     state = hf.state_dict()
-    model = Model.from_state_dict(folio_config, state)
+    model = Model.from_state_dict(folio_config, state, options=OPTIONS.get("engine_options"))
+    FLASH_STATES.append(model.flash_state)
     del state
     share_fused_weights(hf, model)
     cfg = folio_config
@@ -648,11 +652,11 @@ def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq
     gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts),
                                 prefill_ahead=prefill_ahead)
     gen.warmup()
-    dense_before = flash.stats["dense_calls"]
+    dense_before = pair.model.flash_state.dense_calls
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
     log(f"  {workload}: {gen.num_steps} steps, {res.profile['launched_ahead']} launched ahead "
         f"({res.profile['prompt_steps_ahead']} with prompt tokens); prompt attention on cuDNN's dense path in "
-        f"{flash.stats['dense_calls'] - dense_before} layer calls")
+        f"{pair.model.flash_state.dense_calls - dense_before} layer calls")
     gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
     if args.profile_host:
         import cProfile
@@ -701,12 +705,13 @@ def w4(pair, args, ceilings, rows):
     rate = ceilings["matmul_TFLOPs"] * 1e12
     device = pair.model.device
     modes = ["auto", "paged"] if device.type == "cuda" else ["auto"]
-    gen, cache = make_generator(pair, 1, max(lengths) + 256, 2, cache_tokens=max(lengths) + 512)
     greedy = SamplerSettings.greedy()
-    from folio.model import flash
-
     for mode in modes:
-        pair.model.prefill_attention = mode
+        # the same weights with EngineOptions.prefill_attention = mode (a model of its own: it probes afresh)
+        model = pair.model.with_options(replace(pair.model.options, prefill_attention=mode))
+        FLASH_STATES.append(model.flash_state)
+        gen, cache = make_generator(replace(pair, model=model), 1, max(lengths) + 256, 2,
+                                    cache_tokens=max(lengths) + 512)
         for length in lengths:
             prompt = random_prompts(1, length, pair.model.config.vocab_size, 4)[0]
             run_folio(gen, [prompt], [1], greedy, device)
@@ -720,14 +725,13 @@ def w4(pair, args, ceilings, rows):
             linear, attention = prefill_flops(pair, length)
             cfg = pair.model.config
             q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=device, dtype=pair.model.dtype)
-            used = flash.choose_mode(q_like, cache.k[0], pair.model.attention_scale, mode)
+            used = flash.choose_mode(model.flash_state, q_like, cache.k[0], model.attention_scale, mode)
             rows.append(Row("W4", "folio", f"8B prefill {length} (attention: {used})",
                             length / t, t * 1e3, None, vs_limit=(linear + attention) / t / rate,
                             extra={"TFLOPs_total": (linear + attention) / t / 1e12,
                                    "TFLOPs_matmul_only": linear / t / 1e12, "seconds": t}))
             log(f"  folio W4 {mode} {length}: {t * 1e3:.1f} ms, {(linear + attention) / t / 1e12:.0f} TFLOP/s")
-    pair.model.prefill_attention = "auto"
-    del gen, cache
+        del gen, cache, model
     if args.peers:
         for length in lengths:
             prompt = random_prompts(1, length, pair.model.config.vocab_size, 4)[0]
@@ -811,9 +815,21 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
     parser.add_argument("--trace-steps", default="", help="A:B: profile steps [A, B) of each workload's first "
                         "folio run and print the device timeline (busy share, idle gaps, top kernels)")
+    # EngineOptions for A/B timing (bench/ab.sh's variants pass these)
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false", help="launch kernels without programmatic "
+                        "dependent launch (EngineOptions.pdl=False)")
+    parser.add_argument("--decode-attention", default="mma", choices=("mma", "simt"),
+                        help="decode attention kernel: tensor cores (mma) or CUDA cores (simt)")
+    parser.add_argument("--no-prefill-cudnn", dest="prefill_cudnn", action="store_false",
+                        help="keep equal-length fresh prompts on FA2 (EngineOptions.prefill_cudnn=False)")
+    parser.add_argument("--no-residual-gemm", dest="residual_in_gemm", action="store_false",
+                        help="o_proj/down GEMMs do not add into the residual (EngineOptions.residual_in_gemm=False)")
     args = parser.parse_args()
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
+    OPTIONS["engine_options"] = EngineOptions(pdl=args.pdl, decode_attention=args.decode_attention,
+                                              prefill_cudnn=args.prefill_cudnn, residual_in_gemm=args.residual_in_gemm)
+    log(f"engine options: {OPTIONS['engine_options']}")
     OPTIONS["chunk_size"] = args.chunk_size
     switches = [v.strip() for v in args.prefill_ahead.split(",")]
     if not set(switches) <= {"on", "off"}:
@@ -825,12 +841,12 @@ def main() -> None:
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
     log(f"ceilings {ceilings}")
-    from folio.model import flash
 
     def save() -> None:
+        probes = {str(k): v for state in FLASH_STATES for k, v in state.probed.items()}
         (out_dir / "engine.json").write_text(json.dumps(
-            {"ceilings": ceilings, "rows": [r.__dict__ for r in rows],
-             "prefill_attention_probes": {str(k): v for k, v in flash._probed.items()}}, indent=1, default=str))
+            {"ceilings": ceilings, "engine_options": OPTIONS["engine_options"].__dict__,
+             "rows": [r.__dict__ for r in rows], "prefill_attention_probes": probes}, indent=1, default=str))
 
     rows = Rows(save)
     pairs: dict[str, Pair] = {}

@@ -42,6 +42,7 @@ int main() {
   const Mode modes[] = {{"plain", false}, {"gated", true}};
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
+  const folio::cuda::Launch launch{stream, /*pdl=*/true};  // as the engine launches it by default
   void *x, *out;
   CHECK(cudaMalloc(&x, 8 * 14336 * 2));
   CHECK(cudaMalloc(&out, 8 * 128256 * 2));
@@ -74,12 +75,12 @@ int main() {
       const int reps = 40 * copies;
       for (int r = 0; r < copies; ++r) {
         p.weight = weights[r];
-        CHECK(folio::cuda::linear(p, stream));
+        CHECK(folio::cuda::linear(p, launch));
       }
       CHECK(cudaEventRecord(start, stream));
       for (int r = 0; r < reps; ++r) {
         p.weight = weights[r % copies];
-        CHECK(folio::cuda::linear(p, stream));
+        CHECK(folio::cuda::linear(p, launch));
       }
       CHECK(cudaEventRecord(stop, stream));
       CHECK(cudaEventSynchronize(stop));

@@ -1,6 +1,7 @@
 """Native CUDA kernel benchmark: paged decode attention bandwidth against the device's own copy bandwidth.
 
-    python bench/kernels.py [--quick]        (needs a CUDA device and folio._native_cuda; writes $OUT/kernels.json)
+    python bench/kernels.py [--quick] [--no-pdl]   (needs a CUDA device and folio._native_cuda; writes
+                                                    $OUT/kernels.json)
 
 Decode attention is memory-bound: it must read every cached K and V byte of the batch once. Achieved bandwidth
 = (K + V bytes of all contexts + q + out bytes) / kernel time, compared with a device-to-device copy of a large
@@ -13,6 +14,7 @@ launch gaps stay out) after warm-up. Also reported: prefill attention throughput
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,10 +32,13 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
-def native():
-    import folio._native_cuda as module
+@functools.lru_cache(maxsize=None)
+def native(decode_attention: str = "mma", pdl: bool = True):
+    """The native CUDA kernels through an op set: backend "native" (an error instead of a fallback to the reference),
+    with these launch options (EngineOptions.decode_attention, EngineOptions.pdl)."""
+    from folio.ops import OpSet
 
-    return module
+    return OpSet("native", pdl=pdl, decode_attention=decode_attention)
 
 
 def time_graph(fn, calls_per_replay: int, replays: int = 15, warmup: int = 3) -> float:
@@ -117,16 +122,16 @@ class KVPool:
         return block_tables, context_lens
 
 
-def check_decode(q, pool: KVPool, block_tables, context_lens, scale) -> float:
+def check_decode(q, pool: KVPool, block_tables, context_lens, scale, kernel: str, pdl: bool) -> float:
     """Relative error of the kernel against the torch reference on the first (up to) two sequences."""
     n = min(2, q.shape[0])
     args = (q[:n], pool.k, pool.v, block_tables[:n], context_lens[:n], scale)
-    out = native().paged_attention_decode(*args)
+    out = native(kernel, pdl).paged_attention_decode(*args)
     expected = ref.paged_attention_decode(*args)
     return float((out.float() - expected.float()).abs().max() / expected.float().abs().max())
 
 
-def bench_decode(batches, contexts, page_sizes) -> list[dict]:
+def bench_decode(batches, contexts, page_sizes, pdl: bool) -> list[dict]:
     rows = []
     generator = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
@@ -146,24 +151,22 @@ def bench_decode(batches, contexts, page_sizes) -> list[dict]:
                     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
                     sets.append((q, block_tables, context_lens))
                 row = dict(batch=batch, context=context, page_size=page_size, input_sets=num_sets)
-                # both decode kernels: tensor-core (the default) and CUDA-core (FOLIO_DECODE_ATTENTION=simt); the
-                # variable is read at each launch, so the graph captured under it holds that kernel
+                # both decode kernels: tensor-core (the default) and CUDA-core (decode_attention="simt"), each
+                # through an op set of its own, so the graph captured with one holds that kernel
                 for kernel, prefix in (("simt", "simt_"), ("mma", "")):
-                    os.environ["FOLIO_DECODE_ATTENTION"] = kernel
-                    err = check_decode(sets[0][0], pool, sets[0][1], sets[0][2], scale)
+                    err = check_decode(sets[0][0], pool, sets[0][1], sets[0][2], scale, kernel, pdl)
                     if not err <= 1e-2:
                         raise SystemExit(f"{kernel} decode kernel wrong at batch {batch} context {context} page "
                                          f"{page_size}: rel err {err:.3g}")
                     counter = iter(range(1 << 30))
 
-                    def call():
+                    def call(kernels=native(kernel, pdl)):
                         q, block_tables, context_lens = sets[next(counter) % num_sets]
-                        native().paged_attention_decode(q, pool.k, pool.v, block_tables, context_lens, scale)
+                        kernels.paged_attention_decode(q, pool.k, pool.v, block_tables, context_lens, scale)
 
                     seconds = time_graph(call, calls_per_replay=calls)
                     row.update({f"{prefix}us": seconds * 1e6, f"{prefix}gbps": (kv_bytes + io_bytes) / seconds / 1e9,
                                 f"{prefix}rel_err": err})
-                os.environ.pop("FOLIO_DECODE_ATTENTION")
                 rows.append(row)
                 del sets
         del pool
@@ -171,7 +174,7 @@ def bench_decode(batches, contexts, page_sizes) -> list[dict]:
     return rows
 
 
-def bench_prefill(prompt_len: int = 4096) -> dict:
+def bench_prefill(pdl: bool, prompt_len: int = 4096) -> dict:
     """One prompt of `prompt_len` tokens, causal, page size 256: attention FLOPs / time."""
     page_size = 256
     pool = KVPool(page_size, prompt_len)
@@ -179,12 +182,12 @@ def bench_prefill(prompt_len: int = 4096) -> dict:
     q = torch.randn(prompt_len, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     cu = torch.tensor([0, prompt_len], dtype=torch.int32, device="cuda")
     args = (q, pool.k, pool.v, block_tables, cu, context_lens, HEAD_DIM**-0.5, prompt_len)
-    out = native().paged_attention(*args)
+    out = native(pdl=pdl).paged_attention(*args)
     sample_rows = torch.arange(0, prompt_len, 97, device="cuda")
     expected = ref.paged_attention(*args)  # one sequence: a single dense softmax in the reference
     err = float((out[sample_rows].float() - expected[sample_rows].float()).abs().max()
                 / expected[sample_rows].float().abs().max())
-    seconds = time_graph(lambda: native().paged_attention(*args), calls_per_replay=3, replays=5)
+    seconds = time_graph(lambda: native(pdl=pdl).paged_attention(*args), calls_per_replay=3, replays=5)
     flops = 4 * Q_HEADS * HEAD_DIM * prompt_len * (prompt_len + 1) / 2  # QK and PV over the causal triangle
     return dict(prompt_len=prompt_len, ms=seconds * 1e3, tflops=flops / seconds / 1e12, rel_err=err)
 
@@ -235,6 +238,8 @@ def read_bandwidth() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="launch without programmatic dependent launch (EngineOptions.pdl=False)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -243,8 +248,8 @@ def main() -> None:
         [1, 16, 64, 256], [512, 4096, 16384], [16, 256])
 
     copy_first = copy_bandwidth()
-    decode = bench_decode(batches, contexts, page_sizes)
-    prefill = bench_prefill()
+    decode = bench_decode(batches, contexts, page_sizes, opts.pdl)
+    prefill = bench_prefill(opts.pdl)
     sampling = bench_sampling()
     copy_last = copy_bandwidth(warmup_s=0.1)
     reads = read_bandwidth()
@@ -259,7 +264,7 @@ def main() -> None:
     print(f"read-only reduction {read_bps / 1e9:.0f} GB/s (best: {read_method}; "
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in reads.items()) + "): the decode kernels' 'of read' column")
     print("paged_attention_decode, Llama-3-8B heads (32 q / 8 kv, d 128, bf16): tensor-core kernel (default), "
-          "then the CUDA-core one (FOLIO_DECODE_ATTENTION=simt)")
+          f"then the CUDA-core one (decode_attention='simt'); PDL {'on' if opts.pdl else 'off'}")
     print(f"{'page':>5} {'context':>8} {'batch':>6} {'us':>9} {'GB/s':>7} {'of copy':>8} {'rel err':>8} "
           f"{'simt us':>9} {'of copy':>8} {'speedup':>8} {'of read':>8}")
     for r in decode:
@@ -283,7 +288,7 @@ def main() -> None:
                       copy_gbps_before={k: v / 1e9 for k, v in copy_first.items()},
                       copy_gbps_after={k: v / 1e9 for k, v in copy_last.items()},
                       read_gbps={k: v / 1e9 for k, v in reads.items()}, decode=decode,
-                      prefill=prefill, sampling=sampling)
+                      prefill=prefill, sampling=sampling, pdl=opts.pdl)
         Path(out_dir, "kernels.json").write_text(json.dumps(report, indent=1))
 
 

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from folio import ops
-
 if TYPE_CHECKING:
     from folio.model.model import Model
 
@@ -35,6 +33,7 @@ class Cache:
         instead of running out of memory at the first large step."""
         _check_page_size(page_size)
         cfg = model.config
+        self.ops = model.ops  # the model's op set (backend, launch options): copy_page_slots runs through it
         self.page_size = page_size
         self.page_shape = (page_size, cfg.num_kv_heads, cfg.head_dim)
         element_size = torch.empty((), dtype=model.dtype).element_size()
@@ -61,7 +60,7 @@ class Cache:
                 raise IndexError(f"page {page} outside [0, num_pages={self.num_pages})")
         if not 0 <= num_slots <= self.page_size:
             raise ValueError(f"num_slots={num_slots} outside [0, page_size={self.page_size}]")
-        ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
+        self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
 
     def _resolve_num_pages(
         self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None, reserve_bytes: int

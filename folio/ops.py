@@ -1,91 +1,50 @@
-"""Op dispatch: native CUDA / native CPU kernels when built, the torch reference otherwise.
+"""Op dispatch: native CUDA / native CPU kernels, or the torch reference, chosen per OpSet.
 
 This is the only module that imports the compiled extensions (`folio._native_cuda`, `folio._native_cpu`).
-Each op is looked up per call, per device: a native module that exports a function with the op's name replaces the
-reference for tensors on its device; ops it does not (yet) export fall back to `folio.reference_ops`.
-Native functions take exactly the reference's arguments.
 
-`use_backend("reference" | "native" | "auto")` forces a choice: "reference" never touches native code, "native"
-raises `NativeUnavailableError` instead of falling back, "auto" (the default) prefers native.
+An `OpSet` is one backend choice with its CUDA launch options; each `Model` owns one (`model.ops`, built from its
+EngineOptions). It has one method per op of folio.op_registry, generated from the registry, with the reference's
+arguments. A call resolves the implementation for the device of its first (tensor) argument once per OpSet and
+device type:
+- backend "auto": the native module's kernel where the module exports it, else folio.reference_ops. On a CUDA
+  device the native CUDA module must exist (`check_device`; a model checks it when built): the reference ops
+  cannot be captured in CUDA graphs, and running them there by accident is the slow path nobody asked for.
+- "native": the native kernel or NativeUnavailableError, never the reference.
+- "reference": folio.reference_ops everywhere (explicitly chosen, e.g. for tests on CUDA).
+Native CUDA kernels get the OpSet's launch options as keyword arguments (registry: `launch`): `pdl` and, for
+paged_attention_decode, `use_mma`. Nothing here reads the environment or holds a process-wide switch.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import threading
+import inspect
 from collections.abc import Callable
-from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from folio import reference_ops
+from folio.op_registry import BY_NAME, NATIVE_MODULES, OPS, OpSpec
+from folio.options import DECODE_ATTENTION_KERNELS, OPS_BACKENDS, EngineOptions
 
-OP_NAMES = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "silu_and_mul",
-    "rotary_cache_write",
-    "paged_attention",
-    "paged_attention_decode",
-    "copy_page_slots",
-    "linear",
-)
-BACKENDS = ("auto", "native", "reference")
-NATIVE_MODULES = {"cuda": "folio._native_cuda", "cpu": "folio._native_cpu"}
+BUILD_HINT = ("build it with `pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) on a "
+              "machine with nvcc and a CUDA build of torch")
 
 
 class NativeUnavailableError(RuntimeError):
-    """Backend "native" was forced but no native kernel exists for an op on a device."""
+    """An op set needs a native kernel that is not there: backend "native" without one, or an op with no reference
+    (the sampling kernels) without one."""
 
 
-class _BackendChoice:
-    """The process-wide backend choice.
-
-    Process-wide on purpose (like torch's default dtype): the engine loop runs in its own thread, and a choice
-    made by the caller must reach it, which a thread-local or context variable would not.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.name = "auto"
-
-    def swap(self, name: str) -> str:
-        with self._lock:
-            previous, self.name = self.name, name
-        return previous
-
-
-_choice = _BackendChoice()
-
-
-class use_backend:  # noqa: N801 - reads as a function: use_backend("reference") or `with use_backend(...):`
-    """Select the op backend. Takes effect at once; as a context manager, restores the previous one on exit."""
-
-    def __init__(self, name: str) -> None:
-        if name not in BACKENDS:
-            raise ValueError(f"unknown ops backend {name!r}; expected one of {BACKENDS}")
-        self.name = name
-        self._previous = _choice.swap(name)
-
-    def __enter__(self) -> use_backend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        _choice.swap(self._previous)
-
-
-def current_backend() -> str:
-    return _choice.name
-
-
-@lru_cache(maxsize=None)
-def _load_native(device_type: str) -> ModuleType | None:
+def load_native(device_type: str) -> ModuleType | None:
     """The compiled module for a device type, or None when it was not built.
 
     A module that exists but fails to import (ABI mismatch, missing symbol) raises: a broken build must not
-    silently turn into the slow reference path.
+    silently turn into the slow reference path. (Not cached here: Python caches imported modules, and an OpSet
+    asks once per op and device type.)
     """
     module_name = NATIVE_MODULES.get(device_type)
     if module_name is None:
@@ -98,136 +57,154 @@ def _load_native(device_type: str) -> ModuleType | None:
         raise
 
 
-def _first_device_type(args: tuple[Any, ...]) -> str:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg.device.type
-    raise TypeError("op called without any tensor argument")
-
-
-def resolve(op_name: str, device_type: str) -> Callable[..., Any]:
-    """The implementation that a call of `op_name` on `device_type` tensors uses under the current backend."""
-    if op_name not in OP_NAMES:
-        raise ValueError(f"unknown op {op_name!r}; expected one of {OP_NAMES}")
-    backend = _choice.name
-    if backend != "reference":
-        module = _load_native(device_type)
-        native_fn = getattr(module, op_name, None) if module is not None else None
-        if native_fn is not None:
-            return native_fn
-        if backend == "native":
-            where = NATIVE_MODULES.get(device_type, f"(no native module for device type {device_type!r})")
-            state = "not built" if module is None else f"built without {op_name!r}"
-            raise NativeUnavailableError(f"backend 'native' forced but {where} is {state}")
-    return getattr(reference_ops, op_name)
-
-
-# Sampling kernels: their reference is folio.sampling's torch code (same definition; the native sampler may decide
-# differently only where a cut-off falls within rounding of a boundary), so they have no entry in reference_ops and
-# callers ask for them explicitly.
-SAMPLING_OP_NAMES = ("sample_rows", "apply_penalties")
-
-
-def native_sampling_op(op_name: str, device_type: str) -> Callable[..., Any] | None:
-    """The native kernel of a sampling op for `device_type` tensors, or None when backend "reference" is chosen or
-    no native module exports it (the caller then runs folio.sampling's torch code)."""
-    if op_name not in SAMPLING_OP_NAMES:
-        raise ValueError(f"unknown sampling op {op_name!r}; expected one of {SAMPLING_OP_NAMES}")
-    if _choice.name == "reference":
+def missing_native_error(backend: str, device_type: str, module_available: bool) -> str | None:
+    """Why an op set with `backend` cannot run a model on `device_type` whose native module is (not) available, or
+    None when it can. "auto" needs the module on CUDA only (the CPU falls back to the reference per op)."""
+    if backend == "reference" or module_available or (backend == "auto" and device_type != "cuda"):
         return None
-    module = _load_native(device_type)
-    return getattr(module, op_name, None) if module is not None else None
+    module_name = NATIVE_MODULES.get(device_type)
+    if module_name is None:
+        return (f"ops_backend={backend!r}: there is no native module for device type {device_type!r}; "
+                f"use EngineOptions(ops_backend='reference')")
+    return (f"{module_name} is not built (not importable), and EngineOptions(ops_backend={backend!r}) runs the native "
+            f"kernels on a {device_type} device: {BUILD_HINT}. To run the pure-torch reference ops instead (slow; "
+            f"no CUDA graphs), pass EngineOptions(ops_backend='reference').")
 
 
-def implementation_name(op_name: str, device_type: str) -> str:
-    """"native" or "reference": which one `resolve` picks (for tests, benchmarks and logs)."""
-    return "reference" if resolve(op_name, device_type) is getattr(reference_ops, op_name) else "native"
+class OpSet:
+    """The ops under one backend ("auto", "native" or "reference") with the CUDA launch options: pdl (programmatic
+    dependent launch) and decode_attention ("mma": tensor cores where the kernel applies, "simt": CUDA cores).
+    One method per registry op (see the module docstring); resolved implementations are cached per instance."""
+
+    def __init__(self, backend: str = "auto", pdl: bool = True, decode_attention: str = "mma") -> None:
+        if backend not in OPS_BACKENDS:
+            raise ValueError(f"unknown ops backend {backend!r}; expected one of {OPS_BACKENDS}")
+        if decode_attention not in DECODE_ATTENTION_KERNELS:
+            raise ValueError(f"unknown decode_attention {decode_attention!r}; expected one of "
+                             f"{DECODE_ATTENTION_KERNELS}")
+        if not isinstance(pdl, bool):
+            raise TypeError(f"pdl must be a bool, got {pdl!r}")
+        self.backend = backend
+        self.pdl = pdl
+        self.decode_attention = decode_attention
+        self._launch_options = {"pdl": pdl, "use_mma": decode_attention == "mma"}
+        self._impls: dict[tuple[str, str], Callable[..., Any]] = {}  # (op, device type) -> what calls run
+        self._natives: dict[tuple[str, str], Callable[..., Any] | None] = {}  # (op, device type) -> native()
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> OpSet:
+        return cls(options.ops_backend, options.pdl, options.decode_attention)
+
+    def __repr__(self) -> str:
+        return f"OpSet(backend={self.backend!r}, pdl={self.pdl}, decode_attention={self.decode_attention!r})"
+
+    def check_device(self, device_type: str) -> None:
+        """Raise RuntimeError (saying how to build it) where a model on `device_type` would need a native module
+        that is not there (see missing_native_error)."""
+        if self.backend == "reference":
+            return
+        error = missing_native_error(self.backend, device_type, load_native(device_type) is not None)
+        if error is not None:
+            raise RuntimeError(error)
+
+    def resolve(self, op_name: str, device_type: str) -> Callable[..., Any]:
+        """The implementation a call of `op_name` on `device_type` tensors runs (launch options bound)."""
+        key = (op_name, device_type)
+        impl = self._impls.get(key)
+        if impl is None:
+            impl = self._impls[key] = self._resolve(_spec(op_name), device_type)
+        return impl
+
+    def native(self, op_name: str, device_type: str) -> Callable[..., Any] | None:
+        """The native kernel of `op_name` for `device_type` (launch options bound), or None where this op set runs
+        none: backend "reference", or no module exports it. For callers with their own fallback (the sampler)."""
+        key = (op_name, device_type)
+        if key not in self._natives:
+            spec = _spec(op_name)
+            self._natives[key] = None if self.backend == "reference" else self._native_kernel(spec, device_type)
+        return self._natives[key]
+
+    def implementation_name(self, op_name: str, device_type: str) -> str:
+        """"native" or "reference": which one `resolve` picks (for tests, benchmarks and logs)."""
+        return "reference" if self.resolve(op_name, device_type) is getattr(reference_ops, op_name, None) \
+            else "native"
+
+    def linear_supported(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        """Whether `linear` runs the native CUDA GEMV's fast path on these arguments (see the module function
+        `linear_supported`); False where this op set has no native CUDA linear."""
+        return linear_supported(x, weight, bias) and self.native("linear", "cuda") is not None
+
+    def _resolve(self, spec: OpSpec, device_type: str) -> Callable[..., Any]:
+        if self.backend != "reference":
+            kernel = self.native(spec.name, device_type)
+            if kernel is not None:
+                return kernel
+            if self.backend == "native":
+                raise NativeUnavailableError(f"backend 'native' but {_missing(spec, device_type)}")
+        if not spec.has_reference_op:
+            raise NativeUnavailableError(f"op {spec.name!r} has no folio.reference_ops fallback (its reference: "
+                                         f"{spec.reference}) and {self!r} runs no native kernel for it on "
+                                         f"{device_type}; ask OpSet.native() first")
+        return getattr(reference_ops, spec.name)
+
+    def _native_kernel(self, spec: OpSpec, device_type: str) -> Callable[..., Any] | None:
+        module = load_native(device_type) if device_type in spec.native else None
+        kernel = getattr(module, spec.name, None) if module is not None else None
+        if kernel is None or device_type != "cuda" or not spec.launch:
+            return kernel
+        return functools.partial(kernel, **{name: self._launch_options[name] for name in spec.launch})
 
 
-def _call(op_name: str, args: tuple[Any, ...]) -> Any:
-    return resolve(op_name, _first_device_type(args))(*args)
+def _spec(op_name: str) -> OpSpec:
+    spec = BY_NAME.get(op_name)
+    if spec is None:
+        raise ValueError(f"unknown op {op_name!r}; expected one of {tuple(BY_NAME)}")
+    return spec
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _call("rms_norm", (x, weight, eps))
+def _missing(spec: OpSpec, device_type: str) -> str:
+    module_name = NATIVE_MODULES.get(device_type)
+    if module_name is None:
+        return f"there is no native module for device type {device_type!r}"
+    if device_type not in spec.native:
+        return f"{module_name} has no {spec.name!r} (the registry lists it for {sorted(spec.native)} only)"
+    state = "not built" if load_native(device_type) is None else f"built without {spec.name!r}"
+    return f"{module_name} is {state}"
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    _call("fused_add_rms_norm", (x, residual, weight, eps))
+def _dispatching_method(spec: OpSpec) -> Callable[..., Any]:
+    """OpSet.<op>: resolve by the first argument's device type (cached), call with the caller's arguments."""
+    name, first_arg = spec.name, spec.args[0]
+
+    def method(self: OpSet, *args: Any, **kwargs: Any) -> Any:
+        tensor = args[0] if args else kwargs[first_arg]
+        impl = self._impls.get((name, tensor.device.type)) or self.resolve(name, tensor.device.type)
+        return impl(*args, **kwargs)
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(arg, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                 default=spec.defaults.get(arg, inspect.Parameter.empty)) for arg in spec.args]
+    method.__name__ = name
+    method.__qualname__ = f"OpSet.{name}"
+    method.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    reference = getattr(reference_ops, name, None) if spec.has_reference_op else None
+    method.__doc__ = reference.__doc__ if reference is not None else f"Native only; reference: {spec.reference}."
+    return method
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _call("silu_and_mul", (x,))
+for _op_spec in OPS:
+    setattr(OpSet, _op_spec.name, _dispatching_method(_op_spec))
+del _op_spec
 
-
-def rotary_cache_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Rotary on q [T, Hq, D] and k [T, Hkv, D] in place, then k and v [T, Hkv, D] into the paged caches.
-
-    q, k and v need a dense last dim only: the column slices of one fused [T, (Hq + 2*Hkv) * D] QKV output, each
-    `.unflatten(-1, (H, D))`, go in as they are and q, k are rotated inside that buffer. The native ops refuse
-    layouts where q or k share an element with themselves or with each other or v (ValueError).
-    """
-    _call("rotary_cache_write", (q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping))
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_q_len: int,
-) -> torch.Tensor:
-    return _call(
-        "paged_attention", (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len)
-    )
-
-
-def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return _call("paged_attention_decode", (q, k_cache, v_cache, block_tables, context_lens, scale))
-
-
-def copy_page_slots(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, src_page: int, dst_page: int, num_slots: int
-) -> None:
-    _call("copy_page_slots", (k_cache, v_cache, src_page, dst_page, num_slots))
+# The defaults (backend "auto", PDL on, tensor-core decode attention), for callers that hold no model (the sampler
+# called directly): a constant, nothing switches it.
+DEFAULT = OpSet()
 
 
 # The native CUDA linear is a matrix-vector product for decode (native/cuda/gemv.cu): one kernel that streams the
 # weight once, where cuBLAS runs split-K GEMMs for a few rows. It refuses more rows than this.
 LINEAR_MAX_ROWS = 8
 _LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_gate: bool = False
-) -> torch.Tensor:
-    """F.linear: x [M, K], weight [N, K], bias [N] or None -> [M, N] in x.dtype.
-
-    silu_gate: weight is a fused gate_up ([gate; up] halves) and the result is silu_and_mul of the product,
-    [M, N / 2] (the native kernel gates in its epilogue, bit-identical to the two ops; 16-bit dtypes there).
-
-    The native CUDA kernel takes at most LINEAR_MAX_ROWS rows (it raises otherwise); callers use it where
-    `linear_supported` holds and F.linear elsewhere."""
-    return _call("linear", (x, weight, bias, silu_gate))
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -239,7 +216,7 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     bytes; bias None or a contiguous [N] of that dtype on that device.
 
     The kernel also accepts other K, row strides and alignments (through an element-wise path, slower); this check
-    leaves those to F.linear.
+    leaves those to F.linear. (OpSet.linear_supported also asks whether the op set has the kernel.)
     """
     if x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.device.type != "cuda":
         return False

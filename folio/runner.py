@@ -170,7 +170,8 @@ class ModelRunner:
         rows = [self._row_params(s, u) for s, u in zip(seqs, draws)]
         # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
         # overwrites only after this step's sampler in stream order) are read by nothing else
-        output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True)
+        output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True,
+                        ops=self.model.ops)
         self._record_sampled(seqs, output.token_ids)
         return SampledStep(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
                            [i for i, j in enumerate(jobs) if j.return_logits])

@@ -43,11 +43,11 @@ def _prefill(runner: ModelRunner, manager: KVCacheManager) -> list[Sequence]:
     return seqs
 
 
-def verify_rows_logits(path, device: str, dtype: torch.dtype, graphs: bool):
+def verify_rows_logits(path, device: str, dtype: torch.dtype, graphs: bool, options=None):
     """For every case: the logits of its verify row (the last prompt token and its drafts, one forward with the
     other cases' rows), the logits of the same tokens fed one step at a time, and whether the verify forward
     replayed a captured graph."""
-    model = folio.Model.from_pretrained(path, device=device, dtype=dtype, progress=False)
+    model = folio.Model.from_pretrained(path, device=device, dtype=dtype, progress=False, options=options)
     rows = sum(len(d) + 1 for _, d in VERIFY_CASES)
     runner, manager = _runner(model, graphs, rows + 1)
     seqs = _prefill(runner, manager)

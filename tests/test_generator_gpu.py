@@ -9,7 +9,7 @@ import torch
 from tiny_models import LLAMA3_ROPE, make_hf_model
 
 import folio
-from folio import ops
+from folio.options import EngineOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -18,8 +18,13 @@ NEW_TOKENS = 64
 PROMPTS = [list(range(5, 40)), list(range(60, 61)), [7, 3, 9] * 20, list(range(100, 180))]
 
 
+# On CUDA the native kernels, never the torch reference (backend "native" raises instead of falling back).
+NATIVE = EngineOptions(ops_backend="native")
+
+
 def greedy_run(path, device, dtype, page_size=16, cuda_graphs=None, prompts=PROMPTS, **gen_kwargs):
-    model = folio.Model.from_pretrained(path, device=device, dtype=dtype, progress=False)
+    options = NATIVE if device == "cuda" else None
+    model = folio.Model.from_pretrained(path, device=device, dtype=dtype, progress=False, options=options)
     tokenizer = folio.Tokenizer.from_pretrained(path)
     cache = folio.Cache(model, num_tokens=4096, page_size=page_size)
     kwargs = {} if device == "cpu" else {"cuda_graphs": cuda_graphs}
@@ -29,13 +34,13 @@ def greedy_run(path, device, dtype, page_size=16, cuda_graphs=None, prompts=PROM
                              return_logits=True) for p in prompts]
     for job in jobs:
         gen.enqueue(job)
-    logits = {id(j): [] for j in jobs}
+    logits = {j: [] for j in jobs}
     while gen.num_remaining_jobs():
         for r in gen.iterate():
             if r.stage == folio.Stage.STREAMING and r.logits is not None:
-                logits[id(r.job)].append(r.logits)
+                logits[r.job].append(r.logits)
         gen.cache_manager.check()
-    return [(j.generated_ids, torch.cat(logits[id(j)])) for j in jobs], gen
+    return [(j.generated_ids, torch.cat(logits[j])) for j in jobs], gen
 
 
 def assert_same_or_near_tie(want, got, relative_gap):
@@ -70,8 +75,7 @@ def tiny_models(tmp_path_factory, demo_dir):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype, relative_gap", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_greedy_matches_cpu_fp32(tiny_models, arch, dtype, relative_gap):
-    with ops.use_backend("native"):  # the CUDA kernels, not the torch reference
-        cuda, _ = greedy_run(tiny_models[arch], "cuda", dtype)
+    cuda, _ = greedy_run(tiny_models[arch], "cuda", dtype)
     cpu, _ = greedy_run(tiny_models[arch], "cpu", torch.float32)
     for want, got in zip(cpu, cuda):
         assert_same_or_near_tie(want, got, relative_gap)
@@ -79,22 +83,20 @@ def test_cuda_greedy_matches_cpu_fp32(tiny_models, arch, dtype, relative_gap):
 
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_graph_decode_equals_eager(tiny_models, page_size):
-    with ops.use_backend("native"):
-        graphs, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=True)
-        assert gen.runner.graphs is not None
-        eager, gen_eager = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=False)
-        assert gen_eager.runner.graphs is None
+    graphs, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=True)
+    assert gen.runner.graphs is not None
+    eager, gen_eager = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, page_size, cuda_graphs=False)
+    assert gen_eager.runner.graphs is None
     for want, got in zip(eager, graphs):
         assert_same_or_near_tie(want, got, 2e-2)
 
 
 def test_decode_ahead_equals_plain_graph_decode(tiny_models):
     """Steps launched ahead from the device-side sampled ids run the same graphs on the same inputs."""
-    with ops.use_backend("native"):
-        ahead, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True)
-        assert gen.decode_ahead and gen.pipeline.num_steps_ahead > NEW_TOKENS // 2
-        plain, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True, decode_ahead=False)
-        assert gen.pipeline.num_steps_ahead == 0
+    ahead, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True)
+    assert gen.decode_ahead and gen.pipeline.num_steps_ahead > NEW_TOKENS // 2
+    plain, gen = greedy_run(tiny_models["llama"], "cuda", torch.bfloat16, cuda_graphs=True, decode_ahead=False)
+    assert gen.pipeline.num_steps_ahead == 0
     for want, got in zip(plain, ahead):
         assert want[0] == got[0]
         assert torch.equal(want[1], got[1])
@@ -136,10 +138,9 @@ def test_verify_rows_in_graphs_equal_eager_and_one_token_steps(tiny_models):
     the tokens one step at a time."""
     from runner_helpers import verify_rows_logits
 
-    with ops.use_backend("native"):
-        results = {graphs: verify_rows_logits(tiny_models["llama"], "cuda", torch.bfloat16, graphs)
-                   for graphs in (True, False)}
-    (graph_rows, graph_steps, used), (eager_rows, eager_steps, _) = results[True], results[False]
+    results = {graphs: verify_rows_logits(tiny_models["llama"], "cuda", torch.bfloat16, graphs, options=NATIVE)
+               for graphs in (True, False)}
+    (graph_rows, _, used), (eager_rows, eager_steps, _) = results[True], results[False]
     assert used  # the verify step replayed a graph
     for got, want, steps in zip(graph_rows, eager_rows, eager_steps):
         assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)

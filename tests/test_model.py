@@ -15,6 +15,7 @@ from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model
 from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
+from folio.options import EngineOptions
 
 VARIANTS: dict[str, dict] = {
     "llama": dict(arch="llama"),
@@ -136,3 +137,17 @@ def test_mixed_batch(case: Case, page_size: int) -> None:
     ])
     want = torch.cat([case.want[2][-1:], case.want[0], case.want[1][30:47], case.want[3][-1:]])
     assert rel_err(got, want) <= MAX_REL_ERR
+
+
+def test_reference_ops_backend(case: Case) -> None:
+    """EngineOptions(ops_backend="reference"): the same weights on the torch reference ops (no native kernel, even
+    where the CPU module is built) match transformers too, prompt and then one-token decode steps."""
+    model = case.model.with_options(EngineOptions(ops_backend="reference"))
+    assert model.ops.backend == "reference" and case.model.ops.backend == "auto"
+    cache, tables = new_cache(model, 16, seed=4)
+    prompt, split = case.prompts[0], len(case.prompts[0]) - 3
+    got = [run(model, cache, [SeqChunk(prompt[:split], 0, tables[0], "all")])]
+    got += [run(model, cache, [SeqChunk([prompt[pos]], pos, tables[0], "last")]) for pos in range(split, len(prompt))]
+    assert all(model.ops.implementation_name(op, "cpu") == "reference"
+               for op in ("rms_norm", "rotary_cache_write", "paged_attention", "paged_attention_decode"))
+    assert rel_err(torch.cat(got), case.want[0]) <= MAX_REL_ERR

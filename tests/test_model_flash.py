@@ -9,6 +9,12 @@ import torch
 
 from folio import reference_ops
 from folio.model import flash
+from folio.ops import OpSet
+
+
+def new_state(dense_cudnn: bool = True) -> flash.FlashState:
+    """A model's flash state: probes and the shapes seen start empty for every test."""
+    return flash.FlashState(OpSet(), dense_cudnn=dense_cudnn)
 from folio.model.batch import ForwardBatch, SeqChunk
 
 
@@ -69,7 +75,8 @@ def build(lens, page_size=16, seed=0):
 def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> None:
     monkeypatch.setattr(flash, "_flash", varlen_causal)
     batch, k_cache, v_cache, (q, k_new, v_new) = build(lens, page_size, seed=page_size + len(lens))
-    prefill = flash.plan("flash_gather", batch, page_size)
+    state = new_state()
+    prefill = flash.plan(state, "flash_gather", batch, page_size)
     assert prefill is not None
     assert (prefill.short_rows is None) == all(new > 1 for _, new in lens)
     long_rows = [i for i, row in enumerate(r for (ctx, new) in lens for r in [new > 1] * new) if row]
@@ -79,29 +86,31 @@ def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> No
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, 0.25, batch.max_q_len)
     for new_kv in ({}, {"k_new": k_new, "v_new": v_new}):
-        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, **new_kv)
+        got = flash.attention(state, q, k_cache, v_cache, batch, prefill, 0.25, **new_kv)
         assert got.shape == q.shape and got.is_contiguous()
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     if prefill.fresh and prefill.long_span is not None:
         # the prompts' K/V come from k_new/v_new, not from the cache: poisoning their cache slots changes nothing
         poisoned = k_cache.clone()
         poisoned.view(-1, 32)[batch.slot_mapping[long_rows]] = float("nan")
-        got = flash.attention(q, poisoned, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        got = flash.attention(state, q, poisoned, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_flash_gather_declines_decode_only_and_huge_batches(monkeypatch) -> None:
+    state = new_state()
     decode = ForwardBatch.build([SeqChunk([1], 9, [0]), SeqChunk([2], 3, [1])], 16, "cpu")
-    assert flash.plan("flash_gather", decode, 16) is None
-    assert flash.plan("paged", decode, 16) is None
+    assert flash.plan(state, "flash_gather", decode, 16) is None
+    assert flash.plan(state, "paged", decode, 16) is None
     monkeypatch.setattr(flash, "GATHER_MAX_TOKENS", 100)
     big = ForwardBatch.build([SeqChunk([1] * 20, 90, list(range(7)))], 16, "cpu")
-    assert flash.plan("flash_gather", big, 16) is None
+    assert flash.plan(state, "flash_gather", big, 16) is None
 
 
 def test_cpu_and_fp32_never_take_the_flash_path() -> None:
     k_cache = torch.zeros(2, 16, 2, 16)
-    assert flash.choose_mode(torch.zeros(0, 4, 16), k_cache, 1.0) == "paged"
+    assert flash.choose_mode(new_state(), torch.zeros(0, 4, 16), k_cache, 1.0) == "paged"
+    assert flash.choose_mode(new_state(), torch.zeros(0, 4, 16, dtype=torch.bfloat16), k_cache, 1.0) == "paged"
 
 
 def dense_causal(q, k, v, batch, length, scale):
@@ -115,9 +124,8 @@ def dense_on_cpu(monkeypatch):
     """The equal-length dense path made to run on the CPU: its backend is the reference; calls are recorded."""
     calls = []
     monkeypatch.setattr(flash, "_flash", varlen_causal)
-    monkeypatch.setattr(flash, "_dense_runs_on", lambda device: True)
+    monkeypatch.setattr(flash, "_dense_runs_on", lambda state, device: True)
     monkeypatch.setattr(flash, "dense_cudnn_ok", lambda *args: True)
-    monkeypatch.setattr(flash, "_dense_seen", {})
     monkeypatch.setattr(flash, "DENSE_MIN_WORK", 2 * 40 * 40)
 
     def recorded(q, k, v, batch, length, scale):
@@ -135,18 +143,19 @@ def dense_on_cpu(monkeypatch):
 ])
 def test_equal_length_fresh_prompts_go_dense_from_their_second_step(dense_on_cpu, lens) -> None:
     batch, k_cache, v_cache, (q, k_new, v_new) = build(lens)
+    state = new_state()
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, 0.25, batch.max_q_len)
     prompts = sum(new > 1 for _, new in lens)
     for step in range(3):
-        prefill = flash.plan("flash_gather", batch, 16)
+        prefill = flash.plan(state, "flash_gather", batch, 16)
         # the first step of a shape stays on FA2: cuDNN would build a plan for a shape that may never come back
         assert prefill.dense == (None if step == 0 else (prompts, 40))
-        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        got = flash.attention(state, q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
         assert len(dense_on_cpu) == step  # one dense call per step after the first
     # without the new K/V in hand (the dense path reads them, not the cache) the same plan runs FA2
-    got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25)
+    got = flash.attention(state, q, k_cache, v_cache, batch, prefill, 0.25)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4) and len(dense_on_cpu) == 2
 
 
@@ -158,12 +167,14 @@ def test_equal_length_fresh_prompts_go_dense_from_their_second_step(dense_on_cpu
 ])
 def test_other_prompt_steps_never_go_dense(dense_on_cpu, lens) -> None:
     batch, *_ = build(lens)
+    state = new_state()
     for _ in range(3):
-        assert flash.plan("flash_gather", batch, 16).dense is None
+        assert flash.plan(state, "flash_gather", batch, 16).dense is None
 
 
 def test_a_shape_cudnn_refuses_falls_back_to_fa2_for_good(dense_on_cpu, monkeypatch) -> None:
     batch, k_cache, v_cache, (q, k_new, v_new) = build([(40, 40)] * 2)
+    state = new_state()
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, 0.25, batch.max_q_len)
 
@@ -172,17 +183,31 @@ def test_a_shape_cudnn_refuses_falls_back_to_fa2_for_good(dense_on_cpu, monkeypa
         raise RuntimeError("no execution plan")
 
     monkeypatch.setattr(flash, "_cudnn_dense", refuse)
-    flash.plan("flash_gather", batch, 16)
-    prefill = flash.plan("flash_gather", batch, 16)
+    flash.plan(state, "flash_gather", batch, 16)
+    prefill = flash.plan(state, "flash_gather", batch, 16)
     assert prefill.dense == (2, 40)
     for _ in range(2):  # every layer of that step: tried once, then FA2
-        got = flash.attention(q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
+        got = flash.attention(state, q, k_cache, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     assert dense_on_cpu == ["refused"]
-    assert flash.plan("flash_gather", batch, 16).dense is None
+    assert flash.plan(state, "flash_gather", batch, 16).dense is None
 
 
-def test_dense_path_is_off_on_the_cpu_and_when_disabled(monkeypatch) -> None:
-    assert not flash._dense_runs_on(torch.device("cpu"))
-    monkeypatch.setattr(flash, "DENSE_CUDNN", False)
-    assert not flash._dense_runs_on(torch.device("cuda", 0))
+def test_dense_path_is_off_on_the_cpu_and_when_disabled() -> None:
+    assert not flash._dense_runs_on(new_state(), torch.device("cpu"))
+    assert flash._dense_runs_on(new_state(), torch.device("cuda", 0))
+    assert not flash._dense_runs_on(new_state(dense_cudnn=False), torch.device("cuda", 0))  # prefill_cudnn=False
+
+
+def test_a_model_keeps_its_own_flash_state(tmp_path) -> None:
+    """Probe results and the dense path's switch are per model (EngineOptions), never shared through globals."""
+    from tiny_models import make_hf_model
+
+    from folio.model.model import Model
+    from folio.options import EngineOptions
+
+    model = Model.from_pretrained(make_hf_model(tmp_path, "llama"), progress=False)
+    other = model.with_options(EngineOptions(prefill_cudnn=False, ops_backend="reference"))
+    assert model.flash_state.dense_cudnn and not other.flash_state.dense_cudnn
+    assert model.flash_state is not other.flash_state and other.weights is model.weights
+    assert model.flash_state.ops is model.ops and other.ops.backend == "reference"

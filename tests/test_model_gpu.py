@@ -6,7 +6,6 @@ import pytest
 import torch
 from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model
 
-from folio import ops
 from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
@@ -24,13 +23,13 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
                                              ("qwen3", {"tie": True})])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_cuda_prefill_and_decode_match_transformers(tmp_path, monkeypatch, arch, overrides, dtype, tolerance) -> None:
-    linear_rows = []  # rows of every input that the model sends to the decode GEMV (ops.linear)
-    real_linear = ops.linear
-    monkeypatch.setattr(ops, "linear",
-                        lambda x, w, b=None, **fused: linear_rows.append(x.shape[0]) or real_linear(x, w, b, **fused))
     path = make_hf_model(tmp_path, arch, **overrides)
     want = hf_logits(load_hf_model(path), PROMPT)
     model = Model.from_pretrained(path, device="cuda", dtype=dtype, progress=False)
+    linear_rows = []  # rows of every input that the model sends to the decode GEMV (its op set's linear)
+    real_linear = model.ops.linear
+    monkeypatch.setattr(model.ops, "linear",
+                        lambda x, w, b=None, **fused: linear_rows.append(x.shape[0]) or real_linear(x, w, b, **fused))
     assert model.device == torch.device("cuda", torch.cuda.current_device())
     assert model.weights.layers[0].qkv.device == model.device and model.weights.layers[0].qkv.dtype == dtype
     cache = Cache(model, num_tokens=8 * 16, page_size=16)
@@ -92,17 +91,19 @@ def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
     prompt, a decode row; shuffled pages. flash_paged needs a torch whose FA2 takes a block table."""
     from folio import reference_ops
     from folio.model import flash
+    from folio.ops import OpSet
 
+    state = flash.FlashState(OpSet("native"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     batch, k_cache, v_cache = paged_batch([(300, 45), (37, 37), (290, 1)], page_size, gen)  # (context, new)
     q = torch.randn(batch.num_tokens, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 128**-0.5
-    chosen = flash.choose_mode(q, k_cache, scale, mode)
+    chosen = flash.choose_mode(state, q, k_cache, scale, mode)
     if chosen == "paged":
         pytest.skip(f"{mode} does not run with this torch (probe failed)")
-    prefill = flash.plan(chosen, batch, page_size)
+    prefill = flash.plan(state, chosen, batch, page_size)
     assert prefill is not None and prefill.mode == mode
-    got = flash.attention(q, k_cache, v_cache, batch, prefill, scale).float()
+    got = flash.attention(state, q, k_cache, v_cache, batch, prefill, scale).float()
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
                                          batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
@@ -115,8 +116,9 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
     step of their shape on; q/k/v are strided slices of one fused QKV output, as the model passes them."""
     from folio import reference_ops
     from folio.model import flash
+    from folio.ops import OpSet
 
-    monkeypatch.setattr(flash, "_dense_seen", {})
+    state = flash.FlashState(OpSet("native"))
     monkeypatch.setattr(flash, "DENSE_MIN_WORK", 3 * 300 * 300)  # a small case (the default wants 4M)
     gen = torch.Generator(device="cuda").manual_seed(3)
     batch, k_cache, v_cache = paged_batch([(290, 1), (300, 300), (300, 300), (300, 300)], page_size, gen)
@@ -126,16 +128,18 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
     q = qkv[:, : 32 * 128].view(-1, 32, 128)
     k_new, v_new = qkv[:, 32 * 128 : 40 * 128].view(-1, 8, 128), qkv[:, 40 * 128 :].view(-1, 8, 128)
     scale = 128**-0.5
-    mode = flash.choose_mode(q, k_cache, scale, "flash_gather")
+    mode = flash.choose_mode(state, q, k_cache, scale, "flash_gather")
     assert mode == "flash_gather"
-    assert flash.dense_cudnn_ok(q.device, q.dtype, 32, 8, 128, scale), "cuDNN's dense attention fails here"
+    assert flash.dense_cudnn_ok(state, q.device, q.dtype, 32, 8, 128, scale), "cuDNN's dense attention fails here"
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
                                          batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
     outputs = []
     for step in range(2):
-        prefill = flash.plan(mode, batch, page_size)
+        prefill = flash.plan(state, mode, batch, page_size)
         assert prefill.dense == (None if step == 0 else (3, 300))
-        outputs.append(flash.attention(q, k_cache, v_cache, batch, prefill, scale, k_new=k_new, v_new=v_new).float())
+        outputs.append(flash.attention(state, q, k_cache, v_cache, batch, prefill, scale, k_new=k_new,
+                                       v_new=v_new).float())
+    assert state.dense_calls == 1
     for got in outputs:
         assert got.shape == q.shape
         assert ((got - want).norm() / want.norm()).item() < 1e-2
@@ -146,13 +150,14 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
 def test_logits_gemm_writes_fp32_directly() -> None:
     """Past the GEMV's rows, the logits come from one GEMM with fp32 output: the 16-bit product without its
     rounding to bf16 (so within bf16's rounding of it), and that path is the one taken on this device."""
-    from folio.model import model as model_module
+    from types import SimpleNamespace
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     weight = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
-    got = model_module._mm_fp32(x, weight)
-    assert model_module._mm_fp32_ok[(x.device, x.dtype)], "torch.mm(out_dtype=float32) is not used on this device"
+    probes = SimpleNamespace(_mm_fp32_ok={})  # the model's per-instance probe cache, alone
+    got = Model._mm_fp32(probes, x, weight)
+    assert probes._mm_fp32_ok[(x.device, x.dtype)], "torch.mm(out_dtype=float32) is not used on this device"
     rounded = torch.nn.functional.linear(x, weight).float()
     exact = x.double() @ weight.double().t()
     assert got.dtype == torch.float32 and got.shape == (256, 3000)

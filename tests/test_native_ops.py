@@ -240,8 +240,8 @@ def test_rotary_cache_write_strided_views_match_contiguous(device, dtype, layout
     shape = (num_pages, page_size, kv_heads, head_dim)
     caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
 
-    with ops.use_backend("native"):  # the public entry point takes the views as they are
-        ops.rotary_cache_write(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
+    # the public entry point (an op set) takes the views as they are
+    ops.OpSet("native").rotary_cache_write(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
     NATIVE[device].rotary_cache_write(*dense, positions, inv_freq, caches[2], caches[3], slots)
 
     assert same_bits(q, dense[0]) and same_bits(k, dense[1]), "q, k rotated in place differ from the dense run"
@@ -694,12 +694,11 @@ BOTH_DECODE_KERNEL_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("context_lens,group,kv_heads,head_dim,page_size", BOTH_DECODE_KERNEL_SHAPES)
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
-def test_cuda_decode_tensor_core_and_cuda_core_kernels(
-    _, monkeypatch, dtype, context_lens, group, kv_heads, head_dim, page_size
-):
-    """FOLIO_DECODE_ATTENTION=simt selects the CUDA-core decode kernel, anything else the tensor-core one where it
-    applies; both match the CPU reference. Where the tensor-core kernel applies the two results must differ in
-    some bits (it rounds the softmax weights to the cache dtype), which shows that the switch picked it."""
+def test_cuda_decode_tensor_core_and_cuda_core_kernels(_, dtype, context_lens, group, kv_heads, head_dim, page_size):
+    """use_mma=False (EngineOptions.decode_attention="simt") selects the CUDA-core decode kernel, True the
+    tensor-core one where it applies; both match the CPU reference. Where the tensor-core kernel applies the two
+    results must differ in some bits (it rounds the softmax weights to the cache dtype), which shows that the
+    argument picked it; an op set passes it from its options."""
     g = gen(sum(context_lens) + 7 * group)
     k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, "cuda", g)
     q = randn(len(context_lens), group * kv_heads, head_dim, dtype=dtype, device="cuda", g=g)
@@ -707,20 +706,25 @@ def test_cuda_decode_tensor_core_and_cuda_core_kernels(
     expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale)
     outs = {}
     for kernel in ("mma", "simt"):
-        monkeypatch.setenv("FOLIO_DECODE_ATTENTION", kernel)
         poison_next_alloc(q.shape, dtype, "cuda")
-        outs[kernel] = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
+        outs[kernel] = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale,
+                                                             use_mma=kernel == "mma")
         assert_close(outs[kernel], expected, dtype)
+        via_op_set = ops.OpSet(decode_attention=kernel).paged_attention_decode(q, k_cache, v_cache, block_tables,
+                                                                               lens, scale)
+        assert torch.equal(via_op_set, outs[kernel])
     if head_dim in (64, 128) and group <= 16:
         assert not torch.equal(outs["mma"], outs["simt"]), "the tensor-core kernel did not run"
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
-def test_cuda_dependent_kernel_chain_matches_serialized_calls(_):
-    """The decode kernels launch early (programmatic dependent launch, sm_90) and wait on the device for the kernel
-    before them: a chain in which every kernel reads what the previous one wrote (GEMV -> attention -> GEMV ->
-    add + RMSNorm -> gated GEMV -> GEMV ...), run plainly and replayed from a CUDA graph, gives the same bits as
-    the same calls with a host synchronization after each one."""
+def test_cuda_dependent_kernel_chain_matches_serialized_calls(_, pdl):
+    """The decode kernels launch early (programmatic dependent launch, sm_90; pdl=True) and wait on the device for
+    the kernel before them: a chain in which every kernel reads what the previous one wrote (GEMV -> attention ->
+    GEMV -> add + RMSNorm -> gated GEMV -> GEMV ...), run plainly and replayed from a CUDA graph, gives the same
+    bits as the same calls with a host synchronization after each one. pdl=False (EngineOptions.pdl) launches
+    them in plain stream order, with the same bits."""
     native = NATIVE["cuda"]
     dtype, hidden, heads, kv_heads, head_dim, layers = torch.bfloat16, 1024, 8, 2, 128, 6
     g = gen(31)
@@ -739,12 +743,13 @@ def test_cuda_dependent_kernel_chain_matches_serialized_calls(_):
             return t
 
         for _ in range(layers):
-            q = done(native.linear(x, w_q)).view(2, heads, head_dim)
-            attn = done(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5))
-            h = done(native.linear(attn.view(2, -1), w_o))
-            done(native.fused_add_rms_norm(h, residual, norm_weight, 1e-6))
-            gated = done(native.linear(h, w_gate_up, silu_gate=True))
-            x = done(native.linear(gated, w_down))
+            q = done(native.linear(x, w_q, pdl=pdl)).view(2, heads, head_dim)
+            attn = done(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5,
+                                                      pdl=pdl))
+            h = done(native.linear(attn.view(2, -1), w_o, pdl=pdl))
+            done(native.fused_add_rms_norm(h, residual, norm_weight, 1e-6, pdl=pdl))
+            gated = done(native.linear(h, w_gate_up, silu_gate=True, pdl=pdl))
+            x = done(native.linear(gated, w_down, pdl=pdl))
         return x
 
     expected = chain(x0.clone(), x0.clone(), sync=True)
@@ -1024,7 +1029,7 @@ def test_linear_supported_states_the_fast_path_conditions():
     """ops.linear_supported: CPU tensors never; on a GPU, only what the native kernel takes on its fast path."""
     x, weight = torch.randn(1, 64), torch.randn(32, 64)
     assert not ops.linear_supported(x, weight)
-    torch.testing.assert_close(ops.linear(x, weight), torch.nn.functional.linear(x, weight))  # reference on CPU
+    torch.testing.assert_close(ops.OpSet().linear(x, weight), torch.nn.functional.linear(x, weight))  # reference
     if not torch.cuda.is_available():
         return
     x, weight, bias = _linear_inputs(8, 32, 64, torch.bfloat16, 5)
@@ -1039,7 +1044,8 @@ def test_linear_supported_states_the_fast_path_conditions():
     assert ops.linear_supported(x.float(), weight.float(), bias.float())
     assert not ops.linear_supported(x.float()[:, :62], weight.float()[:, :62])  # fp32: K % 4
     if NATIVE["cuda"] is not None:
-        assert_close(ops.linear(x, weight, bias), _linear_oracle(x, weight, bias), torch.bfloat16)
+        assert ops.OpSet().linear_supported(x, weight, bias) and not ops.OpSet("reference").linear_supported(x, weight)
+        assert_close(ops.OpSet().linear(x, weight, bias), _linear_oracle(x, weight, bias), torch.bfloat16)
 
 
 # ------------------------------------------------------------------ linear's fusion: the MLP's SiLU gate
@@ -1079,5 +1085,6 @@ def test_reference_linear_silu_gate_is_the_composition():
     x = torch.randn(3, 64, generator=g).bfloat16()
     weight, bias = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
     product = torch.nn.functional.linear(x, weight, bias)
-    assert torch.equal(ops.linear(x, weight, bias, silu_gate=True), ref.silu_and_mul(product))
-    assert torch.equal(ops.linear(x, weight, bias), product)
+    op_set = ops.OpSet()  # CPU tensors: the reference, as the CPU module has no linear
+    assert torch.equal(op_set.linear(x, weight, bias, silu_gate=True), ref.silu_and_mul(product))
+    assert torch.equal(op_set.linear(x, weight, bias), product)

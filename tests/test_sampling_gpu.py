@@ -69,7 +69,7 @@ def test_native_sampler_agrees_with_the_torch_sampler():
     from folio import ops
     from folio.sampling.device_history import DeviceHistories
 
-    assert ops.native_sampling_op("sample_rows", "cuda") is not None
+    assert ops.OpSet().native("sample_rows", "cuda") is not None
     num_rows, num_columns = 192, 8192
     logits = torch.randn(num_rows, num_columns, generator=torch.Generator().manual_seed(5)) * 3
     rows = [RowParams(r.settings, r.u, r.history_ids, r.blocked_ids, r.vocab_size, 0, True)
@@ -144,3 +144,23 @@ def test_sample_in_place_matches_a_copy_and_keeps_returned_logits_apart(return_l
         assert torch.equal(got.logits, want.logits)
     else:
         assert not torch.equal(mine, logits), "in_place sampled a copy (penalties and masks left the input as is)"
+
+
+def test_reference_op_set_samples_with_the_torch_code_on_cuda(monkeypatch):
+    """sample(..., ops=OpSet("reference")) (a model built with ops_backend="reference") never loads a native kernel:
+    on CUDA it runs the torch code, which draws what the CPU draws."""
+    from folio import ops
+
+    num_rows, num_columns = 64, 4096
+    logits = torch.randn(num_rows, num_columns, generator=torch.Generator().manual_seed(8)) * 3
+    rows = [RowParams(r.settings, r.u, history_ids=r.history_ids, blocked_ids=r.blocked_ids, vocab_size=r.vocab_size)
+            for r in mixed_rows(num_rows, num_columns, seed=9)]
+    cpu = sample(logits, rows)
+
+    def no_native(device_type):
+        raise AssertionError(f"a native module was loaded for {device_type}")
+
+    monkeypatch.setattr(ops, "load_native", no_native)
+    gpu = sample(logits.cuda(), rows, ops=ops.OpSet("reference"))
+    assert torch.equal(gpu.token_ids.cpu(), cpu.token_ids)
+    assert torch.allclose(gpu.token_probs.cpu(), cpu.token_probs, atol=1e-5)

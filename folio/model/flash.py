@@ -17,42 +17,60 @@ ms measured), so a shape takes this path only from its second step on (`DENSE_MI
 for a plan. Small shapes (B * L^2 < `DENSE_MIN_WORK`) stay on FA2, which is faster there. Its varlen (ragged) entry point is not used: it ran ~40 ms per call on torch 2.11 (a plan per call).
 
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
-else our kernel ("paged"). `Model.prefill_attention` = "paged" | "flash_paged" | "flash_gather" forces one (for
-benchmarks and tests).
+else our kernel ("paged"). EngineOptions.prefill_attention = "paged" | "flash_paged" | "flash_gather" forces one
+(for benchmarks and tests); EngineOptions.prefill_cudnn = False keeps equal-length prompts on FA2 (A/B).
 Decode-only steps never come here (paged_attention_decode, CUDA graphs).
+
+What a model learns here (probe results, the shapes seen, counters) lives in its FlashState, which every function
+takes first: nothing is kept in module globals.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from folio import ops, reference_ops
+from folio import reference_ops
+
+if TYPE_CHECKING:
+    from folio.ops import OpSet
 
 MODES = ("auto", "paged", "flash_paged", "flash_gather")
 FA2_PAGE_MULTIPLE = 256
 # flash_gather: most context tokens gathered per step (K and V of one layer: 2 * this * Hkv * D elements)
 GATHER_MAX_TOKENS = 1 << 18
 _PROBE_MAX_REL_ERR = 2e-2
-# Equal-length fresh prompts on cuDNN (see the module docstring); FOLIO_PREFILL_CUDNN=0 keeps them on FA2 (A/B).
-DENSE_CUDNN = os.environ.get("FOLIO_PREFILL_CUDNN", "1") != "0"
 DENSE_MIN_SEEN = 1  # earlier steps of the same (B, L) before cuDNN takes it
 # Least B * L^2 (the causal work, in tokens squared) that cuDNN takes: on an H100 it lost below ~1M (1 x 1024:
 # 0.077 ms against FA2's 0.072; 2 x 512: 0.075 against 0.048; a ~75 us floor) and won from 4M up (1 x 2048:
 # 0.132 against 0.185; 32 x 512: 0.24 against 0.49); see bench/prefill_attention.py
 DENSE_MIN_WORK = 1 << 22
-_dense_seen: dict[tuple, int] = {}  # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
 _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
 # The probe's shape: two sequences of 2048 tokens, a shape the dense path takes (B * L^2 >= DENSE_MIN_WORK). cuDNN
 # compiles its kernel per configuration at the first plan that needs it (on a fresh H100, the first 32 x 512 step of
 # a run took 528 ms where a later process took ~46 ms), and small shapes get another configuration than large ones;
 # probing a large shape pays that compile at warm-up instead of in the middle of the first batch.
 _PROBE_BATCH, _PROBE_LEN = 2, 2048
-_dense_ok: dict[tuple, bool] = {}  # (device, dtype, heads, head_dim) -> cuDNN agrees with FA2 here
-stats = {"dense_calls": 0}  # attention calls (one per layer) that ran on cuDNN's dense path; for benchmarks' logs
-_probed: dict[tuple, str] = {}  # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
+
+
+@dataclass(eq=False)
+class FlashState:
+    """One model's prefill-attention state: its op set (the decode kernel for one-token rows), whether cuDNN may
+    take equal-length fresh prompts (EngineOptions.prefill_cudnn), and what it has learned on its device."""
+
+    ops: OpSet
+    dense_cudnn: bool = True
+    # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
+    probed: dict[tuple, str] = field(default_factory=dict)
+    # (device, dtype, q heads, kv heads, head_dim) -> cuDNN's dense attention agrees with FA2 here
+    dense_ok: dict[tuple, bool] = field(default_factory=dict)
+    # (device, B, L) -> steps seen (-1: cuDNN refused it; stays on FA2)
+    dense_seen: dict[tuple, int] = field(default_factory=dict)
+    # (device, dtype, q heads, kv heads, head_dim) -> FA2 takes q/k/v strided in their token dim
+    strided_ok: dict[tuple, bool] = field(default_factory=dict)
+    dense_calls: int = 0  # attention calls (one per layer) that ran on cuDNN's dense path; for benchmarks' logs
 
 
 @dataclass(frozen=True)
@@ -96,7 +114,8 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float, requested: str = "auto") -> str:
+def choose_mode(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
+                requested: str = "auto") -> str:
     """The prefill attention path for tensors shaped like these on this device (probed once per shape family);
     `requested` other than "auto" forces one (still falling back to "paged" if it fails its probe)."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
@@ -105,14 +124,14 @@ def choose_mode(q: torch.Tensor, k_cache: torch.Tensor, scale: float, requested:
         return "paged"
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     key = (q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, page_size, requested)
-    if key not in _probed:
+    if key not in state.probed:
         candidates = ["flash_paged", "flash_gather"] if requested == "auto" else [requested]
         if page_size % FA2_PAGE_MULTIPLE:
             candidates = [c for c in candidates if c != "flash_paged"]
-        _probed[key] = next((c for c in candidates if _probe(c, q, k_cache, scale)), "paged")
-        if _probed[key] == "flash_gather" and DENSE_CUDNN:
-            dense_cudnn_ok(q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, scale)
-    return _probed[key]
+        state.probed[key] = next((c for c in candidates if _probe(state, c, q, k_cache, scale)), "paged")
+        if state.probed[key] == "flash_gather" and state.dense_cudnn:
+            dense_cudnn_ok(state, q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, scale)
+    return state.probed[key]
 
 
 def _device_ints(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -120,7 +139,7 @@ def _device_ints(values: list[int], dtype: torch.dtype, device: torch.device) ->
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
-def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
+def plan(state: FlashState, mode: str, batch, page_size: int) -> PrefillPlan | None:
     """Per-forward tensors for `mode`, or None when this batch should run on our kernel."""
     if mode == "paged":
         return None
@@ -156,7 +175,7 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
     max_q, max_k = max(q_lens[i] for i in long), max(context_lens[i] for i in long)
     span = (long_rows[0], long_rows[-1] + 1) if long_rows[-1] + 1 - long_rows[0] == len(long_rows) else None
     fresh = all(context_lens[i] == q_lens[i] for i in long)
-    dense = _dense_shape(device, [q_lens[i] for i in long]) if fresh and span is not None else None
+    dense = _dense_shape(state, device, [q_lens[i] for i in long]) if fresh and span is not None else None
     if not short:
         return PrefillPlan(mode, cu_q_t, cu_k_t, max_q, max_k, kv_slots, long_span=span, fresh=fresh, dense=dense)
     short_idx = _device_ints(short, torch.int64, device)
@@ -169,25 +188,25 @@ def plan(mode: str, batch, page_size: int) -> PrefillPlan | None:
                        long_span=span, fresh=fresh, dense=dense)
 
 
-def _dense_shape(device: torch.device, lengths: list[int]) -> tuple[int, int] | None:
+def _dense_shape(state: FlashState, device: torch.device, lengths: list[int]) -> tuple[int, int] | None:
     """(B, L) if these fresh prompts should run as one dense cuDNN batch: equal lengths, B * L^2 >= DENSE_MIN_WORK,
     and the shape seen in DENSE_MIN_SEEN earlier steps (counted here, once per forward)."""
     length = lengths[0]
-    if (not _dense_runs_on(device) or len(lengths) * length * length < DENSE_MIN_WORK
+    if (not _dense_runs_on(state, device) or len(lengths) * length * length < DENSE_MIN_WORK
             or any(n != length for n in lengths)):
         return None
     key = (device, len(lengths), length)
-    seen = _dense_seen.get(key, 0)
+    seen = state.dense_seen.get(key, 0)
     if seen < 0:
         return None
-    if len(_dense_seen) >= _DENSE_SEEN_MAX_KEYS and key not in _dense_seen:
-        _dense_seen.clear()
-    _dense_seen[key] = seen + 1
+    if len(state.dense_seen) >= _DENSE_SEEN_MAX_KEYS and key not in state.dense_seen:
+        state.dense_seen.clear()
+    state.dense_seen[key] = seen + 1
     return (len(lengths), length) if seen >= DENSE_MIN_SEEN else None
 
 
-def _dense_runs_on(device: torch.device) -> bool:
-    return DENSE_CUDNN and device.type == "cuda"
+def _dense_runs_on(state: FlashState, device: torch.device) -> bool:
+    return state.dense_cudnn and device.type == "cuda"
 
 
 def _cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, length: int,
@@ -205,13 +224,13 @@ def _cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, 
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def dense_cudnn_ok(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
-                   head_dim: int, scale: float) -> bool:
+def dense_cudnn_ok(state: FlashState, device: torch.device, dtype: torch.dtype, num_q_heads: int,
+                   num_kv_heads: int, head_dim: int, scale: float) -> bool:
     """Does cuDNN's dense attention run here on inputs laid out like the model's (strided slices of a fused QKV
     output) and agree with FA2? Checked once per device, dtype and head layout (the first check also pays for
     cuDNN's start, ~0.5 s: choose_mode makes it, at a model's first prefill, e.g. the generator's warm-up)."""
     key = (device, dtype, num_q_heads, num_kv_heads, head_dim)
-    if key not in _dense_ok:
+    if key not in state.dense_ok:
         gen = torch.Generator(device=device).manual_seed(2)
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
         fused = torch.randn(_PROBE_BATCH * _PROBE_LEN, width, device=device, dtype=dtype, generator=gen)
@@ -223,36 +242,37 @@ def dense_cudnn_ok(device: torch.device, dtype: torch.dtype, num_q_heads: int, n
             got = _cudnn_dense(qs, ks, vs, _PROBE_BATCH, _PROBE_LEN, scale).float()
             want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, _PROBE_LEN, _PROBE_LEN,
                           scale).float()
-            _dense_ok[key] = ((got - want).norm() / want.norm()).item() <= _PROBE_MAX_REL_ERR
+            state.dense_ok[key] = ((got - want).norm() / want.norm()).item() <= _PROBE_MAX_REL_ERR
         except (RuntimeError, TypeError, ValueError):
-            _dense_ok[key] = False
-    return _dense_ok[key]
+            state.dense_ok[key] = False
+    return state.dense_ok[key]
 
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple[int, int],
+def _dense_attention(state: FlashState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple[int, int],
                      scale: float) -> torch.Tensor | None:
     """cuDNN's dense attention of the fresh prompts shaped `shape` = (B, L), or None where it does not run here."""
     key = (q.device, *shape)
-    if _dense_seen.get(key, 0) < 0 or not dense_cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2],
-                                                          scale):
+    if state.dense_seen.get(key, 0) < 0 or not dense_cudnn_ok(state, q.device, q.dtype, q.shape[1], k.shape[1],
+                                                               q.shape[2], scale):
         return None
     try:
         out = _cudnn_dense(q, k, v, *shape, scale)
-        stats["dense_calls"] += 1
+        state.dense_calls += 1
         return out
     except RuntimeError:  # a shape cuDNN has no plan for (the probe passed on another): FA2 takes it from now on
-        _dense_seen[key] = -1
+        state.dense_seen[key] = -1
         return None
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, prefill: PrefillPlan,
-              scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
+              prefill: PrefillPlan, scale: float, k_new: torch.Tensor | None = None,
+              v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
 
     q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
     output) may be strided in their token and head dims. With k_new/v_new given, a plan whose prompt rows are
     one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache."""
-    strided = strided_inputs_ok(q, k_cache)
+    strided = strided_inputs_ok(state, q, k_cache)
     if not strided:
         q = q.contiguous()
     if prefill.mode == "flash_paged":
@@ -274,7 +294,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
         num_kv_heads, head_dim = k_cache.shape[2:]
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
-    long_out = _dense_attention(q_long, k, v, prefill.dense, scale) if new_kv and prefill.dense else None
+    long_out = _dense_attention(state, q_long, k, v, prefill.dense, scale) if new_kv and prefill.dense else None
     if long_out is None:
         long_out = _flash(q_long, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
                           prefill.max_context_len, scale)
@@ -283,27 +303,24 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
     if span is not None and (span[0] == 0 or span[1] == q.shape[0]):  # the one-token rows are one run too
         before = span[0] > 0
         short_q = q[:span[0]] if before else q[span[1]:]
-        short_out = ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
+        short_out = state.ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
                                                prefill.short_context_lens, scale)
         return torch.cat([short_out, long_out] if before else [long_out, short_out])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.index_copy_(0, prefill.long_rows, long_out)
-    short_out = ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
+    short_out = state.ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
                                            prefill.short_block_tables, prefill.short_context_lens, scale)
     out.index_copy_(0, prefill.short_rows, short_out)
     return out
 
 
-_strided_ok: dict[tuple, bool] = {}
-
-
-def strided_inputs_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def strided_inputs_ok(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Does FA2 here give the same result for q/k/v strided in their token dim (slices of a fused QKV output) as
     for dense copies? Checked once per device, dtype and head layout; False means callers pass dense copies."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     key = (q.device, q.dtype, num_q_heads, num_kv_heads, head_dim)
-    if key not in _strided_ok:
+    if key not in state.strided_ok:
         gen = torch.Generator(device=q.device).manual_seed(1)
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
         fused = torch.randn(40, width, device=q.device, dtype=q.dtype, generator=gen)
@@ -314,13 +331,13 @@ def strided_inputs_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         try:
             got = _flash(qs, ks, vs, cu, cu, 23, 23, 0.125)
             want = _flash(qs.contiguous(), ks.contiguous(), vs.contiguous(), cu, cu, 23, 23, 0.125)
-            _strided_ok[key] = bool(torch.equal(got, want))
+            state.strided_ok[key] = bool(torch.equal(got, want))
         except (RuntimeError, TypeError, ValueError):
-            _strided_ok[key] = False
-    return _strided_ok[key]
+            state.strided_ok[key] = False
+    return state.strided_ok[key]
 
 
-def _probe(mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) -> bool:
+def _probe(state: FlashState, mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) -> bool:
     """Does `mode` run here and agree with the reference on a small batch (a chunk continuing a cached context
     across pages, a whole prompt, a one-token row)?"""
     from folio.model.batch import ForwardBatch, SeqChunk
@@ -342,8 +359,8 @@ def _probe(mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) 
     batch = ForwardBatch.build(chunks, page_size, device)
     q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     try:
-        prefill = plan(mode, batch, page_size)
-        got = attention(q, k_cache, v_cache, batch, prefill, scale).float()
+        prefill = plan(state, mode, batch, page_size)
+        got = attention(state, q, k_cache, v_cache, batch, prefill, scale).float()
     except (RuntimeError, TypeError, ValueError):
         return False
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,

@@ -1,8 +1,7 @@
-"""Model: a Llama-family decoder running over a paged K/V cache through folio.ops."""
+"""Model: a Llama-family decoder running over a paged K/V cache through its op set (folio.ops.OpSet)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,12 +14,12 @@ from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
 from folio.model.rotary import rope_inv_freq
+from folio.options import EngineOptions
 
 if TYPE_CHECKING:
     from folio.kv_cache import Cache
 
 
-_mm_fp32_ok: dict[tuple, bool] = {}
 # The most logits-sized fp32 buffers sampling holds at once beside the logits: the torch path with a full sort of
 # the vocabulary (no top-k; rows that ask for top tokens take it) held 11.3 on an H100 at 256 rows of 32k (its
 # working copy, the sort's keys and int64 values with their double buffers, probabilities, sums). The native
@@ -28,44 +27,41 @@ _mm_fp32_ok: dict[tuple, bool] = {}
 SAMPLER_LOGITS_COPIES = 13
 
 
-def _mm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T with fp32 output from 16-bit inputs: torch.mm's out_dtype where this torch has it on this
-    device (checked once against the converted 16-bit product), else that product converted."""
-    key = (x.device, x.dtype)
-    if key not in _mm_fp32_ok:
-        gen = torch.Generator(device=x.device).manual_seed(0)  # (the global generator's state stays untouched)
-        a = torch.randn(24, 64, device=x.device, dtype=x.dtype, generator=gen)
-        b = torch.randn(40, 64, device=x.device, dtype=x.dtype, generator=gen)
-        try:
-            got = torch.mm(a, b.t(), out_dtype=torch.float32)
-            want = torch.mm(a.float(), b.float().t())
-            _mm_fp32_ok[key] = got.dtype == torch.float32 and bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
-        except (RuntimeError, TypeError, NotImplementedError):
-            _mm_fp32_ok[key] = False
-    if _mm_fp32_ok[key]:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x, weight).float()
+def _mm_fp32_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does torch.mm(out_dtype=float32) exist for 16-bit inputs on this device and agree with the fp32 product?"""
+    gen = torch.Generator(device=device).manual_seed(0)  # (the global generator's state stays untouched)
+    a = torch.randn(24, 64, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(40, 64, device=device, dtype=dtype, generator=gen)
+    try:
+        got = torch.mm(a, b.t(), out_dtype=torch.float32)
+        want = torch.mm(a.float(), b.float().t())
+        return got.dtype == torch.float32 and bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+    """options: the engine's switches (EngineOptions; None: the defaults). The model keeps them (`options`), runs
+    its ops through `ops` (an OpSet built from them: backend, PDL, decode attention kernel) and keeps what it probes
+    on its device in `flash_state` and here, never in module globals (two models with other options never share
+    a decision). On a CUDA device, ops_backend "auto" or "native" needs the native CUDA module: building the model
+    raises a RuntimeError saying how to build it (ops_backend "reference" runs the torch reference ops instead)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 options: EngineOptions | None = None) -> None:
+        self.options = options if options is not None else EngineOptions()
+        self.ops = _op_set_for(self.options, device)
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.inv_freq = rope_inv_freq(config, device)  # [D/2] fp32
         self.attention_scale = config.head_dim**-0.5
-        # Prefill attention path on CUDA (see folio.model.flash): "auto" picks tensor-core FlashAttention when it
-        # passes a numerical probe here, else our paged kernel; set another mode to force one.
-        self.prefill_attention = "auto"
-        # The o_proj and down GEMMs add into the residual stream themselves (addmm_, beta = 1; cuBLAS on CUDA), so
-        # the norm after them reads one [T, H] tensor and writes one instead of two each (a 16k-token prompt step
-        # on an H100: RMSNorm 10.4 -> 5.5 ms, the GEMMs ~1 ms more). FOLIO_RESIDUAL_GEMM=0 turns it off (A/B
-        # timing). The native GEMV (decode batches of a few rows) keeps the separate fused add + norm.
-        self.residual_in_gemm = os.environ.get("FOLIO_RESIDUAL_GEMM", "1") != "0"
-        from folio.options import EngineOptions  # TEMPORARY until the native-registry branch lands
-
-        self.options = EngineOptions()
+        # Prefill attention on CUDA (see folio.model.flash): options.prefill_attention chooses the path, each
+        # probed once per shape family on this device; options.prefill_cudnn lets cuDNN take equal-length prompts.
+        self.flash_state = flash.FlashState(self.ops, dense_cudnn=self.options.prefill_cudnn)
+        # (device, dtype) -> whether torch.mm(out_dtype=float32) works here (see _logits)
+        self._mm_fp32_ok: dict[tuple[torch.device, torch.dtype], bool] = {}
 
     @classmethod
     def from_pretrained(
@@ -74,15 +70,17 @@ class Model:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         progress: bool = True,
+        options: EngineOptions | None = None,
     ) -> Model:
         """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype."""
         config = ModelConfig.from_pretrained(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        _op_set_for(options or EngineOptions(), device)  # a missing native module fails before the weights load
         dtype = check_dtype(dtype if dtype is not None else config.torch_dtype)
         weights = load_weights(path, config, device, dtype, progress)
-        return cls(config, weights, device, dtype)
+        return cls(config, weights, device, dtype, options)
 
     @classmethod
     def from_state_dict(
@@ -91,6 +89,7 @@ class Model:
         state_dict: dict[str, torch.Tensor],
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        options: EngineOptions | None = None,
     ) -> Model:
         """Build from weights already in memory under their checkpoint names (a transformers model's
         `state_dict()`), e.g. random weights made on the GPU for a benchmark. device None: the tensors' device;
@@ -100,9 +99,15 @@ class Model:
         device = torch.device(device if device is not None else first.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        _op_set_for(options or EngineOptions(), device)
         dtype = check_dtype(dtype if dtype is not None else first.dtype)
         tensors = tensors_from_state_dict(state_dict, config, device, dtype)
-        return cls(config, fuse_weights(tensors, config), device, dtype)
+        return cls(config, fuse_weights(tensors, config), device, dtype, options)
+
+    def with_options(self, options: EngineOptions) -> Model:
+        """A model over the same weights (shared, not copied) with other options, e.g. another prefill attention
+        path for an A/B benchmark. It probes its device afresh."""
+        return Model(self.config, self.weights, self.device, self.dtype, options)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: Cache) -> torch.Tensor:
@@ -160,17 +165,21 @@ class Model:
         (`_project_into`). Otherwise out is overwritten with the normalized residual and returned."""
         eps = self.config.rms_norm_eps
         if out is None:
-            return ops.rms_norm(residual, weight, eps)
-        ops.fused_add_rms_norm(out, residual, weight, eps)
+            return self.ops.rms_norm(residual, weight, eps)
+        self.ops.fused_add_rms_norm(out, residual, weight, eps)
         return out
 
     def _project_into(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
     ) -> torch.Tensor | None:
         """x @ weight.T (+ bias). With a residual, where the product would be a cuBLAS GEMM: added into the residual
-        in place (the GEMM's beta = 1; the sum is rounded once, from fp32) and None returned."""
-        if (residual is None or not self.residual_in_gemm or bias is not None
-                or ops.linear_supported(x, weight, bias)):
+        in place (the GEMM's beta = 1; the sum is rounded once, from fp32) and None returned.
+
+        options.residual_in_gemm: the norm after such a GEMM then reads one [T, H] tensor and writes one instead of
+        two each (a 16k-token prompt step on an H100: RMSNorm 10.4 -> 5.5 ms, the GEMMs ~1 ms more). The native
+        GEMV (decode batches of a few rows) keeps the separate fused add + norm."""
+        if (residual is None or not self.options.residual_in_gemm or bias is not None
+                or self.ops.linear_supported(x, weight, bias)):
             return self._linear(x, weight, bias)
         residual.addmm_(x, weight.t())
         return None
@@ -181,8 +190,9 @@ class Model:
             return None
         cfg = self.config
         q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
-        mode = flash.choose_mode(q_like, cache.k[0], self.attention_scale, self.prefill_attention)
-        return flash.plan(mode, batch, cache.page_size)
+        mode = flash.choose_mode(self.flash_state, q_like, cache.k[0], self.attention_scale,
+                                 self.options.prefill_attention)
+        return flash.plan(self.flash_state, mode, batch, cache.page_size)
 
     def _attention(
         self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache,
@@ -194,23 +204,24 @@ class Model:
         qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm:
-            q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)
+            q = self.ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = self.ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)
         # Views into qkv (rotary_cache_write updates q and k in place, through their row strides): no copies. The
         # FlashAttention prefill takes them as they are too (flash.attention copies only where FA2 needs it).
         q = q.view(num_tokens, cfg.num_q_heads, head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, head_dim)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
-        ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
+        self.ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
         if prefill is not None:
-            out = flash.attention(q, k_cache, v_cache, batch, prefill, self.attention_scale, k_new=k, v_new=v)
+            out = flash.attention(self.flash_state, q, k_cache, v_cache, batch, prefill, self.attention_scale,
+                                  k_new=k, v_new=v)
         elif batch.max_q_len == 1:
-            out = ops.paged_attention_decode(
+            out = self.ops.paged_attention_decode(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
             )
         else:
-            out = ops.paged_attention(
+            out = self.ops.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
                 self.attention_scale, batch.max_q_len,
             )
@@ -218,28 +229,38 @@ class Model:
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """SwiGLU MLP; see `_project_into` for `residual`."""
-        if x.dtype != torch.float32 and ops.linear_supported(x, layer.gate_up):
+        if x.dtype != torch.float32 and self.ops.linear_supported(x, layer.gate_up):
             # decode: the GEMV gates in its epilogue (bit-identical to silu_and_mul after it), one launch fewer
-            activation = ops.linear(x, layer.gate_up, silu_gate=True)
+            activation = self.ops.linear(x, layer.gate_up, silu_gate=True)
         else:
-            activation = ops.silu_and_mul(self._linear(x, layer.gate_up))
+            activation = self.ops.silu_and_mul(self._linear(x, layer.gate_up))
         return self._project_into(activation, layer.down, None, residual)
 
     def _logits(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CUDA, past the GEMV's few rows, one GEMM that accumulates in fp32 and writes fp32 (not
         rounded to bf16 first): at 256 rows of a 128k vocabulary the separate conversion read 66 MB and wrote
         131 MB per decode step."""
-        if x.device.type == "cuda" and x.dtype != torch.float32 and not ops.linear_supported(x, lm_head):
-            return _mm_fp32(x, lm_head)
+        if x.device.type == "cuda" and x.dtype != torch.float32 and not self.ops.linear_supported(x, lm_head):
+            return self._mm_fp32(x, lm_head)
         return self._linear(x, lm_head).float()
 
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _mm_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T with fp32 output from 16-bit inputs: torch.mm's out_dtype where this torch has it on this
+        device (checked once per model, device and dtype against the fp32 product), else the 16-bit product
+        converted."""
+        key = (x.device, x.dtype)
+        if key not in self._mm_fp32_ok:
+            self._mm_fp32_ok[key] = _mm_fp32_works(x.device, x.dtype)
+        if self._mm_fp32_ok[key]:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return F.linear(x, weight).float()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear; decode-sized inputs (at most ops.LINEAR_MAX_ROWS rows on CUDA, see ops.linear_supported) go
         through the native GEMV, which streams the weight once in a single kernel where cuBLAS runs split-K GEMMs.
         Prefill and larger decode batches stay on cuBLAS."""
-        if ops.linear_supported(x, weight, bias):
-            return ops.linear(x, weight, bias)
+        if self.ops.linear_supported(x, weight, bias):
+            return self.ops.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _check_cache(self, cache: Cache) -> None:
@@ -254,3 +275,11 @@ class Model:
             raise ValueError(
                 f"cache is {cache.k.dtype} on {cache.k.device}, model is {self.dtype} on {self.device}"
             )
+
+
+def _op_set_for(options: EngineOptions, device: torch.device) -> ops.OpSet:
+    """The op set of a model on `device` with `options`; raises RuntimeError (with how to build it) where the
+    options need a native module this installation lacks (folio.ops.missing_native_error)."""
+    op_set = ops.OpSet.from_options(options)
+    op_set.check_device(device.type)
+    return op_set

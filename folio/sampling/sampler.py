@@ -8,6 +8,9 @@ Order of operations per row (the reference's, with the common top-p definition):
 All rows are processed together with tensor ops; per-row parameters travel to the device as a few small tensors
 built once per call (pinned, non-blocking on CUDA). Nothing here reads a device value back to the host: the caller
 does that when it reads `token_ids`.
+
+The native sampling kernels come from an op set (folio.ops.OpSet; a model's `ops`): under backend "reference", or
+where the op set has no native kernel for the logits' device, the torch code below runs instead.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from folio import ops
+from folio.ops import DEFAULT as DEFAULT_OPS
+from folio.ops import OpSet
 from folio.sampling.host import to_device
 from folio.sampling.penalties import History, apply_penalties, history_windows, window_size
 from folio.sampling.settings import SamplerSettings
@@ -130,13 +134,15 @@ def _first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: torch.Tensor | None = None,
-           in_place: bool = False) -> SampleOutput:
+           in_place: bool = False, ops: OpSet | None = None) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] fp32 (left unchanged unless in_place) following each row's
     RowParams. penalty_windows: the rows' penalty ids already on the device ([B, width], see
     DeviceHistories.windows, with V as the padding id), used instead of the rows' history_ids.
     in_place: the caller reads `logits` no more, so the CUDA kernels may process them where they are instead of
     in a copy (at batch 256 of a 128k vocabulary the copy moves 262 MB, ~60-90 us of a decode step) -- unless a
-    row returns its processed logits, which then stay in a copy of their own."""
+    row returns its processed logits, which then stay in a copy of their own.
+    ops: where the native sampling kernels come from (the model's op set; None: folio.ops.DEFAULT, backend
+    "auto")."""
     _check_call(logits, rows)
     num_columns = logits.shape[1]
     width = _plain_greedy_width(rows, num_columns)
@@ -148,7 +154,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
         pickable = values > -math.inf  # False for rows of -inf (nothing to pick) or NaN, as in _pick
         return SampleOutput(torch.where(pickable, ids, -1), pickable.float())
     if logits.device.type == "cuda" and not any(row.return_top_tokens for row in rows):
-        native = _sample_native(logits, rows, penalty_windows, in_place)
+        native = _sample_native(ops if ops is not None else DEFAULT_OPS, logits, rows, penalty_windows, in_place)
         if native is not None:
             return native
     # Working copy with one extra column: scatters aim the entries they must skip at it.
@@ -171,16 +177,14 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
     return SampleOutput(token_ids, token_probs, top_k_tokens, top_k_probs, logits_out)
 
 
-def _sample_native(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: torch.Tensor | None,
-                   in_place: bool = False) -> SampleOutput | None:
+def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
+                   penalty_windows: torch.Tensor | None, in_place: bool = False) -> SampleOutput | None:
     """The same steps with the native kernels: one for the penalties, one for truncation and the draw (a radix
     select instead of a sort). On CUDA a step's sampling is then a handful of launches instead of ~90, which is
     what bounds large-batch decode on the host. None when the kernels are not available (the caller runs the torch
     code). Candidates are not reported (rows asking for top tokens take the torch code)."""
     device = logits.device
-    sample_rows = ops.native_sampling_op("sample_rows", device.type)
-    penalise = ops.native_sampling_op("apply_penalties", device.type)
-    if sample_rows is None or penalise is None:
+    if ops.native("sample_rows", device.type) is None or ops.native("apply_penalties", device.type) is None:
         return None
     num_columns = logits.shape[1]
     if penalty_windows is None:
@@ -201,13 +205,13 @@ def _sample_native(logits: torch.Tensor, rows: Sequence[RowParams], penalty_wind
     if width:
         ids = penalty_windows if penalty_windows is not None else history_windows(
             [row.history_ids for row in rows], sizes, width, num_columns, device)  # padding id V: ignored
-        penalise(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
+        ops.apply_penalties(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
                  ints[:, 7].contiguous(), ints[:, 8].contiguous())
     _apply_bias_and_blocks(work, rows)
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
         work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
-    token_ids, token_probs = sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
+    token_ids, token_probs = ops.sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
                                          floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
     return SampleOutput(token_ids, token_probs, None, None, work if return_logits else None)
 

@@ -1,5 +1,5 @@
 // folio._native_cpu: checks the tensors, releases the GIL, and runs the CPU kernels of native/cpu over
-// torch's intra-op thread pool. Signatures match folio/reference_ops.py exactly (plus the sampling ops).
+// torch's intra-op thread pool. Signatures: op_signatures.h (those of folio/reference_ops.py, plus the sampling ops).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -8,6 +8,7 @@
 
 #include "../cpu/kernels.h"
 #include "op_args.h"
+#include "op_signatures.h"
 
 namespace folio::bind {
 namespace {
@@ -187,22 +188,5 @@ PYBIND11_MODULE(_native_cpu, m) {
   namespace py = pybind11;
   using namespace folio::bind;
   m.doc() = "folio CPU kernels (see native/); signatures match folio.reference_ops";
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
-        py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, py::arg("x"));
-  m.def("rotary_cache_write", &rotary_cache_write, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),
-        py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
-  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("max_q_len"));
-  m.def("paged_attention_decode", &paged_attention_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
-  m.def("copy_page_slots", &copy_page_slots, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"),
-        py::arg("dst_page"), py::arg("num_slots"));
-  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-        py::arg("min_p"), py::arg("u"));
-  m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
-        py::arg("pres"), py::arg("sustain"), py::arg("decay"));
-  m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
+  FOLIO_NATIVE_OPS(FOLIO_DEF_CPU)
 }

@@ -1,7 +1,9 @@
 // folio._native_cuda: checks the tensors and enqueues the CUDA kernels of native/cuda on the current stream of
 // the tensors' device. Nothing here synchronizes with the device or reads device memory, so every op can be
 // captured in a CUDA graph; scratch space comes from torch's caching allocator (graph-capture safe).
-// Signatures match folio/reference_ops.py exactly (plus the sampling ops).
+// Signatures: op_signatures.h, those of folio/reference_ops.py (plus the sampling ops) followed by keyword-only launch
+// options: `pdl` (programmatic dependent launch, EngineOptions.pdl) on the ops that launch through launch_kernel, and
+// `use_mma` (EngineOptions.decode_attention == "mma") on paged_attention_decode.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +12,7 @@
 
 #include "../cuda/kernels.cuh"
 #include "op_args.h"
+#include "op_signatures.h"
 
 namespace folio::bind {
 namespace {
@@ -17,6 +20,9 @@ namespace {
 constexpr c10::DeviceType kCuda = c10::DeviceType::CUDA;
 
 cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.get_device()).stream(); }
+
+// Kernels go to the current stream of t's device, with programmatic dependent launch where `pdl` asks for it.
+cuda::Launch launch_on(const at::Tensor& t, bool pdl) { return cuda::Launch{current_stream(t), pdl}; }
 
 int multiprocessor_count(const at::Tensor& t) {
   int count = 0;
@@ -26,32 +32,33 @@ int multiprocessor_count(const at::Tensor& t) {
 
 at::Tensor rms_norm(const at::Tensor& x,       // [N, H] float32/float16/bfloat16
                     const at::Tensor& weight,  // [H] x's dtype or float32
-                    double eps) {
+                    double eps, bool pdl) {
   check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}});
   const c10::cuda::CUDAGuard guard(x.device());
   const auto out = at::empty_like(x, at::MemoryFormat::Contiguous);  // [N, H] x's dtype
   const RmsNormParams p = rms_norm_args(out, x, nullptr, weight, eps);
-  C10_CUDA_CHECK(cuda::rms_norm(p, current_stream(x)));
+  C10_CUDA_CHECK(cuda::rms_norm(p, launch_on(x, pdl)));
   return out;
 }
 
 void fused_add_rms_norm(const at::Tensor& x,         // [N, H] float; in place: rms_norm(residual + x) * weight
                         const at::Tensor& residual,  // [N, H] x's dtype; in place: residual + x
                         const at::Tensor& weight,    // [H] x's dtype or float32
-                        double eps) {
+                        double eps, bool pdl) {
   check_all_on(kCuda, {{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}});
   const c10::cuda::CUDAGuard guard(x.device());
   const RmsNormParams p = rms_norm_args(x, x, &residual, weight, eps);
-  C10_CUDA_CHECK(cuda::rms_norm(p, current_stream(x)));
+  C10_CUDA_CHECK(cuda::rms_norm(p, launch_on(x, pdl)));
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {  // [N, 2F] float
+at::Tensor silu_and_mul(const at::Tensor& x,  // [N, 2F] float
+                        bool pdl) {
   check_all_on(kCuda, {{&x, "x"}});
   check_dim(x, "x", 2, "[num_rows, 2 * width]");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());  // [N, F] x's dtype
   const SiluAndMulParams p = silu_and_mul_args(out, x);
-  C10_CUDA_CHECK(cuda::silu_and_mul(p, current_stream(x)));
+  C10_CUDA_CHECK(cuda::silu_and_mul(p, launch_on(x, pdl)));
   return out;
 }
 
@@ -62,19 +69,20 @@ void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; ro
                         const at::Tensor& inv_freq,      // [D/2] float32
                         const at::Tensor& k_cache,       // [P, S, Hkv, D] q's dtype
                         const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
-                        const at::Tensor& slot_mapping)  // [T] int64, < 0 = do not write; not range-checked here
-{                                                        // (that would need a device-to-host read)
+                        const at::Tensor& slot_mapping,  // [T] int64, < 0 = do not write; not range-checked here
+                        bool pdl) {                      // (that would need a device-to-host read)
   check_all_on(kCuda, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"}, {&inv_freq, "inv_freq"},
                        {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}});
   const c10::cuda::CUDAGuard guard(q.device());
   const RotaryCacheWriteParams p =
       rotary_cache_write_args(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping);
   FOLIO_CHECK_VALUE(p.head_dim <= 1024, "CUDA rotary_cache_write supports head_dim <= 1024, got ", p.head_dim);
-  C10_CUDA_CHECK(cuda::rotary_cache_write(p, current_stream(q)));
+  C10_CUDA_CHECK(cuda::rotary_cache_write(p, launch_on(q, pdl)));
 }
 
-// Shared by both attention entry points: plans the context split, takes workspace, launches.
-void run_attention(const PagedAttentionParams& p, const at::Tensor& q, int64_t num_rows) {
+// Shared by both attention entry points: plans the context split, takes workspace, launches. decode_mma: decode
+// rows on the tensor-core kernel where it applies.
+void run_attention(const PagedAttentionParams& p, const at::Tensor& q, int64_t num_rows, bool decode_mma, bool pdl) {
   const char* unsupported = cuda::attention_unsupported_reason(p);
   FOLIO_CHECK_VALUE(unsupported == nullptr, unsupported, " (head_dim=", p.head_dim, ", page_size=", p.page_size,
                     ", dtype=", q.scalar_type(), ")");
@@ -82,7 +90,7 @@ void run_attention(const PagedAttentionParams& p, const at::Tensor& q, int64_t n
   at::Tensor workspace;  // [workspace_floats] float32: per-split partial results
   if (plan.workspace_floats > 0) workspace = at::empty({plan.workspace_floats}, q.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::paged_attention(p, num_rows, plan, workspace.defined() ? workspace.data_ptr<float>() : nullptr,
-                                       current_stream(q)));
+                                       decode_mma, launch_on(q, pdl)));
 }
 
 at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
@@ -91,14 +99,14 @@ at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
                            const at::Tensor& block_tables,  // [B, max_blocks] int32
                            const at::Tensor& cu_seqlens_q,  // [B + 1] int32 (trusted: checked by the CPU op only)
                            const at::Tensor& context_lens,  // [B] int32
-                           double scale, int64_t max_q_len) {
+                           double scale, int64_t max_q_len, bool pdl) {
   check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                        {&cu_seqlens_q, "cu_seqlens_q"}, {&context_lens, "context_lens"}});
   const c10::cuda::CUDAGuard guard(q.device());
   const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
       attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
-  run_attention(p, q, q.size(0));
+  run_attention(p, q, q.size(0), /*decode_mma=*/false, pdl);  // (prefill rows: the CUDA-core kernel either way)
   return out;
 }
 
@@ -107,14 +115,15 @@ at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D]
                                   const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
                                   const at::Tensor& block_tables,  // [B, max_blocks] int32
                                   const at::Tensor& context_lens,  // [B] int32
-                                  double scale) {
+                                  double scale, bool pdl,
+                                  bool use_mma) {  // the tensor-core kernel where it applies (else CUDA cores)
   check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                        {&context_lens, "context_lens"}});
   const c10::cuda::CUDAGuard guard(q.device());
   const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
       attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1);
-  run_attention(p, q, p.num_seqs);
+  run_attention(p, q, p.num_seqs, use_mma, pdl);
   return out;
 }
 
@@ -180,8 +189,7 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
 at::Tensor linear(const at::Tensor& x,                    // [M, K] float
                   const at::Tensor& weight,               // [N, K] x's dtype
                   const std::optional<at::Tensor>& bias,  // [N] x's dtype, or None
-                  bool silu_gate)
-{
+                  bool silu_gate, bool pdl) {
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
   if (b != nullptr) {
     check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {b, "bias"}});
@@ -224,7 +232,7 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
   p.out_features = weight.size(0);
   p.in_features = x.size(1);
   p.silu_gate = silu_gate;
-  C10_CUDA_CHECK(cuda::linear(p, current_stream(x)));
+  C10_CUDA_CHECK(cuda::linear(p, launch_on(x, pdl)));
   return out;
 }
 
@@ -234,26 +242,7 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
 PYBIND11_MODULE(_native_cuda, m) {
   namespace py = pybind11;
   using namespace folio::bind;
-  m.doc() = "folio CUDA kernels (see native/); signatures match folio.reference_ops";
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
-        py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, py::arg("x"));
-  m.def("rotary_cache_write", &rotary_cache_write, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),
-        py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
-  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("max_q_len"));
-  m.def("paged_attention_decode", &paged_attention_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"));
-  m.def("copy_page_slots", &copy_page_slots, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"),
-        py::arg("dst_page"), py::arg("num_slots"));
-  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-        py::arg("min_p"), py::arg("u"));
-  m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),
-        py::arg("pres"), py::arg("sustain"), py::arg("decay"));
-  m.def("mask_tokens", &mask_tokens, py::arg("logits"), py::arg("token_ids"));
-  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::arg("silu_gate") = false);
+  m.doc() = "folio CUDA kernels (see native/); signatures match folio.reference_ops, plus keyword-only launch options";
+  FOLIO_NATIVE_OPS(FOLIO_DEF_CUDA)
   m.attr("LINEAR_MAX_ROWS") = folio::cuda::kLinearMaxRows;
 }

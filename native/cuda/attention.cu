@@ -341,13 +341,13 @@ int group_tile(int group) {
 
 // Keys per worker per iteration: 4, or 2 where registers (8 heads) or the 32 KB double buffer (fp32) are tight.
 template <typename T, int LANES, bool EXACT>
-void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, cudaStream_t stream) {
+void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, const Launch& launch) {
   constexpr int kUnroll = sizeof(T) == 4 ? 2 : 4;
   switch (g_tile) {
-    case 1: launch_kernel(attention_kernel<T, LANES, EXACT, 1, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
-    case 2: launch_kernel(attention_kernel<T, LANES, EXACT, 2, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
-    case 4: launch_kernel(attention_kernel<T, LANES, EXACT, 4, kUnroll>, grid, dim3(kThreads), 0, stream, a); break;
-    default: launch_kernel(attention_kernel<T, LANES, EXACT, 8, 2>, grid, dim3(kThreads), 0, stream, a); break;
+    case 1: launch_kernel(attention_kernel<T, LANES, EXACT, 1, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
+    case 2: launch_kernel(attention_kernel<T, LANES, EXACT, 2, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
+    case 4: launch_kernel(attention_kernel<T, LANES, EXACT, 4, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
+    default: launch_kernel(attention_kernel<T, LANES, EXACT, 8, 2>, grid, dim3(kThreads), 0, launch, a); break;
   }
 }
 
@@ -377,7 +377,7 @@ AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_ro
 }
 
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
-                            float* workspace, cudaStream_t stream) {
+                            float* workspace, bool decode_mma, const Launch& launch) {
   if (num_rows == 0) return cudaSuccess;
   if (attention_unsupported_reason(p) != nullptr) return cudaErrorInvalidValue;
   KernelArgs a{};
@@ -395,23 +395,23 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_kv_heads * a.head_chunks),
                   static_cast<unsigned>(plan.num_splits));
   // Decode with 16-bit caches goes to the tensor-core kernel (attention_mma.cu); it writes the same partials.
-  const bool mma = decode_attention_mma_applies(p);
+  const bool mma = decode_mma && decode_attention_mma_applies(p);
   cudaError_t status = cudaSuccess;
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (mma) {
-      status = decode_attention_mma(p, num_rows, plan.num_splits, a.page_shift, a.partial_acc, a.partial_ml, stream);
+      status = decode_attention_mma(p, num_rows, plan.num_splits, a.page_shift, a.partial_acc, a.partial_ml, launch);
     } else if (p.head_dim == 64) {
-      launch_with_dims<T, 8, true>(a, grid, g_tile, stream);
+      launch_with_dims<T, 8, true>(a, grid, g_tile, launch);
     } else if (p.head_dim == 128) {
-      launch_with_dims<T, 16, true>(a, grid, g_tile, stream);
+      launch_with_dims<T, 16, true>(a, grid, g_tile, launch);
     } else {
-      launch_with_dims<T, 32, false>(a, grid, g_tile, stream);
+      launch_with_dims<T, 32, false>(a, grid, g_tile, launch);
     }
     if (plan.num_splits > 1) {
       const dim3 combine_grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(p.num_q_heads));
       const int threads = static_cast<int>(std::min<int64_t>(256, (p.head_dim + 31) / 32 * 32));
-      launch_kernel(combine_kernel<T>, combine_grid, dim3(threads), 0, stream, a);
+      launch_kernel(combine_kernel<T>, combine_grid, dim3(threads), 0, launch, a);
     }
   });
   if (status != cudaSuccess) return status;

@@ -16,8 +16,6 @@
 //    as the A operand of O += P V (the C layout of m16n8 is the A layout of m16k16); ldmatrix.trans gives V's
 //    B fragments. Scores and the softmax state stay in fp32.
 //  * Same partial format as the CUDA-core kernel, so its combine kernel merges the splits.
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "attention_mma.cuh"
@@ -315,13 +313,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   }
 }
 
-bool mma_disabled_by_env() {
-  const char* v = std::getenv("FOLIO_DECODE_ATTENTION");
-  return v != nullptr && std::strcmp(v, "simt") == 0;
-}
-
 template <typename T, int HEAD_DIM>
-cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
+cudaError_t launch_mma(const MmaArgs& a, int64_t num_rows, const Launch& launch) {
   constexpr int kBytes = Layout<HEAD_DIM>::kSmemBytes;
   // More than 48 KB of dynamic shared memory must be allowed per kernel and device, once (benign race: every
   // writer sets the same value).
@@ -338,7 +331,7 @@ cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
   }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(a.p.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
-  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM>, grid, dim3(kThreads), kBytes, stream, a);
+  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM>, grid, dim3(kThreads), kBytes, launch, a);
 }
 
 }  // namespace
@@ -346,14 +339,11 @@ cudaError_t launch(const MmaArgs& a, int64_t num_rows, cudaStream_t stream) {
 bool decode_attention_mma_applies(const PagedAttentionParams& p) {
   if (p.cu_seqlens_q != nullptr || p.dtype == ScalarType::kFloat32) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup) {
-    return false;
-  }
-  return !mma_disabled_by_env();
+  return p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 && p.num_q_heads / p.num_kv_heads <= kMaxGroup;
 }
 
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
-                                 float* partial_acc, float* partial_ml, cudaStream_t stream) {
+                                 float* partial_acc, float* partial_ml, const Launch& launch) {
   if (p.num_kv_heads > 65535 || num_splits > 65535) return cudaErrorInvalidValue;
   MmaArgs a{};
   a.p = p;
@@ -368,9 +358,9 @@ cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows
     if constexpr (std::is_same_v<T, float>) {
       status = cudaErrorInvalidValue;  // decode_attention_mma_applies() refuses float32
     } else if (p.head_dim == 64) {
-      status = launch<T, 64>(a, num_rows, stream);
+      status = launch_mma<T, 64>(a, num_rows, launch);
     } else {
-      status = launch<T, 128>(a, num_rows, stream);
+      status = launch_mma<T, 128>(a, num_rows, launch);
     }
   });
   return status;

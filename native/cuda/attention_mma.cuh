@@ -6,17 +6,18 @@
 #include <cstdint>
 
 #include "../common/params.h"
+#include "kernels.cuh"
 
 namespace folio::cuda {
 
-// Decode rows (p.cu_seqlens_q == nullptr), head_dim 64 or 128, 16-bit types, at most 16 query heads per kv head,
-// and FOLIO_DECODE_ATTENTION unset or "mma" ("simt" selects the CUDA-core kernel, for A/B timing).
+// Decode rows (p.cu_seqlens_q == nullptr), head_dim 64 or 128, 16-bit types, at most 16 query heads per kv head.
+// (Whether the caller wants this kernel at all is its own argument: paged_attention's decode_mma.)
 bool decode_attention_mma_applies(const PagedAttentionParams& p);
 
 // Same contract as the CUDA-core kernel: with num_splits > 1 each split writes its unnormalized partial to
 // partial_acc [rows, Hq, num_splits, D] and partial_ml [rows, Hq, num_splits, 2] (max in log2 units, sum of exp2)
 // for the caller's combine kernel; with one split the result goes to p.out.
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
-                                 float* partial_acc, float* partial_ml, cudaStream_t stream);
+                                 float* partial_acc, float* partial_ml, const Launch& launch);
 
 }  // namespace folio::cuda

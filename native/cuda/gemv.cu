@@ -291,7 +291,7 @@ bool rows_vectorizable(const void* base, int64_t row_stride, int64_t width, int6
 
 }  // namespace
 
-cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
+cudaError_t linear(const LinearParams& p, const Launch& launch) {
   if (p.num_rows < 0 || p.num_rows > kLinearMaxRows) return cudaErrorInvalidValue;
   if (p.num_rows == 0 || p.out_features == 0) return cudaSuccess;
   const int64_t per_16_bytes = p.dtype == ScalarType::kFloat32 ? 4 : 8;
@@ -309,20 +309,20 @@ cudaError_t linear(const LinearParams& p, cudaStream_t stream) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       if (vec) {
-        launch_kernel(linear_f32_kernel<true>, dim3(blocks), dim3(kThreads), 0, stream, p);
+        launch_kernel(linear_f32_kernel<true>, dim3(blocks), dim3(kThreads), 0, launch, p);
       } else {
-        launch_kernel(linear_f32_kernel<false>, dim3(blocks), dim3(kThreads), 0, stream, p);
+        launch_kernel(linear_f32_kernel<false>, dim3(blocks), dim3(kThreads), 0, launch, p);
       }
     } else if (p.silu_gate) {
       if (vec) {
-        launch_kernel(linear_mma_kernel<T, true, true>, dim3(blocks), dim3(kThreads), 0, stream, p);
+        launch_kernel(linear_mma_kernel<T, true, true>, dim3(blocks), dim3(kThreads), 0, launch, p);
       } else {
-        launch_kernel(linear_mma_kernel<T, false, true>, dim3(blocks), dim3(kThreads), 0, stream, p);
+        launch_kernel(linear_mma_kernel<T, false, true>, dim3(blocks), dim3(kThreads), 0, launch, p);
       }
     } else if (vec) {
-      launch_kernel(linear_mma_kernel<T, true, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
+      launch_kernel(linear_mma_kernel<T, true, false>, dim3(blocks), dim3(kThreads), 0, launch, p);
     } else {
-      launch_kernel(linear_mma_kernel<T, false, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
+      launch_kernel(linear_mma_kernel<T, false, false>, dim3(blocks), dim3(kThreads), 0, launch, p);
     }
   });
   return cudaGetLastError();

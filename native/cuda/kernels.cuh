@@ -1,7 +1,8 @@
 // CUDA launchers: host functions over raw device pointers (no torch, no pybind11). Every launcher enqueues its
 // kernels on `stream`, never synchronizes with the host, and returns the launch status (cudaGetLastError()).
-// Safe to call while a CUDA graph is being captured on `stream`. On sm_90+ the kernels are launched with
-// programmatic dependent launch (launch.cuh): each may start while the previous kernel on the stream finishes.
+// Safe to call while a CUDA graph is being captured on `stream`. Launchers that take a `Launch` may launch with
+// programmatic dependent launch (launch.cuh) where it asks for it, on sm_90+: each kernel may then start while the
+// previous kernel on the stream finishes.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,15 +13,24 @@
 
 namespace folio::cuda {
 
-cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream);
+// How a launcher enqueues its kernels. Given per call by the binding (its `pdl` argument, EngineOptions.pdl), never
+// read from the environment or a global.
+struct Launch {
+  cudaStream_t stream;
+  bool pdl;  // programmatic dependent launch where the device supports it (sm_90+); false: plain stream order
+};
 
-cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+cudaError_t rms_norm(const RmsNormParams& p, const Launch& launch);
 
-cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, cudaStream_t stream);
+cudaError_t silu_and_mul(const SiluAndMulParams& p, const Launch& launch);
+
+cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, const Launch& launch);
 
 // Paged attention for decode (p.cu_seqlens_q == nullptr: one query row per sequence) and prefill (one row per
 // token of cu_seqlens_q). num_rows = B or T. The context of each row may be split over several thread blocks
-// (flash-decoding); their partial results go to `workspace` and a second kernel merges them.
+// (flash-decoding); their partial results go to `workspace` and a second kernel merges them. decode_mma: decode rows
+// run on the tensor-core kernel (attention_mma.cuh) where it applies, else on the CUDA-core one (EngineOptions.
+// decode_attention, for A/B timing); prefill rows always run on the CUDA-core kernel.
 struct AttentionPlan {
   int num_splits;                // thread blocks per (row, kv head group)
   int64_t workspace_floats;      // floats of workspace needed (0 when num_splits == 1)
@@ -29,7 +39,7 @@ struct AttentionPlan {
 const char* attention_unsupported_reason(const PagedAttentionParams& p);
 AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms);
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
-                            float* workspace, cudaStream_t stream);
+                            float* workspace, bool decode_mma, const Launch& launch);
 
 cudaError_t copy_page_slots(const PageCopyParams& p, cudaStream_t stream);
 
@@ -61,6 +71,6 @@ struct LinearParams {
   // factor rounded to dtype first (bit-identical to the product followed by silu_and_mul).
   bool silu_gate;
 };
-cudaError_t linear(const LinearParams& p, cudaStream_t stream);
+cudaError_t linear(const LinearParams& p, const Launch& launch);
 
 }  // namespace folio::cuda

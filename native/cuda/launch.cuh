@@ -18,14 +18,15 @@
 //    and at most two grids overlap: this one and the next, whose producer (this one) is the only grid running.
 // Before sm_90 both calls compile to nothing and the launch attribute is not set: plain stream order.
 //
-// FOLIO_PDL=0 in the environment (read once per process) turns the attribute off, for A/B timing.
+// Whether a launch gets the attribute is the caller's choice, per call (Launch::pdl, from EngineOptions.pdl through
+// the binding): false launches plainly, for A/B timing. Nothing here reads the environment.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "kernels.cuh"
 
 namespace folio::cuda {
 
@@ -41,13 +42,9 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether launches on the current device get the PDL attribute: compute capability 9.0+ and FOLIO_PDL != "0".
-inline bool programmatic_launch_enabled() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("FOLIO_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  if (!env_on) return false;
+// Whether the current device takes the PDL attribute: compute capability 9.0+. (A per-device cache of a hardware
+// property, not a switch.)
+inline bool programmatic_launch_supported() {
   constexpr int kMaxDevices = 64;
   static int major_by_device[kMaxDevices] = {};  // 0: not asked yet (benign race: every writer stores the same)
   int device = 0;
@@ -60,20 +57,20 @@ inline bool programmatic_launch_enabled() {
   return major_by_device[device] >= 9;
 }
 
-// kernel<<<grid, block, shared_bytes, stream>>>(args...), with the PDL attribute where enabled. Returns the launch
-// status.
+// kernel<<<grid, block, shared_bytes, launch.stream>>>(args...), with the PDL attribute where launch.pdl asks for it
+// and the device supports it. Returns the launch status.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
-                          cudaStream_t stream, Args&&... args) {
+                          const Launch& launch, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
+  config.stream = launch.stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  if (programmatic_launch_enabled()) {
+  if (launch.pdl && programmatic_launch_supported()) {
     config.attrs = attribute;
     config.numAttrs = 1;
   }

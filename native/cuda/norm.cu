@@ -110,31 +110,31 @@ bool rows_vectorizable(const void* base, int64_t row_stride, int64_t width) {
 
 }  // namespace
 
-cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
+cudaError_t rms_norm(const RmsNormParams& p, const Launch& launch) {
   if (p.num_rows == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(p.x, p.x_row_stride, p.hidden_size) &&
                    rows_vectorizable(p.out, p.out_row_stride, p.hidden_size) && aligned16(p.weight) &&
                    (p.residual == nullptr || rows_vectorizable(p.residual, p.residual_row_stride, p.hidden_size));
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto weight_tag) {
+    auto launch_with_weight = [&](auto weight_tag) {
       using W = decltype(weight_tag);
       if (vec) {
-        launch_kernel(rms_norm_kernel<T, W, 8>, dim3(p.num_rows), dim3(kNormThreads), 0, stream, p);
+        launch_kernel(rms_norm_kernel<T, W, 8>, dim3(p.num_rows), dim3(kNormThreads), 0, launch, p);
       } else {
-        launch_kernel(rms_norm_kernel<T, W, 1>, dim3(p.num_rows), dim3(kNormThreads), 0, stream, p);
+        launch_kernel(rms_norm_kernel<T, W, 1>, dim3(p.num_rows), dim3(kNormThreads), 0, launch, p);
       }
     };
     if (p.weight_dtype == p.dtype) {
-      launch(T{});
+      launch_with_weight(T{});
     } else {
-      launch(float{});
+      launch_with_weight(float{});
     }
   });
   return cudaGetLastError();
 }
 
-cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
+cudaError_t silu_and_mul(const SiluAndMulParams& p, const Launch& launch) {
   if (p.num_rows == 0 || p.half_width == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(p.x, p.x_row_stride, p.half_width) &&
                    rows_vectorizable(p.out, p.out_row_stride, p.half_width);
@@ -145,9 +145,9 @@ cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((p.half_width + threads * vec_width - 1) / (threads * vec_width)),
                     static_cast<unsigned>(std::min<int64_t>(p.num_rows, kMaxGridY)));
     if (vec) {
-      launch_kernel(silu_and_mul_kernel<T, 8>, grid, dim3(threads), 0, stream, p);
+      launch_kernel(silu_and_mul_kernel<T, 8>, grid, dim3(threads), 0, launch, p);
     } else {
-      launch_kernel(silu_and_mul_kernel<T, 1>, grid, dim3(threads), 0, stream, p);
+      launch_kernel(silu_and_mul_kernel<T, 1>, grid, dim3(threads), 0, launch, p);
     }
   });
   return cudaGetLastError();

@@ -147,7 +147,7 @@ bool rotary_vec8_ok(const RotaryCacheWriteParams& p) {
 
 }  // namespace
 
-cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, cudaStream_t stream) {
+cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, const Launch& launch) {
   if (p.num_tokens == 0) return cudaSuccess;
   if (p.head_dim / 2 > kMaxHalfDim) return cudaErrorInvalidValue;  // the binding refuses such head dims first
   const int64_t half = p.head_dim / 2;
@@ -172,9 +172,9 @@ cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, cudaStream_t str
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (vec8) {
-      launch_kernel(rotary_cache_write_kernel<T, 8>, grid, block, 0, stream, p, static_cast<int>(units_per_row));
+      launch_kernel(rotary_cache_write_kernel<T, 8>, grid, block, 0, launch, p, static_cast<int>(units_per_row));
     } else {
-      launch_kernel(rotary_cache_write_kernel<T, 1>, grid, block, 0, stream, p, static_cast<int>(units_per_row));
+      launch_kernel(rotary_cache_write_kernel<T, 1>, grid, block, 0, launch, p, static_cast<int>(units_per_row));
     }
   });
   return cudaGetLastError();
