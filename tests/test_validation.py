@@ -93,7 +93,7 @@ def allowed_ids(job: DynamicJob, sampled: int = 0) -> set[int]:
 
 
 def native_cpu_available() -> bool:
-    return all(ops.native_sampling_op(name, "cpu") is not None for name in ("sample_rows", "apply_penalties"))
+    return all(ops.DEFAULT.native(name, "cpu") is not None for name in ("sample_rows", "apply_penalties"))
 
 
 def sampler_paths(device: str) -> list:
@@ -101,7 +101,7 @@ def sampler_paths(device: str) -> list:
     native kernels on CUDA unless top tokens are asked for), and on the CPU the native kernels when built."""
     paths = [sample]
     if device == "cpu" and native_cpu_available():
-        paths.append(lambda logits, rows: _sample_native(logits, rows, None))
+        paths.append(lambda logits, rows: _sample_native(ops.DEFAULT, logits, rows, None))
     return paths
 
 
