@@ -28,6 +28,6 @@ for run in other this; do
     tail -30 "$OUT/engine-$run.log"; echo "ab_trees.sh: the $run run FAILED"; }
 done
 for run in other this; do
-  echo "=== $run ($([ "$run" = this ] && git rev-parse --short HEAD 2>/dev/null || echo "$other"))"
+  echo "=== $run ($([ "$run" = this ] && pwd || echo "$other"))"
   sed -n '/^ceilings:/,$p' "$OUT/engine-$run.log"
 done

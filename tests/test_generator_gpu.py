@@ -143,5 +143,8 @@ def test_verify_rows_in_graphs_equal_eager_and_one_token_steps(tiny_models):
     (graph_rows, _, used), (eager_rows, eager_steps, _) = results[True], results[False]
     assert used  # the verify step replayed a graph
     for got, want, steps in zip(graph_rows, eager_rows, eager_steps):
-        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
-        assert torch.allclose(got, steps, rtol=2e-2, atol=2e-2)
+        # bf16 through other kernels (decode attention vs the prefill paths): rounding-level differences, measured
+        # against the logits' scale; a wrong context or page would differ at the scale itself
+        for other in (want, steps):
+            scale = other.abs().amax(dim=1, keepdim=True)
+            assert ((got - other).abs() <= 3e-2 * scale).all(), ((got - other).abs() / scale).max()
