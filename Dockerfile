@@ -5,7 +5,7 @@
 #   torch, the CUDA build, installed first and pinned (PIP_CONSTRAINT): no later pip step can replace it
 #   Ray Serve (the cluster's Ray version must equal the one of the machine running `ray up` / KubeRay's rayVersion)
 #   folio, built with --no-build-isolation so its native CUDA library compiles against that torch; its generated
-#       gRPC modules (protos.folio.v1.*_pb2*); the router and Serve deployments
+#       gRPC modules (folio.proto.folio.v1.*_pb2*); the router and Serve deployments
 #   the tiny demo model at /opt/folio/demo-model (a smoke test); real weights are mounted at /models
 #
 #   docker build -t ghcr.io/folio-project/folio:0.1.0 .          # no GPU needed to build, only to run
@@ -52,13 +52,16 @@ RUN pip install setuptools wheel "pybind11>=2.12" ninja "grpcio-tools>=1.60" "ra
 
 # 3. folio. The build generates the gRPC modules (setup.py's build_py) and compiles folio._native_cpu and, nvcc
 #    being here, folio._native_cuda against the torch above. A build that silently lost the CUDA module (no nvcc,
-#    a CPU torch) fails the check below instead of shipping a CPU-only image.
+#    a CPU torch) fails the check below instead of shipping a CPU-only image. replicas/, router/ and protos/ install
+#    as folio.serve, folio.router and folio.proto. The checks run from /: in /opt/folio/src the sources' folio/
+#    directory (the engine alone) would shadow the installed package.
 WORKDIR /opt/folio/src
 COPY . .
 RUN FOLIO_CUDA_ARCHS="${FOLIO_CUDA_ARCHS}" MAX_JOBS="$(nproc)" pip install --no-build-isolation ".[serve]" \
     && cd / \
     && python -c "import importlib.util as u; assert u.find_spec('folio._native_cuda'), 'folio._native_cuda was not built'" \
-    && python -c "import folio, replicas.app, router.ray_router, replicas.grpc_servicer, protos.folio.v1.generation_pb2_grpc" \
+    && python -c "import folio, folio.serve.app, folio.router.ray_router, folio.serve.grpc_servicer, \
+                  folio.proto.folio.v1.generation_pb2_grpc" \
     && python -c "import torch; print('torch', torch.__version__)" | grep -F "$(cut -d= -f3 /opt/torch-constraint.txt)"
 
 # 4. The demo model (tiny, random weights, written by folio itself: nothing is downloaded). Real models: mount a

@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*/*.cpp nati
 	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
 	$(BIN)/pip install -q -c constraints.txt setuptools wheel pybind11 ninja grpcio-tools
 	MAX_JOBS=$$(nproc) $(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[serve,test]'
-	$(BIN)/python -m protos.compile
+	$(BIN)/python -m folio.proto.compile
 	touch $(STAMP)
 
 # The server: a local Ray cluster on loopback, the gRPC ingress and two generator replicas on the demo model.

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import tomllib
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -67,6 +68,19 @@ def _extensions() -> tuple[list, dict]:
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+def _packages() -> list[str]:
+    """The engine's packages as found under folio/, and every package of the directories that pyproject.toml's
+    package-dir maps into folio's namespace (replicas/ -> folio.serve, ...) under its mapped name: no directory
+    installs under its own top-level name. (pyproject.toml cannot list found and mapped packages together.)
+    Namespace packages count, as they did for pyproject's packages.find: folio/data holds package data."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    packages = []
+    for package, directory in [("folio", "folio"), *sorted(package_dir.items())]:
+        packages += [package, *(f"{package}.{name}" for name in find_namespace_packages(str(ROOT / directory)))]
+    return packages
+
+
 class BuildPyWithProtos(build_py):
     """Generates the gRPC modules (protos/folio/v1/*_pb2*.py, never committed) into the build."""
 
@@ -74,14 +88,14 @@ class BuildPyWithProtos(build_py):
         try:
             import grpc_tools  # noqa: F401
         except ImportError:
-            print("setup.py: grpcio-tools not installed; gRPC modules not generated (python -m protos.compile)",
+            print("setup.py: grpcio-tools not installed; gRPC modules not generated (python -m folio.proto.compile)",
                   file=sys.stderr)
         else:
             compile_protos = runpy.run_path(str(ROOT / "protos" / "compile.py"))["compile_protos"]
-            compile_protos(ROOT)
+            compile_protos(ROOT / "protos")
         super().run()
 
 
 ext_modules, cmdclass = _extensions()
 cmdclass["build_py"] = BuildPyWithProtos
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(packages=_packages(), ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a CUDA machine: build the native library for Hopper only, run the GPU tests, run the kernel
 # benchmark. Logs and bench JSON go to $OUT (a temp dir when unset); the benchmark table prints last.
-#   bash bench/gpu.sh            # from anywhere; needs python3 with torch (CUDA), nvcc, ninja, pybind11, pytest
+#   bash bench/gpu.sh            # from anywhere; needs python3 with torch (CUDA), pip, nvcc, ninja, pybind11, pytest
 #   ENGINE_BENCH=1 bash bench/gpu.sh     # then also the engine benchmark (bench/engine.py, its table last)
 #   ENGINE_BENCH=only bash bench/gpu.sh  # the engine benchmark instead of the kernel one; ENGINE_ARGS passes options
 set -uo pipefail
@@ -16,7 +16,9 @@ export PYTHONUNBUFFERED=1 FOLIO_CUDA_ARCHS="${FOLIO_CUDA_ARCHS:-9.0}" MAX_JOBS="
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/machine.txt"
 
 start=$(date +%s)
-if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+# An editable install, not only `setup.py build_ext --inplace`: it builds the native modules in place the same way
+# and makes replicas/ and router/ importable as folio.serve and folio.router (tests/test_replica_engine_gpu.py).
+if ! "$PY" -m pip install --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   echo "gpu.sh: build FAILED (log: $OUT/build.log)"
   exit 1

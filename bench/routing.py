@@ -31,9 +31,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio.hashing import page_hashes  # noqa: E402
+# folio must be installed (`make setup`, or pip install -e .): replicas/ is importable only as folio.serve.
+from folio.hashing import page_hashes
 
 ROUTER_NAMES = {"prefix": "ours (prefix-aware)", "ray_prefix": "PrefixCacheAffinity", "pow2": "power of two"}
 FIRST_TOKEN_ID = 8  # clear of the demo tokenizer's special tokens (0-2)
@@ -74,7 +73,7 @@ def ideal_cached_tokens(requests: list[Request], page_size: int) -> int:
 
 
 async def run_workload(app_name: str, requests: list[Request], args: argparse.Namespace) -> list:
-    from replicas.client import Client
+    from folio.serve.client import Client
 
     client = Client(app_name)
     results: list = [None] * len(requests)
@@ -99,7 +98,7 @@ async def run_workload(app_name: str, requests: list[Request], args: argparse.Na
 
 def wait_for_reports(app_name: str, num_replicas: int, timeout_s: float = 60) -> None:
     """Until every replica answered a routing-stats poll (the controller's first comes a period after start)."""
-    from replicas.client import replica_stats
+    from folio.serve.client import replica_stats
 
     deadline = time.monotonic() + timeout_s
     while len(replica_stats(app_name)) < num_replicas and time.monotonic() < deadline:
@@ -110,7 +109,7 @@ def wait_for_reports(app_name: str, num_replicas: int, timeout_s: float = 60) ->
 def bench_router(router: str, base, requests: list[Request], args: argparse.Namespace) -> dict:
     from ray import serve
 
-    from replicas import local
+    from folio.serve import local
 
     app_name = f"routing-{router.replace('_', '-')}"
     config = base.replace(router=router, app_name=app_name,
@@ -188,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-new-tokens", type=int, default=8)
     add("--max-batch-size", type=int, default=4, help="jobs one replica runs at once")
     add("--our-options", default='{"running_job_tokens": 16, "backlog_token_weight": 0.1}',
-        help="router_options (JSON) for our router: router.policy.PolicyConfig fields")
+        help="router_options (JSON) for our router: folio.router.policy.PolicyConfig fields")
     add("--seed", type=int, default=0)
     add("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -202,8 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from folio.demo import write_demo_model
-    from replicas import local
-    from replicas.config import ServeConfig
+    from folio.serve import local
+    from folio.serve.config import ServeConfig
 
     started_s = time.monotonic()
     model_dir = write_demo_model(Path(tempfile.gettempdir()) / "folio-bench-demo-model")

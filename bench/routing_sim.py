@@ -1,5 +1,6 @@
 """Routing at a scale no machine here holds: a discrete-event simulation of N replicas, each with a REAL
-folio.cache.PagePool, fed a synthetic trace, routed by the real router.policy code and by models of two baselines.
+folio.cache.PagePool, fed a synthetic trace, routed by the real folio.router.policy code and by models of two
+baselines.
 
     python bench/routing_sim.py                                # 64 replicas, 20,000 requests (~1-2 min on 2 cores)
     python bench/routing_sim.py --replicas 4 --requests 256    # the CPU bench's workload: 16 groups x 16 requests
@@ -18,9 +19,9 @@ response at `--decode-step` seconds per token. Its full pages (prompt after pref
 registered with their real folio.hashing hashes; all are released at completion and stay cached until evicted.
 
 Routers:
-  ours         router.policy.PrefixRouterPolicy, fed router.digest digests built from each replica's pool every
-               `--report-period` simulated seconds (as Ray's request_routing_stats_period_s) plus its own routed
-               record: it routes on information up to a period old.
+  ours         folio.router.policy.PrefixRouterPolicy, fed folio.router.digest digests built from each replica's pool
+               every `--report-period` simulated seconds (as Ray's request_routing_stats_period_s) plus its own
+               routed record: it routes on information up to a period old.
   ray-prefix   a model of the policy of Ray's PrefixCacheAffinityRouter (ray.llm ... prefix_aware): a tree of the
                prompts it routed per replica (here at page granularity over token ids; Ray's is over characters),
                never told about evictions (its do_eviction defaults to off, and even on it only trims by size);
@@ -43,17 +44,14 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-# Run as a script from a checkout: the repository root holds folio/ and router/ (installed or not).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+# folio must be installed (`make setup`, or pip install -e .): router/ is importable only as folio.router.
 from folio.cache import OutOfPages, PagePool
 from folio.hashing import page_hashes
-from router.digest import build_digest, page_keys
-from router.policy import PolicyConfig, PrefixRouterPolicy
+from folio.router.digest import build_digest, page_keys
+from folio.router.policy import PolicyConfig, PrefixRouterPolicy
 
 # ---- the trace --------------------------------------------------------------------------------------------------
 

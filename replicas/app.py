@@ -1,13 +1,13 @@
 """The Serve application: an Ingress deployment (CPU) in front of a Generator deployment (one GPU per replica).
 
-    python -m replicas.app --model-path /models/llama --num-replicas 4 > serve.yaml   # a Serve config file
+    python -m folio.serve.app --model-path /models/llama --num-replicas 4 > serve.yaml   # a Serve config file
     serve run serve.yaml          # or: serve deploy serve.yaml (a running cluster), KubeRay's serveConfigV2
-    serve run replicas.app:build_app model_path=/models/llama num_replicas=4   # gRPC options: see below
+    serve run folio.serve.app:build_app model_path=/models/llama num_replicas=4   # gRPC options: see below
 
 gRPC is configured per cluster, not per application: the config file written above carries `grpc_options`;
 otherwise start Serve with `grpc_options(config)` (the `folio serve` command does). The proxy on every node must
 import the servicer function (the folio package installed there, its protos generated).
-`replicas.app:app` is the default configuration's Application, for tools that want one (`serve build`); options
+`folio.serve.app:app` is the default configuration's Application, for tools that want one (`serve build`); options
 cannot be changed through it, so prefer the config file.
 """
 
@@ -20,19 +20,19 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
 
-from replicas.config import ServeConfig
-from replicas.generator import Generator
-from replicas.ingress import Ingress
+from folio.serve.config import ServeConfig
+from folio.serve.generator import Generator
+from folio.serve.ingress import Ingress
 
 ROUTER_CLASSES = {
-    "prefix": "router.ray_router:PrefixAwareRequestRouter",
+    "prefix": "folio.router.ray_router:PrefixAwareRequestRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
 }
 DEFAULT_RAY_PREFIX_IMBALANCED_THRESHOLD = 10
 
-# Registers folio.v1.Generation (and works around a proxy cancellation bug: see replicas.grpc_servicer).
-SERVICER_FUNCTION = "replicas.grpc_servicer.add_GenerationServicer_to_server"
+# Registers folio.v1.Generation (and works around a proxy cancellation bug: see folio.serve.grpc_servicer).
+SERVICER_FUNCTION = "folio.serve.grpc_servicer.add_GenerationServicer_to_server"
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -109,7 +109,7 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
         "applications": [{
             "name": config.app_name,
             "route_prefix": route_prefix(config),
-            "import_path": "replicas.app:build_app",
+            "import_path": "folio.serve.app:build_app",
             "args": config.explicit_values(),
         }],
     }
@@ -121,15 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import yaml
 
-    from replicas.config import ConfigError
+    from folio.serve.config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="python -m replicas.app", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m folio.serve.app", description=main.__doc__)
     ServeConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         config = ServeConfig.from_args(args)
     except ConfigError as e:
-        print(f"replicas.app: {e}", file=sys.stderr)
+        print(f"folio.serve.app: {e}", file=sys.stderr)
         return 2
     yaml.safe_dump(serve_config(config), sys.stdout, sort_keys=False)
     return 0

@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from replicas.config import ServeConfig
+    from folio.serve.config import ServeConfig
 
     parser = argparse.ArgumentParser(
         prog="folio", description="folio: a paged dynamic generator for LLMs, served by Ray Serve over gRPC",
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 # --- serve ---
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from replicas.config import ConfigError, ServeConfig
+    from folio.serve.config import ConfigError, ServeConfig
 
     try:
         config = ServeConfig.from_args(args, **DEMO_DEFAULTS)
@@ -95,7 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not _prepare_model(config):
         return 2
 
-    from replicas import local
+    from folio.serve import local
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -137,7 +137,7 @@ folio is serving {config.model_path} on gRPC port {port} (application {config.ap
   folio generate "Once upon a time" --port {port} --max-new-tokens 32
   grpcurl -plaintext -d '{{"text": "Once upon a time", "max_new_tokens": 32}}' \\
       127.0.0.1:{port} folio.v1.Generation/Generate
-  python:  replicas.grpc_client.GrpcClient("127.0.0.1:{port}").stream("Once upon a time", max_new_tokens=32)
+  python:  folio.serve.grpc_client.GrpcClient("127.0.0.1:{port}").stream("Once upon a time", max_new_tokens=32)
 
 The API: protos/folio/v1/generation.proto. Press Ctrl-C to stop.""", flush=True)
 
@@ -147,7 +147,7 @@ The API: protos/folio/v1/generation.proto. Press Ctrl-C to stop.""", flush=True)
 def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from replicas.grpc_client import GrpcClient
+    from folio.serve.grpc_client import GrpcClient
 
     options = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
                "stop_strings": args.stop, "stop_on_eos": not args.ignore_eos, "seed": args.seed}

@@ -4,7 +4,7 @@ Anything connected to the cluster can use it: a driver (`ray.init(address="auto"
 deployment. It calls the application's ingress (`serve.get_app_handle`), so requests are validated, tokenized and
 routed exactly as gRPC requests are.
 
-    from replicas.client import Client
+    from folio.serve.client import Client
 
     client = Client("folio")                                   # the application's name
     async for chunk in client.stream("Once upon a time", max_new_tokens=32, temperature=0.7):
@@ -17,7 +17,7 @@ routed exactly as gRPC requests are.
 
 Options are GenerationRequest's fields (max_new_tokens, min_new_tokens, stop_strings, stop_token_ids, stop_on_eos,
 seed, add_bos, return_probs, return_top_tokens, ...) and Sampling's (temperature, top_k, top_p, min_p,
-repetition_penalty, ..., token_bias), or `sampling=Sampling(...)`. Failures raise replicas.errors types:
+repetition_penalty, ..., token_bias), or `sampling=Sampling(...)`. Failures raise folio.serve.errors types:
 InvalidRequest (with `.field`), Overloaded, ReplicaUnavailable, InternalError. Leaving a stream early cancels the
 request on its replica.
 """
@@ -30,9 +30,9 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from replicas.errors import InvalidRequest, RequestError
-from replicas.ingress import cancel_quietly
-from replicas.schema import Chunk, Completion, GenerationRequest, ModelInfo, Sampling, make_request
+from folio.serve.errors import InvalidRequest, RequestError
+from folio.serve.ingress import cancel_quietly
+from folio.serve.schema import Chunk, Completion, GenerationRequest, ModelInfo, Sampling, make_request
 
 
 class Client:

@@ -1,6 +1,6 @@
 """ServeConfig: everything a folio deployment is configured by, in one frozen dataclass validated at the edge.
 
-Load it from a dict (`serve run replicas.app:build_app key=value ...` passes strings, YAML passes typed values),
+Load it from a dict (`serve run folio.serve.app:build_app key=value ...` passes strings, YAML passes typed values),
 a YAML file, or command-line flags (`add_arguments` / `from_args`). Values known only at run time (the number of
 cache pages a GPU's free memory holds, the derived batch size) are not here: each replica reports them (ModelInfo).
 This module imports neither Ray nor torch.
@@ -60,10 +60,10 @@ class ServeConfig:
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
     request_timeout_s: end-to-end limit the gRPC proxy puts on a request (None: none).
     routing_digest_max_hashes: most cached page hashes a replica reports to routers (the most recent ones).
-    router: how the generator deployment's callers pick a replica: "prefix" (router.ray_router's prefix-aware
+    router: how the generator deployment's callers pick a replica: "prefix" (folio.router.ray_router's prefix-aware
         router), "pow2" (Ray Serve's default power of two choices) or "ray_prefix" (Ray's PrefixCacheAffinityRouter,
         text-based); the last two are baselines for bench/routing.py.
-    router_options: extra keyword arguments of the router's initialize_state: router.policy.PolicyConfig's fields
+    router_options: extra keyword arguments of the router's initialize_state: folio.router.policy.PolicyConfig's fields
         for "prefix" (imbalance_threshold, running_job_tokens, ...), PrefixCacheAffinityRouter's for "ray_prefix"
         (imbalanced_threshold, ...). A JSON object where options are strings.
     routing_stats_period_s / routing_stats_timeout_s: how often Serve polls each replica's record_routing_stats

@@ -22,12 +22,12 @@ from folio.job import JobState
 from folio.kv_cache import Cache
 from folio.model.model import Model
 from folio.results import Stage, StreamingResult
+from folio.router.digest import build_digest
 from folio.sampling import SamplerSettings
+from folio.serve.config import ServeConfig
+from folio.serve.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
+from folio.serve.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
 from folio.tokenizer import Tokenizer
-from replicas.config import ServeConfig
-from replicas.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
-from replicas.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
-from router.digest import build_digest
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Engine:
         return self.generator.last_step_time
 
     async def routing_digest(self, epoch: int, instance_id: str, max_hashes: int) -> dict[str, Any]:
-        """The replica's routing digest (router.digest's format), built on the engine thread between two steps:
+        """The replica's routing digest (folio.router.digest's format), built on the engine thread between two steps:
         the page pool and the queues are only consistent there."""
         if not self.runner.is_alive:
             raise ReplicaUnavailable("the engine thread is not running")

@@ -1,12 +1,12 @@
-"""The generator deployment: one replica = one model + KV cache + DynamicGeneratorAsync (replicas.engine).
+"""The generator deployment: one replica = one model + KV cache + DynamicGeneratorAsync (folio.serve.engine).
 
-Methods (called through a DeploymentHandle; arguments and results are replicas.schema dataclasses):
+Methods (called through a DeploymentHandle; arguments and results are folio.serve.schema dataclasses):
     generate(EngineRequest)      async generator of Chunks (handle.options(stream=True)); closing the stream
                                  cancels the job and releases its pages
     tokenize(text, ...)          token ids
     model_info()                 ModelInfo
     record_routing_stats()       what routers learn about this replica (polled by the Serve controller; the
-                                 prefix-aware router, router.ray_router, reads it)
+                                 prefix-aware router, folio.router.ray_router, reads it)
     check_health()               raises when the engine thread died or made no progress while it had work
 Shutdown (async __del__) lets in-flight jobs finish, bounded by graceful_shutdown_timeout_s.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 from ray import serve
 
-from replicas.config import ServeConfig
-from replicas.schema import Chunk, EngineRequest, ModelInfo
+from folio.serve.config import ServeConfig
+from folio.serve.schema import Chunk, EngineRequest, ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="Generator")
 class Generator:
     def __init__(self, config: ServeConfig):
-        from replicas.engine import Engine  # torch and the model load in the replica only
-        from replicas.metrics import GeneratorMetrics
+        from folio.serve.engine import Engine  # torch and the model load in the replica only
+        from folio.serve.metrics import GeneratorMetrics
 
         self.config = config
         self.instance_id = uuid.uuid4().hex  # changes when the replica restarts: routers drop what they knew
@@ -69,7 +69,7 @@ class Generator:
     # --- Serve hooks ---
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What routers learn about this replica (router.digest's format; sent to every router every
+        """What routers learn about this replica (folio.router.digest's format; sent to every router every
         request_routing_stats_period_s, so bounded in size): job counts, page counts, an instance id and epoch,
         and the keys of the newest `routing_digest_max_hashes` ready pages. Built on the engine thread."""
         self.epoch += 1

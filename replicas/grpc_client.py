@@ -5,7 +5,7 @@
             print(chunk.text, end="", flush=True)
         print(client.complete("Hello", max_new_tokens=8).finish.usage)
 
-Options are those of replicas.schema.make_request. gRPC failures raise grpc.RpcError (`.code()`, `.details()`).
+Options are those of folio.serve.schema.make_request. gRPC failures raise grpc.RpcError (`.code()`, `.details()`).
 Any language's gRPC stack can call the service the same way: protos/folio/v1/generation.proto is the contract.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
-from protos.folio.v1 import generation_pb2 as pb
-from protos.folio.v1 import generation_pb2_grpc as pb_grpc
-from replicas import grpc_convert
-from replicas.schema import Chunk, Completion, ModelInfo, make_request
+from folio.proto.folio.v1 import generation_pb2 as pb
+from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
+from folio.serve import grpc_convert
+from folio.serve.schema import Chunk, Completion, ModelInfo, make_request
 
 
 class GrpcClient:

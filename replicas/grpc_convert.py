@@ -1,11 +1,11 @@
-"""protobuf <-> replicas.schema, at the gRPC edge only (the ingress and the gRPC client)."""
+"""protobuf <-> folio.serve.schema, at the gRPC edge only (the ingress and the gRPC client)."""
 
 from __future__ import annotations
 
-from protos.folio.v1 import generation_pb2 as pb
+from folio.proto.folio.v1 import generation_pb2 as pb
 from folio.results import EosReason
-from replicas.errors import InvalidRequest
-from replicas.schema import (DEFAULT_MAX_NEW_TOKENS, SAMPLER_FIELDS, Chunk, Completion, Finish,
+from folio.serve.errors import InvalidRequest
+from folio.serve.schema import (DEFAULT_MAX_NEW_TOKENS, SAMPLER_FIELDS, Chunk, Completion, Finish,
                              GenerationRequest, ModelInfo, Sampling, Timings, TopTokens, Usage)
 
 FINISH_REASONS = {

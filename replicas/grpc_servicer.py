@@ -12,7 +12,7 @@ its end, holding its pages. Cancellations that arrive while the proxy awaits the
 The fix: run the proxy's handler in a task of its own that only ever waits inside the proxy's code (messages go to
 an unbounded queue), stream from that queue, and cancel the task when the stream is closed or cancelled, or the RPC
 ends in any other way (grpc's done callback). The cancellation then always lands where the proxy handles it: the
-request is cancelled on the ingress, which cancels the generator replica's job (replicas.ingress). The queue holds
+request is cancelled on the ingress, which cancels the generator replica's job (folio.serve.ingress). The queue holds
 at most one completion per request.
 
 The proxy's handler may thus finish after grpc released the call, and grpc's servicer context dereferences the
@@ -30,7 +30,7 @@ import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from protos.folio.v1 import generation_pb2_grpc
+from folio.proto.folio.v1 import generation_pb2_grpc
 
 _DONE = object()
 

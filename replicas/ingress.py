@@ -1,5 +1,5 @@
 """The ingress deployment (CPU): folio.v1.Generation behind Ray Serve's gRPC proxy, and the same API for Python
-callers through the application's handle (replicas.client).
+callers through the application's handle (folio.serve.client).
 
 Each request is validated and tokenized here, then streamed from a generator replica through
 `DeploymentHandle.options(stream=True)`. Errors become gRPC statuses that name the problem, never a traceback:
@@ -26,11 +26,11 @@ from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
                                   RequestCancelledError)
 from ray.serve.handle import DeploymentHandle
 
+from folio.serve.config import ServeConfig
+from folio.serve.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
+from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
+from folio.serve.validation import to_engine_request
 from folio.tokenizer import Tokenizer
-from replicas.config import ServeConfig
-from replicas.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
-from replicas.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
-from replicas.validation import to_engine_request
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDie
 @serve.deployment(name="Ingress")
 class Ingress:
     def __init__(self, generator: DeploymentHandle, config: ServeConfig):
-        from replicas.metrics import IngressMetrics
+        from folio.serve.metrics import IngressMetrics
 
         self._generator = generator
         self._config = config
@@ -55,7 +55,7 @@ class Ingress:
     # --- gRPC (folio.v1.Generation) ---
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
-        from replicas import grpc_convert
+        from folio.serve import grpc_convert
 
         try:
             generation = grpc_convert.request_from_proto(request)
@@ -65,7 +65,7 @@ class Ingress:
             _fail(grpc_context, error)
 
     async def GenerateUnary(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        from replicas import grpc_convert
+        from folio.serve import grpc_convert
 
         try:
             generation = grpc_convert.request_from_proto(request)
@@ -75,7 +75,7 @@ class Ingress:
             _fail(grpc_context, error)
 
     async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        from protos.folio.v1 import generation_pb2 as pb
+        from folio.proto.folio.v1 import generation_pb2 as pb
 
         try:
             ids = await self.tokenize(request.text, request.add_bos if request.HasField("add_bos") else None,
@@ -85,14 +85,14 @@ class Ingress:
             _fail(grpc_context, error)
 
     async def ModelInfo(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        from replicas import grpc_convert
+        from folio.serve import grpc_convert
 
         try:
             return grpc_convert.model_info_to_proto(await self.model_info())
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
             _fail(grpc_context, error)
 
-    # --- Python (through serve.get_app_handle; see replicas.client) ---
+    # --- Python (through serve.get_app_handle; see folio.serve.client) ---
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         async for chunk in self._observed_stream(request, "generate_stream"):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
 
-from replicas.app import build_application, grpc_options, route_prefix
-from replicas.config import ServeConfig
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+import folio
+from folio.serve.app import build_application, grpc_options, route_prefix
+from folio.serve.config import ServeConfig
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_driver: bool = False,
@@ -69,19 +69,26 @@ def _loopback_only() -> None:
 
 
 def _ensure_protos() -> None:
-    """Generate the gRPC modules when a source checkout has not been built (the proxy imports them)."""
-    from protos import compile as protos_compile
+    """Generate the gRPC modules when a source checkout has not been built (the proxy imports them). An installed
+    wheel carries only the generated modules: nothing to do."""
+    from folio.proto import compile as protos_compile
 
     if protos_compile.proto_files() and not protos_compile.is_current():
         protos_compile.compile_protos()
 
 
 def _export_pythonpath() -> None:
-    """Workers (the gRPC proxy, the replicas) must import folio, replicas and protos. ray.init starts the local
-    cluster's processes with this process's environment, so putting the checkout on PYTHONPATH reaches them all,
-    installed or not."""
+    """Workers (the gRPC proxy, the replicas) must import the folio this process imported. ray.init starts the
+    local cluster's processes with this process's environment, so putting the checkout that holds this folio on
+    PYTHONPATH reaches them all. A regular install needs nothing (site-packages is every worker's, and must not
+    move ahead of the standard library). folio.serve, folio.router and folio.proto come from the install either
+    way (replicas/, router/, protos/ are mapped into folio's namespace): a checkout serves once installed with
+    `pip install -e .`."""
+    holder = Path(folio.__file__).resolve().parent.parent
+    if holder in {Path(sysconfig.get_path(name)).resolve() for name in ("purelib", "platlib")}:
+        return
+    root = str(holder)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    root = str(REPO_ROOT)
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
     if root not in sys.path:

@@ -1,6 +1,6 @@
 """The serving layer's request and result types: plain dataclasses, pickled across Ray, free of protobuf.
 
-    GenerationRequest  what a client asks for (the gRPC GenerateRequest, or replicas.client.Client's arguments)
+    GenerationRequest  what a client asks for (the gRPC GenerateRequest, or folio.serve.client.Client's arguments)
     EngineRequest      what the ingress sends a generator replica: validated and tokenized (a router reads
                        `input_ids` to find the replica holding the prompt's pages)
     Chunk              one streamed piece of a completion; the last one carries `finish`

@@ -10,9 +10,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from folio.serve.errors import InvalidRequest
+from folio.serve.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
 from folio.tokenizer import Tokenizer
-from replicas.errors import InvalidRequest
-from replicas.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
 
 MAX_RETURN_TOP_TOKENS = 64
 MAX_SEED = (1 << 64) - 1
@@ -92,7 +92,7 @@ def _check_lengths(request: GenerationRequest, num_prompt_tokens: int, info: Mod
 def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
     """folio.SamplerSettings keyword arguments, every range checked here under the API's field names."""
     if not isinstance(sampling, Sampling):
-        raise InvalidRequest("sampler", f"must be a replicas.schema.Sampling, got {type(sampling).__name__}")
+        raise InvalidRequest("sampler", f"must be a folio.serve.schema.Sampling, got {type(sampling).__name__}")
     s = sampling
     _real("temperature", s.temperature, low=0.0)
     _integer("top_k", s.top_k, low=0)

@@ -27,7 +27,7 @@ false positives of a Bloom filter, whose rate grows without bound as a fixed-siz
 Which hashes when the pool holds more than max_hashes: the newest ones, in the pool's store order
 (`cached_hashes()` lists ready hashes in the order they became ready). A sequence's pages are stored first page
 first, so the newest hashes are mostly the DEEPEST pages of the sequences computed last; a page hash names its
-whole prefix, so the router counts every page before a reported page as held too (router.index), and one reported
+whole prefix, so the router counts every page before a reported page as held too (folio.router.index), and one reported
 page stands for its whole chain, shared system prompt included. A prefix in use keeps getting new descendants
 (the pages after it), so it stays represented; a prefix nobody extended lately drops out of the digest before it
 drops out of the cache, which costs a hit, never a false one. (In bench/routing_sim.py at 256 hashes per digest,

@@ -2,7 +2,7 @@
 router routed there recently.
 
 Two sources per replica:
-  - reported: the page keys of the replica's latest digest (router.digest). A new report replaces the previous
+  - reported: the page keys of the replica's latest digest (folio.router.digest). A new report replaces the previous
     one, so pages the replica evicted stop counting as soon as it says so.
   - routed: the prompt pages of requests this router sent to the replica, which it will hold shortly (once it
     prefilled them) but has not reported yet. Each expires `routed_ttl_s` after routing; an expired entry still
@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from router.digest import ReplicaDigest
+from folio.router.digest import ReplicaDigest
 
 ReplicaId = Hashable
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from folio.hashing import page_hashes
-from router.digest import DigestError, ReplicaDigest, page_keys, parse_digest
-from router.index import DEFAULT_MAX_ROUTED_PAGES, DEFAULT_ROUTED_TTL_S, Match, PrefixIndex, ReplicaId
+from folio.router.digest import DigestError, ReplicaDigest, page_keys, parse_digest
+from folio.router.index import DEFAULT_MAX_ROUTED_PAGES, DEFAULT_ROUTED_TTL_S, Match, PrefixIndex, ReplicaId
 
 
 
@@ -205,7 +205,7 @@ class PrefixRouterPolicy:
         self.index.remove_replica(replica_id)
 
     def report(self, replica_id: ReplicaId, stats: Mapping[str, Any] | ReplicaDigest) -> bool:
-        """Apply a replica's routing stats (a dict from router.digest.build_digest, or a parsed digest). Returns
+        """Apply a replica's routing stats (a dict from folio.router.digest.build_digest, or a parsed digest). Returns
         whether it changed anything; an invalid dict is counted and ignored (a replica of another version must not
         break routing)."""
         if not isinstance(stats, ReplicaDigest):

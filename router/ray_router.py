@@ -1,13 +1,14 @@
-"""PrefixAwareRequestRouter: Ray Serve's RequestRouter around router.policy, for the generator deployment.
+"""PrefixAwareRequestRouter: Ray Serve's RequestRouter around folio.router.policy, for the generator deployment.
 
-    RequestRouterConfig(request_router_class="router.ray_router:PrefixAwareRequestRouter",
+    RequestRouterConfig(request_router_class="folio.router.ray_router:PrefixAwareRequestRouter",
                         request_router_kwargs={...PolicyConfig fields...}, request_routing_stats_period_s=1)
 
 One instance lives in each process that holds a handle to the generator deployment (the ingress replicas), and
 Serve calls it on that process's event loop:
-  - initialize_state(**request_router_kwargs): the policy's weights, thresholds and TTL (router.policy.PolicyConfig).
+  - initialize_state(**request_router_kwargs): the policy's weights, thresholds and TTL
+    (folio.router.policy.PolicyConfig).
   - update_replicas(replicas): the replica set changed, or a replica's routing stats did (Serve broadcasts every
-    replica's record_routing_stats dict, the digest of router.digest, as part of its replica info).
+    replica's record_routing_stats dict, the digest of folio.router.digest, as part of its replica info).
   - choose_replicas(candidates, pending_request): ranks, best first. Pure and non-blocking: reads each candidate's
     last digest (parsed once per epoch), hashes the prompt's token ids (the EngineRequest the ingress sends, first
     positional argument) and asks the policy. Calls without a prompt (model_info, tokenize) and replicas that
@@ -31,7 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from router.policy import Decision, PolicyConfig, PrefixRouterPolicy
+from folio.router.policy import Decision, PolicyConfig, PrefixRouterPolicy
 
 # Decisions waiting for on_request_routed. A request cancelled while routing never gets that call, so the map is
 # bounded (oldest dropped).
@@ -44,7 +45,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     _policy: PrefixRouterPolicy | None = None
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """kwargs: router.policy.PolicyConfig's fields (unknown names raise TypeError)."""
+        """kwargs: folio.router.policy.PolicyConfig's fields (unknown names raise TypeError)."""
         self._policy = PrefixRouterPolicy(PolicyConfig(**kwargs))
         self._expected: OrderedDict[str, _Expected] = OrderedDict()  # request key -> where it should go
         self._in_transit: dict[ReplicaID, deque[float]] = {}  # chosen, not sent yet: when chosen, oldest first
@@ -152,7 +153,7 @@ class _Expected:
 
 
 def prompt_token_ids(pending_request: PendingRequest | None) -> Sequence[int]:
-    """The prompt's token ids: `input_ids` of the first argument that has them (replicas.schema.EngineRequest),
+    """The prompt's token ids: `input_ids` of the first argument that has them (folio.serve.schema.EngineRequest),
     positional or keyword; () when the call carries no prompt."""
     if pending_request is None:
         return ()

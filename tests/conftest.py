@@ -15,6 +15,19 @@ torch.set_num_threads(1)
 
 DEMO_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
+# A test that starts or uses a local Ray cluster (marker `ray`) gets this limit from pytest-timeout, tighter than
+# pyproject's default: the cluster's start and deployment (about 20 s here) count against the test that first uses
+# it, and a loaded 2-core CI machine is several times slower. A test's own timeout marker wins.
+RAY_TEST_TIMEOUT_S = 300
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("timeout"):  # pytest-timeout (the test extra) is not installed
+        return
+    for item in items:
+        if item.get_closest_marker("ray") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:

@@ -13,8 +13,8 @@ Nothing here starts Ray or needs a cluster, a cloud account or the helm binary:
   security group, subnets, AMI look-ups). For `local`, bootstrap_config is offline and is run.
 - deploy/serve.yaml and every rendered serveConfigV2 go through ray.serve.schema.ServeDeploySchema (which imports
   the request router class, as the head node does when `serve deploy` / KubeRay submits the config), their args
-  through replicas.config.ServeConfig, and their per-deployment overrides are compared with what
-  replicas.app.build_app derives from the same args.
+  through folio.serve.config.ServeConfig, and their per-deployment overrides are compared with what
+  folio.serve.app.build_app derives from the same args.
 - The chart is linted and rendered (`helm install --dry-run=client`) by Helm's own Go SDK through helm-python-sdk;
   the RayService is validated against KubeRay v1.7.0's CRD schema (../shared/schemas), made strict: unknown fields
   are rejected wherever the CRD does not preserve them (the API server would silently prune them). The CRD's CEL
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "folio"
 AUTOSCALING_VALUES = CHART / "ci" / "autoscaling-values.yaml"
 SERVE_CONFIG = ROOT / "deploy" / "serve.yaml"
+PREFIX_ROUTER = "folio.router.ray_router:PrefixAwareRequestRouter"
 RAYSERVICE_CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.v1.7.0.crd.yaml"
 
 
@@ -100,7 +101,7 @@ def test_cluster_configs_install_folio_and_deploy_the_serve_config(name):
     assert "--no-build-isolation" in install and "-c /tmp/folio-torch-pin.txt" in install
     assert "torch.__version__" in install and "FOLIO_PIP_SPEC=" in install
     # The node fails its setup if what Serve imports there is missing.
-    assert any("import replicas.app, router.ray_router" in c for c in config["setup_commands"])
+    assert any("import folio.serve.app, folio.router.ray_router" in c for c in config["setup_commands"])
 
 
 def test_ray_validation_rejects_broken_cluster_configs():
@@ -133,8 +134,8 @@ def serve_deployment(serve_config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def built_deployments(args: dict[str, Any]) -> dict[str, Any]:
-    """The deployments replicas.app.build_app makes of `args` (no Ray started): {name: Deployment}."""
-    from replicas.app import build_app
+    """The deployments folio.serve.app.build_app makes of `args` (no Ray started): {name: Deployment}."""
+    from folio.serve.app import build_app
 
     ingress = build_app(args)._bound_deployment
     generator = ingress.init_args[0]._bound_deployment
@@ -146,14 +147,14 @@ def check_serve_config(serve_config: dict[str, Any]) -> None:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import ServeDeploySchema
 
-    from replicas.app import SERVICER_FUNCTION
-    from replicas.config import ServeConfig
+    from folio.serve.app import SERVICER_FUNCTION
+    from folio.serve.config import ServeConfig
 
     ServeDeploySchema.model_validate(serve_config)  # imports the router classes named in it
     assert serve_config["grpc_options"]["grpc_servicer_functions"] == [SERVICER_FUNCTION]
     assert serve_config["http_options"]["host"] == "0.0.0.0"  # health checks reach the proxy from outside the pod
     (app,) = serve_config["applications"]
-    assert app["import_path"] == "replicas.app:build_app"
+    assert app["import_path"] == "folio.serve.app:build_app"
     args = app["args"]
     config = ServeConfig.from_dict(args)  # the builder's own validation of its args
     assert app["name"] == config.app_name and app["route_prefix"] == f"/{config.app_name}"
@@ -170,8 +171,8 @@ def check_serve_config(serve_config: dict[str, Any]) -> None:
     assert generator["ray_actor_options"] == {"num_gpus": config.num_gpus, "num_cpus": config.num_cpus}
     router_config = RequestRouterConfig(**generator["request_router_config"])
     assert router_config == built_generator._deployment_config.request_router_config
-    if router_config.request_router_class == "router.ray_router:PrefixAwareRequestRouter":
-        from router.policy import PolicyConfig
+    if router_config.request_router_class == PREFIX_ROUTER:
+        from folio.router.policy import PolicyConfig
 
         PolicyConfig(**router_config.request_router_kwargs)  # what the router's initialize_state does with them
 
@@ -192,7 +193,7 @@ def test_serve_config_is_valid_and_matches_the_application():
     serve_config = load_yaml(SERVE_CONFIG)
     check_serve_config(serve_config)
     generator = serve_deployment(serve_config, "Generator")
-    assert generator["request_router_config"]["request_router_class"] == "router.ray_router:PrefixAwareRequestRouter"
+    assert generator["request_router_config"]["request_router_class"] == PREFIX_ROUTER
     assert generator["ray_actor_options"]["num_gpus"] == 1
 
 
@@ -202,7 +203,7 @@ def test_serve_config_validation_imports_the_router_class():
 
     serve_config = load_yaml(SERVE_CONFIG)
     serve_deployment(serve_config, "Generator")["request_router_config"]["request_router_class"] = \
-        "router.ray_router:NoSuchRouter"
+        "folio.router.ray_router:NoSuchRouter"
     with pytest.raises(AttributeError, match="NoSuchRouter"):
         ServeDeploySchema.model_validate(serve_config)
 
@@ -314,7 +315,7 @@ def test_chart_default_values_render_a_valid_rayservice(helm, crd_validator):
     serve_config = check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)
     generator = serve_deployment(serve_config, "Generator")
     assert generator["num_replicas"] == 1 and "autoscaling_config" not in generator
-    assert generator["request_router_config"]["request_router_class"] == "router.ray_router:PrefixAwareRequestRouter"
+    assert generator["request_router_config"]["request_router_class"] == PREFIX_ROUTER
     # The same application as deploy/serve.yaml, with a fixed fleet.
     reference = load_yaml(SERVE_CONFIG)
     assert serve_config["grpc_options"] == reference["grpc_options"]
@@ -344,7 +345,7 @@ def test_chart_autoscaling_example_renders_a_valid_rayservice(helm, crd_validato
 
 @pytest.mark.parametrize("router", ["pow2", "ray_prefix"])
 def test_chart_renders_each_router(helm, crd_validator, router):
-    """The chart's router table and kwargs equal replicas.app's (check_serve_config compares them)."""
+    """The chart's router table and kwargs equal folio.serve.app's (check_serve_config compares them)."""
     rayservice, _ = render(helm, {"router": {"name": router}})
     check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)
 

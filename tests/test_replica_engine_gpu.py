@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from replicas.config import ServeConfig
-from replicas.schema import Completion, EngineRequest
+from folio.serve.config import ServeConfig
+from folio.serve.schema import Completion, EngineRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -22,7 +22,7 @@ def test_a_cache_of_all_free_memory_still_runs_full_chunks(demo_dir):
     K tensor up), so it shows that a reserve is needed, not that its activation term is right: that is
     test_step_activation_bytes_bounds_the_allocator_peak's job."""
     from folio.generator import activation_reserve_bytes
-    from replicas.engine import Engine
+    from folio.serve.engine import Engine
 
     chunk = 2048
     config = ServeConfig(model_path=str(demo_dir), device="cuda", num_gpus=1, cache_memory_fraction=1.0,

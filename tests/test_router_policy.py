@@ -1,6 +1,6 @@
-"""The prefix-aware router's pure parts (router.digest, router.index, router.policy) with fake replicas and an
-injected clock: affinity, load, imbalance fallback, evictions, the routed (in-flight) record and its TTL, replica
-death and birth, the digest's bound, and agreement with a real folio PagePool."""
+"""The prefix-aware router's pure parts (folio.router.digest, folio.router.index, folio.router.policy) with fake
+replicas and an injected clock: affinity, load, imbalance fallback, evictions, the routed (in-flight) record and its
+TTL, replica death and birth, the digest's bound, and agreement with a real folio PagePool."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from folio.cache import PagePool
 from folio.hashing import page_hashes
-from router.digest import (
+from folio.router.digest import (
     DigestError,
     build_digest,
     digest_size_bound,
@@ -21,8 +21,8 @@ from router.digest import (
     select_hashes,
 )
 from fakes import FakePool
-from router.index import PrefixIndex
-from router.policy import CandidateView, Mode, PolicyConfig, PrefixRouterPolicy, rank_replicas
+from folio.router.index import PrefixIndex
+from folio.router.policy import CandidateView, Mode, PolicyConfig, PrefixRouterPolicy, rank_replicas
 
 PAGE_SIZE = 16
 REPLICAS = ("r0", "r1", "r2", "r3")
@@ -191,7 +191,7 @@ def test_repeated_reports_are_not_decoded_again(fleet, monkeypatch):
     def fail(_):
         raise AssertionError("decoded a report it already had")
 
-    monkeypatch.setattr("router.policy.parse_digest", fail)
+    monkeypatch.setattr("folio.router.policy.parse_digest", fail)
     assert not policy.report("r0", stats)
 
 

@@ -1,4 +1,4 @@
-"""The prefix-aware router inside Ray Serve (router.ray_router).
+"""The prefix-aware router inside Ray Serve (folio.router.ray_router).
 
 Unit tests drive PrefixAwareRequestRouter directly with fake replicas (Serve's hooks as Serve calls them, no
 cluster). The `ray` tests run a local cluster (loopback) with 2 generator replicas of the demo model behind the
@@ -21,8 +21,8 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from fakes import FakePool, free_port  # noqa: E402
 from folio.hashing import page_hashes  # noqa: E402
-from router.digest import build_digest  # noqa: E402
-from router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402
+from folio.router.digest import build_digest  # noqa: E402
+from folio.router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402
 
 PAGE_SIZE = 16
 DEPLOYMENT = DeploymentID(name="Generator", app_name="test")
@@ -53,7 +53,7 @@ class FakeReplica:
 
 
 class Request:
-    """Stands for replicas.schema.EngineRequest: the router reads input_ids only."""
+    """Stands for folio.serve.schema.EngineRequest: the router reads input_ids only."""
 
     def __init__(self, input_ids) -> None:
         self.input_ids = tuple(input_ids)
@@ -98,7 +98,7 @@ def run(coro):
 def test_the_class_loads_by_path_and_pickles():
     from ray.serve.config import RequestRouterConfig
 
-    config = RequestRouterConfig(request_router_class="router.ray_router:PrefixAwareRequestRouter",
+    config = RequestRouterConfig(request_router_class="folio.router.ray_router:PrefixAwareRequestRouter",
                                  request_router_kwargs={"imbalance_threshold": 4})
     assert config.get_request_router_class() is PrefixAwareRequestRouter
     assert pickle.loads(pickle.dumps(PrefixAwareRequestRouter)) is PrefixAwareRequestRouter
@@ -248,8 +248,8 @@ def test_imbalance_falls_back_to_load():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from folio.demo import write_demo_model
-    from replicas import local
-    from replicas.config import ServeConfig
+    from folio.serve import local
+    from folio.serve.config import ServeConfig
 
     model_dir = write_demo_model(tmp_path_factory.mktemp("router") / "demo-model")
     config = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
@@ -266,7 +266,7 @@ def cluster(tmp_path_factory):
 
 def _complete(prompts, max_new_tokens: int = 4):
     """Completions of token-id prompts, sent concurrently through the application's ingress."""
-    from replicas.client import Client
+    from folio.serve.client import Client
 
     client = Client("routed")
 
@@ -279,8 +279,8 @@ def _complete(prompts, max_new_tokens: int = 4):
 
 @pytest.mark.ray
 def test_replicas_report_digests(cluster):
-    from replicas.client import replica_stats
-    from router.digest import parse_digest
+    from folio.router.digest import parse_digest
+    from folio.serve.client import replica_stats
 
     digests = {name: parse_digest(stats) for name, stats in replica_stats("routed").items()}
     assert len(digests) == 2
@@ -312,7 +312,7 @@ def test_requests_are_served_after_a_replica_is_killed(cluster):
     """Runs last: it takes one of the two replicas down (Serve starts a replacement)."""
     import ray
 
-    from replicas.client import generator_replicas
+    from folio.serve.client import generator_replicas
 
     prefix = [random.Random(1).randrange(50, 950) for _ in range(4 * PAGE_SIZE)]
     home = _complete([prefix + [7, 8, 9]])[0].finish.replica_id

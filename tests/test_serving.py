@@ -27,8 +27,8 @@ LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening, c
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from folio.demo import write_demo_model
-    from replicas import local
-    from replicas.config import ServeConfig
+    from folio.serve import local
+    from folio.serve.config import ServeConfig
 
     model_dir = write_demo_model(tmp_path_factory.mktemp("serving") / "demo-model")
     main = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=2,
@@ -49,7 +49,7 @@ def served(tmp_path_factory):
 
 
 def _stub(served):
-    from protos.folio.v1 import generation_pb2_grpc as pb_grpc
+    from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
 
     return pb_grpc.GenerationStub(served["channel"])
 
@@ -59,7 +59,7 @@ def _md(app: str = "folio"):
 
 
 def _request(text: str | None = None, **fields):
-    from protos.folio.v1 import generation_pb2 as pb
+    from folio.proto.folio.v1 import generation_pb2 as pb
 
     sampler = fields.pop("sampler", {})
     message = pb.GenerateRequest(**fields)
@@ -79,7 +79,7 @@ def _stream(stub, message, app="folio", timeout=120):
 
 
 def _in_use(stats) -> int:
-    """Pages held by running jobs, from a routing digest (router.digest)."""
+    """Pages held by running jobs, from a routing digest (folio.router.digest)."""
     return stats["num_pages"] - stats["num_allocatable_pages"]
 
 
@@ -96,7 +96,7 @@ def _wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
 
 
 def test_streaming_generate(served):
-    from protos.folio.v1 import generation_pb2 as pb
+    from folio.proto.folio.v1 import generation_pb2 as pb
 
     stub = _stub(served)
     prompt_ids = stub.Tokenize(pb.TokenizeRequest(text="Once upon a time"), metadata=_md()).token_ids
@@ -112,7 +112,7 @@ def test_streaming_generate(served):
 
 
 def test_unary_equals_stream_and_token_prompts(served):
-    from protos.folio.v1 import generation_pb2 as pb
+    from folio.proto.folio.v1 import generation_pb2 as pb
 
     stub = _stub(served)
     streamed = _stream(stub, _request("The harbour", max_new_tokens=12, **_greedy()))
@@ -127,7 +127,7 @@ def test_unary_equals_stream_and_token_prompts(served):
 
 
 def test_model_info(served):
-    from protos.folio.v1 import generation_pb2 as pb
+    from folio.proto.folio.v1 import generation_pb2 as pb
 
     info = _stub(served).ModelInfo(pb.ModelInfoRequest(), metadata=_md())
     assert (info.architecture, info.page_size, info.num_pages, info.num_replicas) == ("LlamaForCausalLM", 16, 256, 2)
@@ -161,9 +161,9 @@ def test_32_concurrent_streams_complete_with_exact_lengths(served):
 def test_cancel_mid_stream_frees_pages(served):
     """Clients that cancel mid-stream cancel their jobs: every page they held is released long before the jobs
     could have run to their end. Streams are cancelled one after another (the proxy is busy writing when the
-    cancellation arrives: ray 2.60's proxy loses that one, see replicas.grpc_servicer) and then several at once."""
-    from replicas.client import replica_stats
-    from router.digest import parse_digest
+    cancellation arrives: ray 2.60's proxy loses that one, see folio.serve.grpc_servicer) and then several at once."""
+    from folio.router.digest import parse_digest
+    from folio.serve.client import replica_stats
 
     stub = _stub(served)
     max_new_tokens = 4000
@@ -297,8 +297,8 @@ def test_metrics_are_exported(served):
 
 
 def test_python_handle_client_streams(served):
-    from replicas.client import Client
-    from replicas.errors import InvalidRequest
+    from folio.serve.client import Client
+    from folio.serve.errors import InvalidRequest
 
     client = Client("folio")
     chunks = list(client.stream_sync("Once upon a time", max_new_tokens=10, stop_on_eos=False, temperature=0.0))
@@ -321,7 +321,7 @@ def test_replica_killed_mid_stream_is_unavailable(served):
     """Runs last: it takes one of the two "folio" replicas down (Serve starts a replacement)."""
     import ray
 
-    from replicas.client import generator_replicas, replica_stats
+    from folio.serve.client import generator_replicas, replica_stats
 
     stub = _stub(served)
     call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=3000, **_greedy()), metadata=_md(), timeout=120)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from replicas.config import ConfigError, ServeConfig
-from replicas.errors import InvalidRequest, Overloaded
-from replicas.schema import Chunk, Completion, EngineRequest, Finish, GenerationRequest, ModelInfo, Sampling, Usage
-from replicas.validation import to_engine_request
+from folio.serve.config import ConfigError, ServeConfig
+from folio.serve.errors import InvalidRequest, Overloaded
+from folio.serve.schema import Chunk, Completion, EngineRequest, Finish, GenerationRequest, ModelInfo, Sampling, Usage
+from folio.serve.validation import to_engine_request
 
 # --- config -------------------------------------------------------------------------------------------------
 
@@ -97,19 +97,19 @@ def test_config_from_yaml_and_flags(tmp_path):
 def test_app_builder_and_serve_config():
     from ray.serve.schema import ServeDeploySchema
 
-    from replicas.app import build_app, serve_config
+    from folio.serve.app import build_app, serve_config
 
     app = build_app({"num_gpus": "0", "cache_tokens": "4096", "page_size": "16", "num_replicas": "2"})
     assert app is not None
     schema = ServeDeploySchema.model_validate(serve_config(ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16)))
     assert schema.grpc_options.grpc_servicer_functions == [
-        "replicas.grpc_servicer.add_GenerationServicer_to_server"]
+        "folio.serve.grpc_servicer.add_GenerationServicer_to_server"]
 
 
 def test_app_builder_attaches_the_configured_router():
-    from replicas.app import request_router_config
-    from router.policy import PolicyConfig
-    from router.ray_router import PrefixAwareRequestRouter
+    from folio.router.policy import PolicyConfig
+    from folio.router.ray_router import PrefixAwareRequestRouter
+    from folio.serve.app import request_router_config
 
     config = ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16, routing_stats_period_s=0.5,
                          router_options={"imbalance_threshold": 4})
@@ -192,7 +192,7 @@ def test_valid_request_becomes_an_engine_request(tokenizer):
 
 
 def test_proto_round_trip():
-    from replicas import grpc_convert
+    from folio.serve import grpc_convert
 
     request = GenerationRequest(text="hi", max_new_tokens=7, min_new_tokens=2, stop_strings=("x",),
                                 stop_token_ids=(3,), stop_on_eos=False, seed=2**63 + 5, add_bos=False,
@@ -212,8 +212,8 @@ def test_failures_below_the_ingress_map_to_statuses():
     from ray.exceptions import ActorDiedError, RayTaskError
     from ray.serve.exceptions import BackPressureError
 
-    from replicas.errors import InternalError, ReplicaUnavailable
-    from replicas.ingress import as_request_error
+    from folio.serve.errors import InternalError, ReplicaUnavailable
+    from folio.serve.ingress import as_request_error
 
     wrapped = RayTaskError("generate", "Traceback (most recent call last): ...", Overloaded("queue is full"))
     assert isinstance(as_request_error(wrapped, "r"), Overloaded)
@@ -227,8 +227,8 @@ def test_failures_below_the_ingress_map_to_statuses():
 
 
 def test_proto_without_prompt_is_invalid():
-    from protos.folio.v1 import generation_pb2 as pb
-    from replicas import grpc_convert
+    from folio.proto.folio.v1 import generation_pb2 as pb
+    from folio.serve import grpc_convert
 
     with pytest.raises(InvalidRequest, match="^prompt: "):
         grpc_convert.request_from_proto(pb.GenerateRequest(max_new_tokens=3))
@@ -239,7 +239,7 @@ def test_proto_without_prompt_is_invalid():
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    from replicas.engine import Engine
+    from folio.serve.engine import Engine
 
     config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=1024, page_size=16, max_batch_size=2,
                          max_queue_size=1, warmup=False)
@@ -268,7 +268,7 @@ def test_engine_streams_exact_lengths(engine):
 
 def test_engine_routing_digest_lists_the_prompt_pages(engine):
     from folio.hashing import page_hashes
-    from router.digest import page_keys, parse_digest
+    from folio.router.digest import page_keys, parse_digest
 
     prompt = tuple(range(3, 43))  # 2 full pages of 16 and 8 tokens
 
@@ -317,7 +317,7 @@ def test_engine_queue_full_is_overloaded(engine):
 
 
 def test_engine_close_lets_running_jobs_finish(demo_dir):
-    from replicas.engine import Engine
+    from folio.serve.engine import Engine
 
     config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=512, page_size=16, warmup=False)
     engine = Engine.build(config)
@@ -338,7 +338,7 @@ async def _collect(stream):
 
 
 def test_check_health_detects_a_stalled_engine():
-    from replicas.generator import Generator
+    from folio.serve.generator import Generator
 
     cls = Generator.func_or_class
     replica = cls.__new__(cls)
@@ -402,7 +402,7 @@ def _slow_handler(events):
 
 @pytest.mark.parametrize("how", ["aclose", "rpc_done"])
 def test_decoupled_proxy_handler_is_always_cancelled_inside_an_await(how):
-    from replicas.grpc_servicer import decoupled
+    from folio.serve.grpc_servicer import decoupled
 
     events: list[str] = []
 
@@ -423,7 +423,7 @@ def test_decoupled_proxy_handler_is_always_cancelled_inside_an_await(how):
 
 
 def test_snapshot_context_never_reads_the_call_after_the_rpc():
-    from replicas.grpc_servicer import SnapshotContext
+    from folio.serve.grpc_servicer import SnapshotContext
 
     context = _FakeGrpcContext()
     snapshot = SnapshotContext(context)

@@ -65,16 +65,16 @@ Checks across values that values.schema.json cannot express; a failure stops `he
 {{- end -}}
 {{- end -}}
 
-{{/* replicas.app.ROUTER_CLASSES */}}
+{{/* folio.serve.app.ROUTER_CLASSES */}}
 {{- define "folio.routerClass" -}}
 {{- $classes := dict
-    "prefix" "router.ray_router:PrefixAwareRequestRouter"
+    "prefix" "folio.router.ray_router:PrefixAwareRequestRouter"
     "pow2" "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
     "ray_prefix" "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter" -}}
 {{- get $classes .Values.router.name -}}
 {{- end -}}
 
-{{/* replicas.app.request_router_config's kwargs, as JSON: router.options over the router's defaults (prefix: prompts
+{{/* folio.serve.app.request_router_config's kwargs, as JSON: router.options over the router's defaults (prefix: prompts
 are hashed with the cache's page size until replicas report theirs; ray_prefix: an explicit imbalance threshold). */}}
 {{- define "folio.routerKwargs" -}}
 {{- $defaults := dict -}}
@@ -87,7 +87,7 @@ are hashed with the cache's page size until replicas report theirs; ray_prefix: 
 {{- end -}}
 
 {{/*
-The Serve config (deploy/serve.yaml's structure): the application built by replicas.app:build_app from ServeConfig
+The Serve config (deploy/serve.yaml's structure): the application built by folio.serve.app:build_app from ServeConfig
 args, with the deployments' settings that the code does not know (autoscaling, the router, the ingress's capacity).
 Strings and fractions go through toJson (JSON scalars are YAML, quoted where they must be); integers through
 int: Helm holds numbers as float64, which toJson would print as 1e+06.
@@ -104,14 +104,14 @@ http_options:
 grpc_options:
   port: {{ .Values.ports.grpc | int }}
   grpc_servicer_functions:
-    - replicas.grpc_servicer.add_GenerationServicer_to_server
+    - folio.serve.grpc_servicer.add_GenerationServicer_to_server
   {{- if ne .Values.serve.requestTimeoutS nil }}
   request_timeout_s: {{ .Values.serve.requestTimeoutS | toJson }}
   {{- end }}
 applications:
   - name: {{ .Values.serve.appName | toJson }}
     route_prefix: {{ printf "/%s" .Values.serve.appName | toJson }}
-    import_path: replicas.app:build_app
+    import_path: folio.serve.app:build_app
     args:
       model_path: {{ .Values.model.path | toJson }}
       {{- if ne .Values.model.dtype nil }}
@@ -166,7 +166,7 @@ applications:
         ray_actor_options:
           num_gpus: {{ $gen.gpusPerReplica | toJson }}
           num_cpus: {{ $gen.cpusPerReplica | toJson }}
-        # = replicas.app.request_router_config(args), so that the head imports the router class when it validates
+        # = folio.serve.app.request_router_config(args), so that the head imports the router class when it validates
         # this config (tests/test_deploy.py checks the two agree).
         request_router_config:
           request_router_class: {{ include "folio.routerClass" . | toJson }}
@@ -174,7 +174,7 @@ applications:
           request_routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
           request_routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
       - name: Ingress
-        # What every generator replica can take at once, plus the callers' queue (replicas.app's formula, with the
+        # What every generator replica can take at once, plus the callers' queue (folio.serve.app's formula, with the
         # autoscaling maximum: build_app only knows the fixed count).
         max_ongoing_requests: {{ add (mul $maxGen $maxOngoing) (max $gen.maxQueuedRequests 0) .Values.ingress.replicas }}
 {{- end -}}
