@@ -34,16 +34,22 @@ _PUBLIC = {
     "EosReason": "folio.results",
     "Result": "folio.results",
     "StreamingResult": "folio.results",
+    "write_demo_model": "folio.demo",
+    "is_demo_model_current": "folio.demo",
+    "engine_cli_main": "folio.cli",
 }
 
 __all__ = sorted(_PUBLIC)
+
+
+_RENAMED = {"engine_cli_main": "main"}  # public name -> its name in its module
 
 
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'folio' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
     globals()[name] = value
     return value
 

@@ -28,7 +28,7 @@ from folio.results import Result
 from folio.runner import ModelRunner
 from folio.scheduler import Chunk, Scheduler
 from folio.sequence import Sequence, SeqStatus
-from folio.sizing import (activation_reserve_bytes, positive_int, resolve_max_batch_size,  # noqa: F401 (re-export)
+from folio.sizing import (positive_int, resolve_max_batch_size,
                           resolve_max_chunk_size, resolve_max_seq_len)
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer

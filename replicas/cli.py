@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] in OWN_COMMANDS or (args[:1] in (["-h"], ["--help"])):
         parsed = _parser().parse_args(args)
         return parsed.handler(parsed)
-    from folio.cli import main as engine_main
+    from folio import engine_cli_main as engine_main
 
     return engine_main(args)
 
@@ -118,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _prepare_model(config) -> bool:
     model_dir = Path(config.model_path)
     if model_dir == DEFAULT_DEMO_DIR:
-        from folio.demo import is_demo_model_current, write_demo_model
+        from folio import is_demo_model_current, write_demo_model
 
         if not is_demo_model_current(model_dir):
             print(f"writing the demo model to ./{model_dir}", file=sys.stderr)

@@ -16,23 +16,58 @@ from typing import Any
 
 import torch
 
-from folio.aio import DynamicGeneratorAsync, DynamicJobAsync, GeneratorClosed
-from folio.generator import DynamicGenerator, QueueFull, activation_reserve_bytes
-from folio.job import JobState
-from folio.kv_cache import Cache
-from folio.model.model import Model
-from folio.results import Stage, StreamingResult
+from folio import (
+    Cache,
+    DynamicGenerator,
+    DynamicGeneratorAsync,
+    DynamicJobAsync,
+    GeneratorClosed,
+    JobState,
+    Model,
+    QueueFull,
+    SamplerSettings,
+    Stage,
+    StepStats,
+    StreamingResult,
+    Tokenizer,
+    activation_reserve_bytes,
+)
 from folio.router.digest import build_digest
-from folio.sampling import SamplerSettings
 from folio.serve.config import ServeConfig
 from folio.serve.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from folio.serve.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
-from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _END = object()
+
+
+@dataclass
+class StepTotals:
+    """Running sums of the engine's StepStats: added on the engine thread (DynamicGeneratorAsync's on_step),
+    published as Ray metrics by the replica (GeneratorMetrics.record_steps). Reads from the event loop may see a
+    step half added; metrics tolerate that."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (not those reused from the cache)
+    num_decode_rows: int = 0
+    num_sampled: int = 0
+    num_preemptions: int = 0
+    num_failed: int = 0
+    busy_s: float = 0.0  # wall time inside steps
+    num_running: int = 0  # after the last step
+    num_waiting: int = 0
+
+    def add(self, stats: StepStats) -> None:
+        self.num_steps += 1
+        self.num_prompt_tokens += stats.num_prompt_tokens
+        self.num_decode_rows += stats.num_decode_rows
+        self.num_sampled += stats.num_sampled
+        self.num_preemptions += stats.num_preemptions
+        self.num_failed += stats.num_failed
+        self.busy_s += stats.total_s
+        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
 
 
 @dataclass
@@ -46,6 +81,7 @@ class Engine:
     generator: DynamicGenerator
     runner: DynamicGeneratorAsync
     info: ModelInfo
+    totals: StepTotals
 
     @classmethod
     def build(cls, config: ServeConfig, num_replicas: int | None = None) -> Engine:
@@ -63,9 +99,10 @@ class Engine:
                                      max_chunk_size=config.max_chunk_size, max_queued_jobs=config.max_queue_size)
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
-        runner = DynamicGeneratorAsync(generator=generator)
+        totals = StepTotals()
+        runner = DynamicGeneratorAsync(generator=generator, on_step=totals.add)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
-        return cls(config, model, tokenizer, cache, generator, runner, info)
+        return cls(config, model, tokenizer, cache, generator, runner, info, totals)
 
     # --- state (attribute reads from the event loop; the page pool is read on the engine thread) ---
 

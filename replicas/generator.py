@@ -77,6 +77,7 @@ class Generator:
         num_pages, num_allocatable = digest["num_pages"], digest["num_allocatable_pages"]
         self.metrics.record_pages(num_in_use=num_pages - num_allocatable,
                                   num_cached=num_allocatable - digest["num_free_pages"], num_pages=num_pages)
+        self.metrics.record_steps(self.engine.totals)
         return digest
 
     def check_health(self) -> None:

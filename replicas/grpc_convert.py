@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from folio.proto.folio.v1 import generation_pb2 as pb
-from folio.results import EosReason
+from folio import EosReason
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import (DEFAULT_MAX_NEW_TOKENS, SAMPLER_FIELDS, Chunk, Completion, Finish,
                              GenerationRequest, ModelInfo, Sampling, Timings, TopTokens, Usage)

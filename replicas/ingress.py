@@ -30,7 +30,7 @@ from folio.serve.config import ServeConfig
 from folio.serve.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from folio.serve.validation import to_engine_request
-from folio.tokenizer import Tokenizer
+from folio import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -10,15 +10,35 @@ Generator replicas:
                                                 the prefix-cache hit rate is cached / prompt (rate() of both)
     folio_prefix_cache_hit_rate                 the same ratio, over the replica's lifetime
     folio_pages_in_use / folio_pages_cached / folio_pages_total   KV-cache pages
+    folio_engine_steps_total, folio_engine_busy_seconds_total      engine steps and the wall time inside them
+    folio_engine_prompt_tokens_computed_total, folio_engine_decode_rows_total, folio_engine_preemptions_total,
+    folio_engine_failed_jobs_total                                 from each step's StepStats
+    folio_engine_running_jobs / folio_engine_waiting_jobs          after the last step
 Each object is created once per process (Ray metrics must not be re-registered per request).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray.util import metrics
 
 LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_GAP_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+
+
+# folio_engine_<name>_total counters, from the engine's StepStats (summed in folio.serve.engine.StepTotals)
+STEP_COUNTERS = {
+    "steps": "Engine steps.",
+    "busy_seconds": "Wall time inside engine steps.",
+    "prompt_tokens_computed": "Prompt tokens computed (not reused from the prefix cache).",
+    "decode_rows": "Decode rows (one sampled token fed each).",
+    "preemptions": "Sequences preempted for want of pages.",
+    "failed_jobs": "Jobs that failed inside a step (the others went on).",
+}
+STEP_TOTAL_ATTRIBUTES = {"steps": "num_steps", "busy_seconds": "busy_s", "prompt_tokens_computed": "num_prompt_tokens",
+                         "decode_rows": "num_decode_rows", "preemptions": "num_preemptions",
+                         "failed_jobs": "num_failed"}
 
 
 class IngressMetrics:
@@ -64,11 +84,20 @@ class GeneratorMetrics:
                                           description="KV-cache pages kept for prefix reuse (evictable).",
                                           tag_keys=keys)
         self.pages_total = metrics.Gauge("folio_pages_total", description="KV-cache pages.", tag_keys=keys)
+        counter = {name: metrics.Counter(f"folio_engine_{name}_total", description=text, tag_keys=keys)
+                   for name, text in STEP_COUNTERS.items()}
+        self.step_counters = counter
+        self.running = metrics.Gauge("folio_engine_running_jobs", description="Jobs admitted, after the last step.",
+                                     tag_keys=keys)
+        self.waiting = metrics.Gauge("folio_engine_waiting_jobs", description="Jobs queued, after the last step.",
+                                     tag_keys=keys)
         for metric in (self.generated_tokens, self.prompt_tokens, self.cached_prompt_tokens, self.hit_rate,
-                       self.pages_in_use, self.pages_cached, self.pages_total):
+                       self.pages_in_use, self.pages_cached, self.pages_total, self.running, self.waiting,
+                       *counter.values()):
             metric.set_default_tags(tags)
         self._num_prompt = 0
         self._num_cached = 0
+        self._published = {name: 0.0 for name in STEP_COUNTERS}
 
     def record_job(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
         if generated_tokens:
@@ -81,6 +110,17 @@ class GeneratorMetrics:
             self._num_cached += cached_tokens
         if self._num_prompt:
             self.hit_rate.set(self._num_cached / self._num_prompt)
+
+    def record_steps(self, totals: Any) -> None:
+        """Publish the engine's step totals (folio.serve.engine.StepTotals) as counters, by what grew since the
+        last call."""
+        for name, attribute in STEP_TOTAL_ATTRIBUTES.items():
+            value = float(getattr(totals, attribute))
+            if value > self._published[name]:
+                self.step_counters[name].inc(value - self._published[name])
+                self._published[name] = value
+        self.running.set(totals.num_running)
+        self.waiting.set(totals.num_waiting)
 
     def record_pages(self, num_in_use: int, num_cached: int, num_pages: int) -> None:
         self.pages_in_use.set(num_in_use)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from folio.results import EosReason
+from folio import EosReason
 
 DEFAULT_MAX_NEW_TOKENS = 128
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
-from folio.tokenizer import Tokenizer
+from folio import Tokenizer
 
 MAX_RETURN_TOP_TOKENS = 64
 MAX_SEED = (1 << 64) - 1

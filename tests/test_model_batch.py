@@ -127,7 +127,7 @@ def test_cache_errors(model, kwargs, error, message) -> None:
 
 
 def test_step_activation_bytes_grows_with_the_step_and_is_what_a_generator_reserves(model) -> None:
-    from folio.generator import activation_reserve_bytes
+    from folio import activation_reserve_bytes
 
     small, large = model.step_activation_bytes(64, 4), model.step_activation_bytes(4096, 4)
     assert 0 < small < large

@@ -276,7 +276,8 @@ def test_metrics_are_exported(served):
     wanted = ["ray_folio_requests_total", "ray_folio_time_to_first_token_seconds_bucket",
               "ray_folio_time_per_output_token_seconds_bucket", "ray_folio_generated_tokens_total",
               "ray_folio_prompt_tokens_total", "ray_folio_cached_prompt_tokens_total",
-              "ray_folio_prefix_cache_hit_rate", "ray_folio_pages_in_use"]
+              "ray_folio_prefix_cache_hit_rate", "ray_folio_pages_in_use", "ray_folio_engine_steps_total",
+              "ray_folio_engine_decode_rows_total", "ray_folio_engine_running_jobs"]
 
     def scrape():
         url = f"http://127.0.0.1:{served['metrics_port']}/metrics"
@@ -292,6 +293,9 @@ def test_metrics_are_exported(served):
     generated = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                  if line.startswith("ray_folio_generated_tokens_total{")]
     assert sum(generated) > 0
+    steps = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+             if line.startswith("ray_folio_engine_steps_total{")]
+    assert sum(steps) > 0
     ok = [line for line in body.splitlines() if line.startswith("ray_folio_requests_total{") and 'status="OK"' in line]
     assert ok and sum(float(line.rsplit(" ", 1)[1]) for line in ok) > 0
 

@@ -264,6 +264,8 @@ def test_engine_streams_exact_lengths(engine):
     assert completion.finish.usage.completion_tokens == 12
     assert completion.finish.usage.prompt_tokens == 5
     assert engine.generator.cache_manager.num_in_use == 0
+    # the step totals the replica publishes as metrics saw every token of it
+    assert engine.totals.num_sampled >= 12 and engine.totals.num_steps >= 12
 
 
 def test_engine_routing_digest_lists_the_prompt_pages(engine):
