@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.folio-installed
 
-.PHONY: setup serve run test cuda-compile-check clean
+.PHONY: setup serve run test lint cuda-compile-check clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,12 @@ serve: setup
 run: setup
 	$(BIN)/folio run
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
+
+# The committed ruff configuration (pyproject.toml [tool.ruff]) over the whole tree.
+lint: setup
+	$(BIN)/ruff check .
 
 cuda-compile-check:
 	bash native/check_cuda_compiles.sh

@@ -6,9 +6,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
+from test_replica_engine_gpu import test_a_cache_of_all_free_memory_still_runs_full_chunks as check  # noqa: E402
+
 import folio.serve.engine  # noqa: E402
 from folio.demo import write_demo_model  # noqa: E402
-from test_replica_engine_gpu import test_a_cache_of_all_free_memory_still_runs_full_chunks as check  # noqa: E402
 
 folio.serve.engine.activation_reserve_bytes = lambda *args: 0
 with tempfile.TemporaryDirectory() as d:

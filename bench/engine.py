@@ -30,8 +30,8 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -41,11 +41,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from folio import (Cache, DynamicGenerator, DynamicJob, Model, ModelConfig, SamplerSettings, StepStats,  # noqa: E402
-                   Tokenizer, activation_reserve_bytes)
-from folio.stats import PHASES  # noqa: E402
+from folio import (  # noqa: E402
+    Cache,
+    DynamicGenerator,
+    DynamicJob,
+    Model,
+    ModelConfig,
+    SamplerSettings,
+    StepStats,
+    Tokenizer,
+    activation_reserve_bytes,
+)
 from folio.model import flash  # noqa: E402
 from folio.options import EngineOptions  # noqa: E402
+from folio.stats import PHASES  # noqa: E402
 
 SHAPES = {
     "8B": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -546,7 +555,8 @@ class Rows(list):
     def append(self, row: Row) -> None:
         super().append(row)
         log(f"  ROW {row.workload} | {row.engine} | {row.note} | tok/s {fmt(row.tok_s, '.0f')} | "
-            f"ttft {fmt(row.ttft_ms, '.1f')} ms | tpot {fmt(row.tpot_ms, '.2f')} ms | vs limit {fmt(row.vs_limit, '.3f')}")
+            f"ttft {fmt(row.ttft_ms, '.1f')} ms | tpot {fmt(row.tpot_ms, '.2f')} ms | "
+            f"vs limit {fmt(row.vs_limit, '.3f')}")
         self._save()
 
 

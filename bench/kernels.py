@@ -32,7 +32,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native(decode_attention: str = "mma", pdl: bool = True):
     """The native CUDA kernels through an op set: backend "native" (an error instead of a fallback to the reference),
     with these launch options (EngineOptions.decode_attention, EngineOptions.pdl)."""
@@ -160,7 +160,7 @@ def bench_decode(batches, contexts, page_sizes, pdl: bool) -> list[dict]:
                                          f"{page_size}: rel err {err:.3g}")
                     counter = iter(range(1 << 30))
 
-                    def call(kernels=native(kernel, pdl)):
+                    def call(kernels=native(kernel, pdl)):  # noqa: B008 - bound once per kernel variant
                         q, block_tables, context_lens = sets[next(counter) % num_sets]
                         kernels.paged_attention_decode(q, pool.k, pool.v, block_tables, context_lens, scale)
 
@@ -270,7 +270,8 @@ def main() -> None:
     for r in decode:
         print(f"{r['page_size']:>5} {r['context']:>8} {r['batch']:>6} {r['us']:>9.1f} {r['gbps']:>7.0f} "
               f"{r['gbps'] * 1e9 / copy_bps:>8.0%} {r['rel_err']:>8.1e} {r['simt_us']:>9.1f} "
-              f"{r['simt_gbps'] * 1e9 / copy_bps:>8.0%} {r['simt_us'] / r['us']:>7.2f}x {r['gbps'] * 1e9 / read_bps:>8.0%}")
+              f"{r['simt_gbps'] * 1e9 / copy_bps:>8.0%} {r['simt_us'] / r['us']:>7.2f}x "
+              f"{r['gbps'] * 1e9 / read_bps:>8.0%}")
     print(f"paged_attention prefill, {prefill['prompt_len']} tokens: {prefill['ms']:.2f} ms, "
           f"{prefill['tflops']:.1f} TFLOP/s (rel err {prefill['rel_err']:.1e})")
     line = f"sample_rows {sampling['batch']} x {sampling['vocab']}: {sampling['native_ms']:.3f} ms"

@@ -10,7 +10,7 @@ from folio.job import DynamicJob, JobState, TokenExtras
 from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
 from folio.scheduler import Chunk, Scheduler, StepPlan
-from folio.sequence import Sequence, SeqStatus
+from folio.sequence import SeqStatus, Sequence
 from folio.stats import StepStats
 
 

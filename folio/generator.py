@@ -27,9 +27,8 @@ from folio.pipeline import LaunchAhead
 from folio.results import Result
 from folio.runner import ModelRunner
 from folio.scheduler import Chunk, Scheduler
-from folio.sequence import Sequence, SeqStatus
-from folio.sizing import (positive_int, resolve_max_batch_size,
-                          resolve_max_chunk_size, resolve_max_seq_len)
+from folio.sequence import SeqStatus, Sequence
+from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk_size, resolve_max_seq_len
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
 from folio.validation import validate_job

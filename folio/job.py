@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     from folio.sequence import Sequence
-
     from folio.tokenizer import Tokenizer
 
 

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from folio.cache.manager import KVCacheManager, PageCopy
-from folio.sequence import Sequence, SeqStatus
+from folio.sequence import SeqStatus, Sequence
 
 
 class CacheTooSmall(RuntimeError):

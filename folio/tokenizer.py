@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer

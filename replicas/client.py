@@ -62,7 +62,7 @@ class Client:
         response = self._handle.options(stream=True).generate_stream.remote(self.request(prompt, **options))
         ended = False
         try:
-            for chunk in response:
+            for chunk in response:  # noqa: UP028 - not `yield from`: closing early must not close() Ray's stream here
                 yield chunk
             ended = True
         except Exception as error:  # noqa: BLE001
@@ -138,4 +138,5 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = ["Client", "replica_stats", "generator_replicas", "Chunk", "Completion", "GenerationRequest", "InvalidRequest", "ModelInfo", "Sampling"]
+__all__ = ["Client", "replica_stats", "generator_replicas", "Chunk", "Completion", "GenerationRequest",
+           "InvalidRequest", "ModelInfo", "Sampling"]

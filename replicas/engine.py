@@ -129,7 +129,8 @@ class Engine:
         def build(generator: DynamicGenerator) -> dict[str, Any]:
             running = generator.num_remaining_jobs() - generator.num_pending_jobs()
             queued = runner.num_remaining_jobs - running  # the scheduler's queue + enqueues not applied yet
-            return build_digest(generator.cache_snapshot(), running=running, queued=queued, epoch=epoch, max_hashes=max_hashes,
+            return build_digest(generator.cache_snapshot(), running=running, queued=queued, epoch=epoch,
+                                max_hashes=max_hashes,
                                 instance_id=instance_id, max_running=generator.max_batch_size,
                                 num_prefill_tokens=num_prefill_tokens(generator))
 

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from folio.proto.folio.v1 import generation_pb2 as pb
 from folio import EosReason
+from folio.proto.folio.v1 import generation_pb2 as pb
 from folio.serve.errors import InvalidRequest
-from folio.serve.schema import (DEFAULT_MAX_NEW_TOKENS, SAMPLER_FIELDS, Chunk, Completion, Finish,
-                             GenerationRequest, ModelInfo, Sampling, Timings, TopTokens, Usage)
+from folio.serve.schema import (
+    DEFAULT_MAX_NEW_TOKENS,
+    SAMPLER_FIELDS,
+    Chunk,
+    Completion,
+    Finish,
+    GenerationRequest,
+    ModelInfo,
+    Sampling,
+    Timings,
+    TopTokens,
+    Usage,
+)
 
 FINISH_REASONS = {
     EosReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,

@@ -22,15 +22,19 @@ from typing import Any
 
 from ray import serve
 from ray.exceptions import LocalRayletDiedError, NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
-from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
-                                  RequestCancelledError)
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+)
 from ray.serve.handle import DeploymentHandle
 
+from folio import Tokenizer
 from folio.serve.config import ServeConfig
 from folio.serve.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from folio.serve.validation import to_engine_request
-from folio import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from folio import Tokenizer
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
-from folio import Tokenizer
 
 MAX_RETURN_TOP_TOKENS = 64
 MAX_SEED = (1 << 64) - 1

@@ -43,7 +43,6 @@ from folio.router.digest import DigestError, ReplicaDigest, page_keys, parse_dig
 from folio.router.index import DEFAULT_MAX_ROUTED_PAGES, DEFAULT_ROUTED_TTL_S, Match, PrefixIndex, ReplicaId
 
 
-
 class Mode(enum.Enum):
     """How a ranking was made."""
 

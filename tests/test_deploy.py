@@ -108,7 +108,6 @@ def test_ray_validation_rejects_broken_cluster_configs():
     """The validation above has teeth: the same calls reject these."""
     import click
     import jsonschema
-
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     def check(config):
@@ -327,7 +326,8 @@ def test_chart_default_values_render_a_valid_rayservice(helm, crd_validator):
 def test_chart_autoscaling_example_renders_a_valid_rayservice(helm, crd_validator):
     values = load_yaml(AUTOSCALING_VALUES)
     rayservice, notes = render(helm, values, release="llm")
-    serve_config = check_rayservice(rayservice, crd_validator, "llm", grpc_port=values.get("ports", {}).get("grpc", 50051))
+    serve_config = check_rayservice(rayservice, crd_validator, "llm",
+                                    grpc_port=values.get("ports", {}).get("grpc", 50051))
     app = serve_config["applications"][0]
     generator = serve_deployment(serve_config, "Generator")
     bounds = values["generator"]["autoscaling"]

@@ -1,6 +1,6 @@
 """The generator on CUDA, end to end with the native kernels: greedy generation equals CPU fp32 (or diverges only
-at a near-tie), CUDA-graph decode equals eager decode (and steps launched ahead equal plain ones), and a step makes no host synchronisation before the sampled
-tokens are read."""
+at a near-tie), CUDA-graph decode equals eager decode (and steps launched ahead equal plain ones), verify rows in
+graphs equal eager ones, and a step makes no host synchronisation before the sampled tokens are read."""
 
 from __future__ import annotations
 

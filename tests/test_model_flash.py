@@ -9,13 +9,13 @@ import torch
 
 from folio import reference_ops
 from folio.model import flash
+from folio.model.batch import ForwardBatch, SeqChunk
 from folio.ops import OpSet
 
 
 def new_state(dense_cudnn: bool = True) -> flash.FlashState:
     """A model's flash state: probes and the shapes seen start empty for every test."""
     return flash.FlashState(OpSet(), dense_cudnn=dense_cudnn)
-from folio.model.batch import ForwardBatch, SeqChunk
 
 
 def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import math
 
+import native_reference as sref
 import pytest
 import torch
 
 from folio import ops
 from folio import reference_ops as ref
-import native_reference as sref
 
 
 def _import_native(name: str):
@@ -901,7 +901,7 @@ def test_cuda_sampling_top_k_small_vocab_matches_cpu_kernel(_, vocab, top_k):
     _assert_cuda_sampling_matches_cpu_kernel(batch, max_mismatches=0)
 
 
-# ---------------------------------------------------------------------------------------------- linear (CUDA: decode GEMV)
+# ------------------------------------------------------------------------------------ linear (CUDA: decode GEMV)
 
 # (out_features N, in_features K): small and odd ones, then Llama-3-8B's qkv, o_proj, gate_up, down and lm_head
 LINEAR_SHAPES = [(8, 24), (1000, 520), (13, 40), (3, 8), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),

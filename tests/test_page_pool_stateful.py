@@ -261,7 +261,7 @@ class PoolMachine(RuleBasedStateMachine):
         if roll:  # rarely: a reset wipes what the other rules have built up
             return
         self.pool.reset()
-        for page_id, c in sorted(self.content.items()):
+        for _, c in sorted(self.content.items()):
             if c.hash is not None:
                 self.expected_events.append(PageEvent(PageEventKind.EVICTED, c.hash))
         self.content.clear()

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from fakes import FakePool
 
 from folio.cache import PagePool
 from folio.hashing import page_hashes
@@ -20,7 +21,6 @@ from folio.router.digest import (
     parse_digest,
     select_hashes,
 )
-from fakes import FakePool
 from folio.router.index import PrefixIndex
 from folio.router.policy import CandidateView, Mode, PolicyConfig, PrefixRouterPolicy, rank_replicas
 

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from fakes import FakePool, free_port  # noqa: E402
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from fakes import FakePool, free_port  # noqa: E402
 from folio.hashing import page_hashes  # noqa: E402
 from folio.router.digest import build_digest  # noqa: E402
 from folio.router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402

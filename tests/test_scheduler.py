@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from folio.cache import PagePool
 from folio.cache.manager import KVCacheManager
 from folio.scheduler import Scheduler, StepPlan
-from folio.sequence import Sequence, SeqStatus
+from folio.sequence import SeqStatus, Sequence
 
 
 @dataclass(eq=False)

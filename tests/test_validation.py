@@ -19,8 +19,13 @@ from folio import ops
 from folio.job import DynamicJob, JobState
 from folio.sampling import RowParams, SamplerSettings, sample, uniform
 from folio.sampling.sampler import _sample_native
-from folio.sampling.settings import (MAX_INT32, MAX_LOGIT_OFFSET, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
-                                     MIN_REPETITION_PENALTY)
+from folio.sampling.settings import (
+    MAX_INT32,
+    MAX_LOGIT_OFFSET,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+)
 from folio.validation import validate_job
 
 VOCAB = 60  # real vocabulary entries; the logits have 64 columns, the last 4 masked as padding

@@ -22,6 +22,7 @@ __all__ = [
     "PageNotReady",
     "PagePool",
     "PagePoolError",
+    "PageStateError",
     "PageState",
     "PartialMatch",
     "PrefixLookup",

@@ -14,7 +14,8 @@ Equal-length fresh prompts (a batch job's step: 32 prompts of 512 tokens) go to 
 dense [B, H, L, D] batch instead: on an H100 it ran 32 x 512 causal at 290 TFLOP/s against FA2's 136, and 2 x 8192 at
 625 against 341 (bench/prefill_attention.py). cuDNN builds an execution plan for each new (B, L) on the host (35-56
 ms measured), so a shape takes this path only from its second step on (`DENSE_MIN_SEEN`): one-off shapes never pay
-for a plan. Small shapes (B * L^2 < `DENSE_MIN_WORK`) stay on FA2, which is faster there. Its varlen (ragged) entry point is not used: it ran ~40 ms per call on torch 2.11 (a plan per call).
+for a plan. Small shapes (B * L^2 < `DENSE_MIN_WORK`) stay on FA2, which is faster there. Its varlen (ragged) entry
+point is not used: it ran ~40 ms per call on torch 2.11 (a plan per call).
 
 Which one runs ("auto"): the first that passes a small numerical probe against the reference on this device,
 else our kernel ("paged"). EngineOptions.prefill_attention = "paged" | "flash_paged" | "flash_gather" forces one

@@ -116,7 +116,7 @@ class Model:
         Returns fp32 logits [len(batch.logits_idx), vocab_size] for the rows selected by batch.logits_idx.
         """
         self._check_cache(cache)
-        w, eps = self.weights, self.config.rms_norm_eps
+        w = self.weights
         residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
         prefill = self._prefill_plan(batch, cache)
         mlp_out = None  # embeddings: nothing to add yet
