@@ -27,6 +27,7 @@ _PUBLIC = {
     "DynamicJob": "folio.job",
     "JobState": "folio.job",
     "SamplerSettings": "folio.sampling",
+    "SAMPLER_LIMITS": "folio.limits",
     "DynamicGeneratorAsync": "folio.aio",
     "DynamicJobAsync": "folio.aio",
     "GeneratorClosed": "folio.aio",

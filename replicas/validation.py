@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from folio import Tokenizer
+from folio import SAMPLER_LIMITS, Tokenizer
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
 
@@ -94,23 +94,25 @@ def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
     if not isinstance(sampling, Sampling):
         raise InvalidRequest("sampler", f"must be a folio.serve.schema.Sampling, got {type(sampling).__name__}")
     s = sampling
-    _real("temperature", s.temperature, low=0.0)
-    _integer("top_k", s.top_k, low=0)
+    # the engine's bounds (folio.SAMPLER_LIMITS: what keeps fp32 logits finite and kernel integers in int32)
+    limits, offset = SAMPLER_LIMITS, SAMPLER_LIMITS.max_logit_offset
+    _real("temperature", s.temperature, low=0.0, high=limits.max_temperature)
+    _integer("top_k", s.top_k, low=0, high=limits.max_int32)
     _real("top_p", s.top_p, low=0.0, high=1.0)
     _real("min_p", s.min_p, low=0.0, high=1.0)
-    _real("repetition_penalty", s.repetition_penalty)
-    if s.repetition_penalty is not None and s.repetition_penalty <= 0:
-        raise InvalidRequest("repetition_penalty", f"must be > 0 (1 = off), got {s.repetition_penalty!r}")
-    _real("frequency_penalty", s.frequency_penalty)
-    _real("presence_penalty", s.presence_penalty)
-    _integer("repetition_range", s.repetition_range, low=-1)
-    _integer("repetition_decay", s.repetition_decay, low=0)
+    _real("repetition_penalty", s.repetition_penalty, low=limits.min_repetition_penalty,
+          high=limits.max_repetition_penalty)
+    _real("frequency_penalty", s.frequency_penalty, low=-offset, high=offset)
+    _real("presence_penalty", s.presence_penalty, low=-offset, high=offset)
+    _integer("repetition_range", s.repetition_range, low=-1, high=limits.max_int32)
+    _integer("repetition_decay", s.repetition_decay, low=0, high=limits.max_int32)
     for token_id, bias in dict(s.token_bias).items():
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:
             raise InvalidRequest("token_bias", f"token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or math.isnan(bias) or bias == math.inf:
-            raise InvalidRequest("token_bias", f"bias of token {token_id} must be a finite number or -inf, "
-                                               f"got {bias!r}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or math.isnan(bias) or (
+                bias != -math.inf and abs(bias) > offset):
+            raise InvalidRequest("token_bias", f"bias of token {token_id} must be a number in [-{offset:g}, "
+                                               f"{offset:g}] or -inf, got {bias!r}")
     return s.engine_kwargs()
 
 
@@ -155,8 +157,9 @@ def _real(name: str, value: Any, low: float | None = None, high: float | None = 
         raise InvalidRequest(name, f"must be {bounds}, got {value!r}")
 
 
-def _integer(name: str, value: Any, low: int) -> None:
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
     if value is None:
         return
-    if not _is_int(value) or value < low:
-        raise InvalidRequest(name, f"must be an integer >= {low}, got {value!r}")
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(name, f"must be an integer {bounds}, got {value!r}")

@@ -160,6 +160,13 @@ def tokenizer(demo_dir):
     (GenerationRequest(text="a", sampling=Sampling(top_p=1.5)), "top_p"),
     (GenerationRequest(text="a", sampling=Sampling(min_p=-0.5)), "min_p"),
     (GenerationRequest(text="a", sampling=Sampling(repetition_penalty=0.0)), "repetition_penalty"),
+    # past the engine's bounds (folio.SAMPLER_LIMITS): refused at the ingress, not inside the replica
+    (GenerationRequest(text="a", sampling=Sampling(temperature=1e5)), "temperature"),
+    (GenerationRequest(text="a", sampling=Sampling(repetition_penalty=1e5)), "repetition_penalty"),
+    (GenerationRequest(text="a", sampling=Sampling(presence_penalty=-1e308)), "presence_penalty"),
+    (GenerationRequest(text="a", sampling=Sampling(frequency_penalty=1e5)), "frequency_penalty"),
+    (GenerationRequest(text="a", sampling=Sampling(top_k=2**31)), "top_k"),
+    (GenerationRequest(text="a", sampling=Sampling(token_bias={5: 1e308})), "token_bias"),
     (GenerationRequest(text="a", sampling=Sampling(repetition_range=-2)), "repetition_range"),
     (GenerationRequest(text="a", sampling=Sampling(repetition_decay=-1)), "repetition_decay"),
     (GenerationRequest(text="a", sampling=Sampling(token_bias={5000: 1.0})), "token_bias"),
@@ -175,6 +182,19 @@ def test_invalid_requests_name_the_field(tokenizer, request_, field):
         to_engine_request(request_, tokenizer, INFO)
     assert info.value.field == field
     assert str(info.value).startswith(field + ": ")
+
+
+def test_requests_at_the_engine_bounds_build_sampler_settings(tokenizer):
+    """What the ingress lets through, the engine's SamplerSettings accepts: the two check the same bounds."""
+    import folio
+
+    limits = folio.SAMPLER_LIMITS
+    sampling = Sampling(temperature=limits.max_temperature, top_k=limits.max_int32,
+                        repetition_penalty=limits.min_repetition_penalty, presence_penalty=-limits.max_logit_offset,
+                        frequency_penalty=limits.max_logit_offset, repetition_range=limits.max_int32,
+                        token_bias={3: -limits.max_logit_offset, 4: -math.inf})
+    engine = to_engine_request(GenerationRequest(text="a", sampling=sampling), tokenizer, INFO)
+    folio.SamplerSettings(**engine.sampler)
 
 
 def test_valid_request_becomes_an_engine_request(tokenizer):
