@@ -412,12 +412,11 @@ def decode_step_gpu_ms(gen: DynamicGenerator, batch: int) -> float | None:
     b = graphs.bucket_for(batch)
     if b is None:
         return None
-    graph = graphs._graphs[b]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
+    graphs.replay(b)
     start.record()
     for _ in range(10):
-        graph.replay()
+        graphs.replay(b)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 10

@@ -81,6 +81,12 @@ class DecodeGraphs:
 
     # --- use ---
 
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Replay bucket's graph on whatever its input buffers hold (the last run's inputs): the device side of a
+        decode step alone, for benchmarks. Returns the bucket's logits buffer."""
+        self._graphs[bucket].replay()
+        return self._logits[bucket]
+
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
