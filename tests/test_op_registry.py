@@ -17,6 +17,7 @@ from pathlib import Path
 import native_reference
 import pytest
 import torch
+from test_native_ops import _import_native
 
 from folio import op_registry, ops, reference_ops
 from folio.op_registry import LAUNCH_OPTION_DEFAULTS, OPS
@@ -37,15 +38,6 @@ def registry_signature(spec: op_registry.OpSpec, device_type: str) -> tuple[tupl
     args = tuple((a, spec.defaults.get(a, _NO_DEFAULT)) for a in spec.args)
     launch = tuple((o, LAUNCH_OPTION_DEFAULTS[o]) for o in spec.launch) if device_type == "cuda" else ()
     return args, launch
-
-
-def _import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name == name:
-            return None
-        raise
 
 
 # --- the registry itself ---
@@ -227,7 +219,7 @@ def check_built_module(device_type: str) -> None:
         assert exported[name] == signature, name
 
 
-@pytest.mark.skipif(_import("folio._native_cpu") is None, reason="folio._native_cpu is not built")
+@pytest.mark.skipif(_import_native("folio._native_cpu") is None, reason="folio._native_cpu is not built")
 def test_built_cpu_module_matches_registry() -> None:
     check_built_module("cpu")
 
@@ -235,5 +227,5 @@ def test_built_cpu_module_matches_registry() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_built_cuda_module_matches_registry() -> None:
-    assert _import("folio._native_cuda") is not None, "folio._native_cuda is not built on a CUDA machine"
+    assert _import_native("folio._native_cuda") is not None, "folio._native_cuda is not built on a CUDA machine"
     check_built_module("cuda")
