@@ -58,7 +58,7 @@ class DynamicGenerator:
     prefix_cache: False never shares or keeps pages between jobs (to measure what the prefix cache is worth).
     cuda_graphs: capture decode steps in CUDA graphs (None: on a CUDA device, unless the ops are the reference's).
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
-    options: the engine's switches (folio.EngineOptions); None: the model's.
+    options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
@@ -67,7 +67,11 @@ class DynamicGenerator:
                  cuda_graphs: bool | None = None, overlap_emit: bool | None = None, decode_ahead: bool | None = None,
                  prefill_ahead: bool = True, options: EngineOptions | None = None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
-        self.options = options if options is not None else model.options
+        if options is not None and options != model.options:
+            raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "
+                             f"model's, so build the model with them (Model(..., options=...) or "
+                             f"model.with_options(...))")
+        self.options = model.options
         self.page_size = cache.page_size
         self.paged = paged
         self.max_seq_len = resolve_max_seq_len(max_seq_len, model.config.max_position_embeddings)

@@ -668,3 +668,17 @@ def test_a_job_that_breaks_the_forward_fails_alone(demo):
     final = results[jobs[2].serial][-1]
     assert final.eos_reason == EosReason.ERROR and final.error is not None
     assert [j.generated_ids for j in jobs[:2]] == want
+
+
+def test_generator_options_are_the_models(peaked):
+    model = peaked.model
+    gen = folio.DynamicGenerator(model, folio.Cache(model, num_tokens=1024, page_size=16), peaked.tokenizer,
+                                 options=model.options)
+    assert gen.options == model.options
+    with pytest.raises(ValueError, match="with_options"):
+        folio.DynamicGenerator(model, folio.Cache(model, num_tokens=1024, page_size=16), peaked.tokenizer,
+                               options=folio.EngineOptions(ops_backend="reference"))
+    reference = model.with_options(folio.EngineOptions(ops_backend="reference"))
+    gen = folio.DynamicGenerator(reference, folio.Cache(reference, num_tokens=1024, page_size=16),
+                                 peaked.tokenizer, options=folio.EngineOptions(ops_backend="reference"))
+    assert gen.runner.graphs is None and gen.options.ops_backend == "reference"
