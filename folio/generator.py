@@ -232,7 +232,8 @@ class DynamicGenerator:
         tick = stats.lap("plan", tick)
         if ahead is None:
             if plan.empty:
-                return results + emitter.emit(self.pipeline.take_staged())
+                results += emitter.emit(self.pipeline.take_staged())
+                return results + self._fail_unadmittable(results)
             try:
                 logits, stats.used_graph = self.runner.forward(plan)
             except Exception as caught:  # noqa: BLE001 - retried chunk by chunk below
@@ -249,6 +250,17 @@ class DynamicGenerator:
         if sampled:
             return results + self._sample_and_emit(sampled, logits, stats, tick)
         return results + emitter.emit(self.pipeline.take_staged())
+
+    def _fail_unadmittable(self, results: list[Result]) -> list[Result]:
+        """Nothing ran, nothing is running and jobs wait: the first of them does not fit even an empty cache (the
+        checks at enqueue should make this impossible). Fail it rather than return nothing forever."""
+        if results or self.scheduler.active or not self.scheduler.pending:
+            return []
+        seq = self.scheduler.pending[0]
+        logger.error("job %s cannot be admitted into an empty cache; failing it", seq.job.serial)
+        return [self.emitter.fail(seq, RuntimeError(
+            f"the job ({len(seq.token_ids)} tokens) cannot be admitted even into an empty cache of "
+            f"{self.cache_manager.num_pages} pages of {self.page_size} tokens"))]
 
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
                          tick: float) -> list[Result]:

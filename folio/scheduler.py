@@ -231,8 +231,13 @@ class Scheduler:
                 plan.started.append(seq)
 
     def _fits(self, seq: Sequence) -> bool:
-        """Room for the part of the prompt not already in the pool, plus one page to grow into."""
-        pages_needed = -(-len(seq.token_ids) // self.page_size) - self.cache.num_held_prompt_pages(seq) + 1
+        """Room for the part of the prompt not already in the pool, plus one page to grow into (unless the prompt's
+        pages are all the job will ever need: a job that fills the whole cache exactly must still fit an empty
+        one)."""
+        size = self.page_size
+        final_len = seq.prompt_len + seq.job.max_new_tokens
+        pages = min(-(-len(seq.token_ids) // size) + 1, max(-(-final_len // size), -(-len(seq.token_ids) // size)))
+        pages_needed = pages - self.cache.num_held_prompt_pages(seq)
         reserve = self._admission_reserve_pages if self.active else 0
         return pages_needed + reserve <= self.cache.num_allocatable
 

@@ -682,3 +682,17 @@ def test_generator_options_are_the_models(peaked):
     gen = folio.DynamicGenerator(reference, folio.Cache(reference, num_tokens=1024, page_size=16),
                                  peaked.tokenizer, options=folio.EngineOptions(ops_backend="reference"))
     assert gen.runner.graphs is None and gen.options.ops_backend == "reference"
+
+
+def test_a_job_that_fills_the_whole_cache_runs_and_one_that_cannot_fit_fails(peaked):
+    """A job whose prompt and tokens fill every page exactly is admitted (it needs no page to grow into); one that
+    got past the checks at enqueue and fits no cache fails with an error result instead of waiting forever."""
+    gen = peaked.generator(num_tokens=64)  # 4 pages of 16
+    exact = folio.DynamicJob(input_ids=list(range(3, 66)), max_new_tokens=1, gen_settings=GREEDY, stop_conditions=[])
+    results = run_to_end(gen, [exact])
+    assert results[exact.serial][-1].eos_reason == EosReason.MAX_NEW_TOKENS and len(exact.generated_ids) == 1
+    huge = folio.DynamicJob(input_ids=[5] * 10, max_new_tokens=4, gen_settings=GREEDY, stop_conditions=[])
+    gen.enqueue(huge)
+    huge.sequence.token_ids.extend([5] * 100)  # past the checks at enqueue
+    final = run_to_end(gen, [])[huge.serial][-1]
+    assert final.eos_reason == EosReason.ERROR and "cannot be admitted" in str(final.error)
