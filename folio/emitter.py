@@ -99,7 +99,9 @@ class Emitter:
         """Prompt progress of the sequences that prefilled this step and have sampled nothing yet."""
         results = []
         seen: set[Sequence] = set()
-        progressed = [c.seq for c in plan.chunks if c.is_prompt] + [s for s in plan.progressed]
+        # (plan.progressed is a set: taken in admission order, so results come in the same order every run)
+        progressed = [c.seq for c in plan.chunks if c.is_prompt] + [s for s in self.scheduler.active
+                                                                    if s in plan.progressed]
         for seq in progressed:
             if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING:
                 continue
