@@ -28,7 +28,7 @@ class Cache:
         currently free device memory.
 
         reserve_bytes (CUDA only): memory the forward passes will need beside the cache, their activations (see
-        folio.generator.activation_reserve_bytes). With max_memory_fraction it is set aside before the fraction
+        folio.activation_reserve_bytes). With max_memory_fraction it is set aside before the fraction
         is taken; with num_tokens, a cache that leaves less than it free is refused here, with the numbers,
         instead of running out of memory at the first large step."""
         _check_page_size(page_size)
