@@ -11,6 +11,7 @@ from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
 from folio.scheduler import Chunk, Scheduler, StepPlan
 from folio.sequence import SeqStatus, Sequence
+from folio.speculative.speculator import Speculator
 from folio.stats import StepStats
 
 
@@ -25,9 +26,10 @@ class StagedToken:
 
 
 class Emitter:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, speculator: Speculator | None = None):
         self.scheduler = scheduler
         self.runner = runner
+        self.speculator = speculator
         self.live: dict[DynamicJob, Sequence] = {}  # enqueued jobs that have not ended, in enqueue order
         self.stats = StepStats()  # the current step's (the generator swaps in a new one each step)
 
@@ -49,6 +51,27 @@ class Emitter:
                 top_k_probs=sampled.top_probs[i][:k] if k else None,
                 logits=sampled.logits.get(i))
             staged.append(self.stage(seq, sampled.token_ids[i], extras))
+        return staged
+
+    def stage_verified(self, chunk: Chunk, token_ids: list[int]) -> list[StagedToken]:
+        """Stage what a verify row yielded (its accepted drafts, then one drawn token) until one ends the job;
+        then the accepted drafts' K/V, already written, count as cached and the pages of rejected ones go."""
+        seq = chunk.seq
+        if not seq.is_live:
+            return []
+        num_accepted = len(token_ids) - 1
+        self.speculator.settle(chunk, num_accepted)
+        self.stats.num_drafted += len(chunk.drafts)
+        self.stats.num_accepted_drafts += num_accepted
+        position = len(seq.token_ids)
+        staged = []
+        for token_id in token_ids:
+            staged.append(self.stage(seq, token_id, TokenExtras(None, None, None, None)))
+            if staged[-1].failure is not None or seq.status is not SeqStatus.RUNNING:
+                break
+        if seq.status is SeqStatus.RUNNING:
+            self.runner.record_tokens(seq, position + num_accepted, token_ids[-1:])
+            self.scheduler.commit_drafts(seq, chunk.end + num_accepted)
         return staged
 
     def stage(self, seq: Sequence, token_id: int, extras: TokenExtras) -> StagedToken:
@@ -120,5 +143,7 @@ class Emitter:
         if self.live.pop(seq.job, None) is not None:
             self.stats.num_finished += status is not SeqStatus.CANCELLED
         self.runner.remove_sequence(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.remove(seq)
         seq.status = status

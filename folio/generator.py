@@ -26,9 +26,11 @@ from folio.options import EngineOptions
 from folio.pipeline import LaunchAhead
 from folio.results import Result
 from folio.runner import ModelRunner
+from folio.sampling.host import to_device
 from folio.scheduler import Chunk, Scheduler
 from folio.sequence import SeqStatus, Sequence
 from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk_size, resolve_max_seq_len
+from folio.speculative.build import build_speculator
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
 from folio.validation import validate_job
@@ -59,13 +61,22 @@ class DynamicGenerator:
     cuda_graphs: capture decode steps in CUDA graphs (None: on a CUDA device, unless the ops are the reference's).
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
     options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
+
+    Speculative decoding (folio.speculative): draft_model (a smaller model with the target's vocabulary; its cache,
+    draft_cache, is made to match `cache` when not given) or use_ngram_draft (n-grams and prompt lookup over each
+    job's own tokens, n-grams up to max_ngram) drafts up to num_draft_tokens tokens per decoding job and step, which
+    the target verifies in one forward and keeps by exact rejection sampling. adaptive_draft: each job's draft
+    length follows its acceptance rate (down to none), and a step's decode rows plus drafts stay within
+    draft_step_token_budget (None: no cap), where larger steps are bound by compute and drafts stop paying.
     """
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  max_queued_jobs: int | None = None, paged: bool = True, prefix_cache: bool = True,
                  cuda_graphs: bool | None = None, overlap_emit: bool | None = None, decode_ahead: bool | None = None,
-                 prefill_ahead: bool = True, options: EngineOptions | None = None):
+                 prefill_ahead: bool = True, options: EngineOptions | None = None, draft_model: Model | None = None,
+                 draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
+                 max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         if options is not None and options != model.options:
             raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "
@@ -84,13 +95,26 @@ class DynamicGenerator:
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
         if cuda_graphs is None and self.options.ops_backend == "reference":
             cuda_graphs = False  # the reference ops synchronize: they cannot be captured
+        on_cuda = model.device.type == "cuda"
+        graphs_wanted = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        self.speculator, self.draft_cache = build_speculator(
+            model, cache, draft_model, draft_cache, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
+            self.max_q_size, self.max_seq_len, self.vocab_size, self.max_batch_size, graphs_wanted and on_cuda,
+            draft_step_token_budget)
+        self.draft_model = draft_model
+        # verify rows replay in the decode graphs as one row per token
+        graph_rows = self.max_batch_size
+        if self.speculator is not None:
+            graph_rows = max(graph_rows, min(512, self.max_batch_size * (1 + num_draft_tokens)))
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, self.vocab_size,
-                                  self.max_q_size, cuda_graphs)
+                                  self.max_q_size, cuda_graphs, max_graph_rows=graph_rows)
+        if self.speculator is not None and self.speculator.draft_runner is not None:
+            self.runner.on_forward = self.speculator.draft_runner.mirror
         graphs = self.runner.graphs is not None
         self.pipeline = LaunchAhead(decode_ahead=graphs if decode_ahead is None else bool(decode_ahead),
                                     prefill_ahead=bool(prefill_ahead),
                                     overlap_emit=graphs if overlap_emit is None else bool(overlap_emit))
-        self.emitter = Emitter(self.scheduler, self.runner)
+        self.emitter = Emitter(self.scheduler, self.runner, self.speculator)
         self._serials = itertools.count()
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
         # Page stored/evicted events, drained every step so the pool's log stays bounded; readers on other threads
@@ -227,13 +251,18 @@ class DynamicGenerator:
             plan, logits, error, stats.used_graph, stats.launched_ahead = (
                 ahead.plan, ahead.logits, ahead.error, ahead.used_graph, True)
         else:
-            plan, logits, error = self.scheduler.plan(), None, None
+            drafts = self.speculator.drafts(self.scheduler.active, self.num_steps) if self.speculator else None
+            plan, logits, error = self.scheduler.plan(drafts), None, None
         results = emitter.started_results(plan)
         tick = stats.lap("plan", tick)
+        draft_probs = None
         if ahead is None:
             if plan.empty:
                 results += emitter.emit(self.pipeline.take_staged())
                 return results + self._fail_unadmittable(results)
+            if self.speculator is not None:
+                draft_probs = self._draft(plan)
+                tick = stats.lap("draft", tick)
             try:
                 logits, stats.used_graph = self.runner.forward(plan)
             except Exception as caught:  # noqa: BLE001 - retried chunk by chunk below
@@ -247,9 +276,20 @@ class DynamicGenerator:
         tick = stats.lap("forward", tick)
         results += emitter.prefill_results(plan)
         sampled = [c for c in plan.chunks if c.wants_logits]
+        if any(c.verify for c in sampled):
+            return results + self._verify_and_emit(sampled, logits, draft_probs, stats, tick)
         if sampled:
             return results + self._sample_and_emit(sampled, logits, stats, tick)
         return results + emitter.emit(self.pipeline.take_staged())
+
+    def _draft(self, plan) -> list | None:
+        """Drafts into the plan's verify rows; on failure the rows decode without them."""
+        try:
+            return self.speculator.fill(plan)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: the step goes on without it
+            logger.exception("drafting failed; this step decodes without drafts")
+            plan.chunks = [Chunk(c.seq, c.start, c.end) if c.verify else c for c in plan.chunks]
+            return None
 
     def _fail_unadmittable(self, results: list[Result]) -> list[Result]:
         """Nothing ran, nothing is running and jobs wait: the first of them does not fit even an empty cache (the
@@ -271,7 +311,8 @@ class DynamicGenerator:
             return emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks, logits,
                                                                                  error)
         tick = stats.lap("sample", tick)
-        if pipeline.decode_ahead:
+        if pipeline.decode_ahead and not (self.speculator is not None and self.speculator.any_drafting(
+                [c.seq for c in chunks], self.num_steps + 1)):
             pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
             tick = stats.lap("launch_ahead", tick)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
@@ -281,6 +322,44 @@ class DynamicGenerator:
         tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit:
             pipeline.staged = staged
+            return results
+        results += emitter.emit(staged)
+        stats.lap("emit", tick)
+        return results
+
+    def _verify_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, draft_probs: list | None,
+                         stats: StepStats, tick: float) -> list[Result]:
+        """A step with verify rows: plain rows are sampled, verify rows rejection-sampled; nothing is launched
+        ahead (the next step's drafts depend on what is accepted now)."""
+        emitter, runner = self.emitter, self.runner
+        rows, offset = [], 0
+        for c in chunks:
+            rows.append(offset)
+            offset += c.num_logits
+        plain = [i for i, c in enumerate(chunks) if not c.verify]
+        verify = [i for i, c in enumerate(chunks) if c.verify]
+        device = logits.device
+        plain_chunks, verify_chunks = [chunks[i] for i in plain], [chunks[i] for i in verify]
+        try:
+            sampled = None
+            if plain:
+                index = to_device([rows[i] for i in plain], torch.int64, device)
+                sampled = runner.sample(plain_chunks, logits[index])
+            index = to_device([rows[i] + j for i in verify for j in range(chunks[i].num_logits)], torch.int64,
+                              device)
+            verified = runner.verify(verify_chunks, logits[index], draft_probs)
+        except Exception as error:  # noqa: BLE001 - this step's sampled jobs fail; the generator goes on
+            logger.exception("sampling a verify step failed")
+            return emitter.emit(self.pipeline.take_staged()) + [emitter.fail(c.seq, error) for c in chunks
+                                                                if c.seq.is_live]
+        tick = stats.lap("sample", tick)
+        results = emitter.emit(self.pipeline.take_staged()) if self.pipeline.overlap_emit else []
+        staged = emitter.stage_all(plain_chunks, sampled.read()) if sampled is not None else []
+        for chunk, tokens in zip(verify_chunks, verified.read()):
+            staged += emitter.stage_verified(chunk, tokens)
+        tick = stats.lap("wait_tokens", tick)
+        if self.pipeline.overlap_emit:
+            self.pipeline.staged = staged
             return results
         results += emitter.emit(staged)
         stats.lap("emit", tick)

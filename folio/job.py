@@ -125,6 +125,9 @@ class DynamicJob:
         self.time_first_token: float | None = None
         self.time_last_token: float | None = None
         self.sequence: Sequence | None = None  # the engine's runtime record of this job, set at enqueue
+        # speculative decoding: drafted tokens the target accepted, and those it rejected
+        self.accepted_draft_tokens = 0
+        self.rejected_draft_tokens = 0
 
     @staticmethod
     def _split_stop_conditions(conditions: Sequence[int | str] | None) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -267,6 +270,8 @@ class DynamicJob:
         result.prompt_tokens = self.prompt_tokens
         result.cached_tokens = self.cached_tokens
         result.cached_pages = self.cached_pages
+        result.accepted_draft_tokens = self.accepted_draft_tokens
+        result.rejected_draft_tokens = self.rejected_draft_tokens
         now = time.monotonic()
         first_prefill = self.time_first_prefill or now
         first_token = self.time_first_token or now

@@ -83,6 +83,8 @@ class StreamingResult(Result):
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     cached_pages: int | None = None
+    accepted_draft_tokens: int | None = None  # speculative decoding: drafted tokens accepted (0 without drafts)
+    rejected_draft_tokens: int | None = None
     time_enqueued: float | None = None
     time_prefill: float | None = None
     time_generate: float | None = None

@@ -6,6 +6,7 @@ copies, prompt chunks, decode rows and verify rows), samples, and makes the step
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -17,12 +18,15 @@ from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
 from folio.sampling import RowParams, sample
 from folio.sampling.device_history import DeviceHistories
+from folio.sampling.distribution import probabilities
 from folio.sampling.host import to_device
 from folio.sampling.penalties import window_size
 from folio.sampling.rng import uniforms
-from folio.sampling.sampler import SampleOutput
+from folio.sampling.sampler import SampleOutput, _plain_greedy_width
 from folio.scheduler import Chunk, StepPlan
 from folio.sequence import Sequence
+from folio.speculative.acceptance import Verdicts, greedy_verdicts, num_accepted, verdicts
+from folio.speculative.streams import accept_counter, residual_counter
 
 
 @dataclass
@@ -76,19 +80,46 @@ class SampledStep:
         return SampledTokens(ids, probs, top_ids, top_probs, logits)
 
 
+class VerifiedStep:
+    """The verdicts of a step's verify rows, on the device until `read`."""
+
+    def __init__(self, chunks: Seq[Chunk], verdicts: Verdicts):
+        self.chunks = chunks
+        self._host = [SampledStep._fetch(verdicts.accepted), SampledStep._fetch(verdicts.emitted_ids)]
+        self._event = None
+        if verdicts.accepted.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> list[list[int]]:
+        """Per verify row, the tokens it yields: its accepted drafts, then the token drawn where it stopped (a
+        host sync: these decide what each job does next)."""
+        if self._event is not None:
+            self._event.synchronize()
+        accepted, emitted = (t.tolist() for t in self._host)
+        num_drafts = [len(c.drafts) for c in self.chunks]
+        tokens, offset = [], 0
+        for chunk, n in zip(self.chunks, num_accepted(accepted, num_drafts)):
+            tokens.append(list(chunk.drafts[:n]) + [emitted[offset + n]])
+            offset += len(chunk.drafts) + 1
+        return tokens
+
+
 class ModelRunner:
     def __init__(self, model: Model, cache: Cache, max_batch_size: int, max_seq_len: int, vocab_size: int,
-                 max_q_size: int = 8, cuda_graphs: bool | None = None):
+                 max_q_size: int = 8, cuda_graphs: bool | None = None, max_graph_rows: int | None = None):
         """max_q_size: the most tokens of one sequence in a decode forward (a verify row's length).
-        cuda_graphs: capture decode steps (rows of one or several tokens, up to max_batch_size token rows in all)
-        in CUDA graphs; None: whenever the model is on a CUDA device."""
+        cuda_graphs: capture decode steps (rows of one or several tokens, up to max_graph_rows token rows in all,
+        default max_batch_size) in CUDA graphs; None: whenever the model is on a CUDA device."""
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
         self.vocab_size = vocab_size  # real vocabulary entries: logits beyond are masked
         self.max_q_size = max_q_size
-        self.graphs = self._capture_graphs(cuda_graphs, max_batch_size, max_seq_len)
+        self.graphs = self._capture_graphs(cuda_graphs, max_graph_rows or max_batch_size, max_seq_len)
         self._histories = DeviceHistories(model.device)  # prompt + sampled ids of sequences with penalties
+        # called with (plan, num_fed) before each forward: a draft model follows the target's cache with it
+        self.on_forward: Callable[[StepPlan, int], None] | None = None
 
     def _capture_graphs(self, cuda_graphs: bool | None, max_rows: int, max_seq_len: int) -> DecodeGraphs | None:
         on_cuda = self.model.device.type == "cuda"
@@ -115,11 +146,13 @@ class ModelRunner:
         len(fed_ids) chunks, decode rows planned ahead whose tokens are not in their sequences yet. Returns the
         logits (rows in chunk order, `Chunk.num_logits` each; None without chunks) and whether a captured graph
         ran."""
+        num_fed = 0 if fed_ids is None else fed_ids.shape[0]
+        if self.on_forward is not None:
+            self.on_forward(plan, num_fed)
         for copy in plan.copies:
             self.cache.copy_page_slots(copy.src_page, copy.dst_page, copy.num_slots)
         if not plan.chunks:
             return None, False
-        num_fed = 0 if fed_ids is None else fed_ids.shape[0]
         rows = plan.chunks
         for c in rows:
             if c.verify and c.num_tokens > self.max_q_size:
@@ -131,7 +164,7 @@ class ModelRunner:
                                            for m, c in zip(modes, rows)):
             if self.graphs.bucket_for(sum(c.num_tokens for c in rows)) is not None:
                 return self._replay(rows, fed_ids, num_fed), True
-        chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.seq.token_ids[c.start:c.end], start_pos=c.start,
+        chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.token_ids, start_pos=c.start,
                            block_table=c.seq.block_table, logits=mode)
                   for k, (c, mode) in enumerate(zip(rows, modes))]
         batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
@@ -148,8 +181,8 @@ class ModelRunner:
         known, positions, tables = [], [], []
         for k, c in enumerate(rows):
             if k >= num_fed:
-                known.extend(c.seq.token_ids[c.start:c.end])
-            positions.extend(range(c.start, c.end))
+                known.extend(c.token_ids)
+            positions.extend(range(c.start, c.stop))
             tables.extend([c.seq.block_table] * c.num_tokens)
         if num_fed == 0:
             ids = known
@@ -167,7 +200,7 @@ class ModelRunner:
         seqs = [c.seq for c in chunks]
         jobs = [s.job for s in seqs]
         draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
-        rows = [self._row_params(s, u) for s, u in zip(seqs, draws)]
+        rows = [self._row_params(s, u, s.num_sampled) for s, u in zip(seqs, draws)]
         # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
         # overwrites only after this step's sampler in stream order) are read by nothing else
         output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True,
@@ -176,19 +209,23 @@ class ModelRunner:
         return SampledStep(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
                            [i for i, j in enumerate(jobs) if j.return_logits])
 
-    def _row_params(self, seq: Sequence, u: float) -> RowParams:
+    def _row_params(self, seq: Sequence, u: float, token_idx: int) -> RowParams:
+        """The sampler row of seq's token_idx-th generated token."""
         job = seq.job
         return RowParams.unchecked(
             settings=job.gen_settings, u=u,
             history_ids=(),  # the penalties read the device histories (see _penalty_windows)
-            blocked_ids=tuple(job.stop_tokens) if seq.num_sampled < job.min_new_tokens else (),
+            blocked_ids=tuple(job.stop_tokens) if token_idx < job.min_new_tokens else (),
             vocab_size=self.vocab_size, return_top_tokens=job.return_top_tokens, return_logits=job.return_logits)
 
-    def _penalty_windows(self, seqs: list[Sequence], num_columns: int) -> torch.Tensor | None:
-        """The rows' penalty ids gathered on the device, or None when no row has penalties."""
+    def _penalty_windows(self, seqs: list[Sequence], num_columns: int,
+                         lengths: list[int] | None = None) -> torch.Tensor | None:
+        """The rows' penalty ids gathered on the device (row i reads the first lengths[i] ids of its history,
+        default all that were sampled), or None when no row has penalties."""
         history = self._histories
         keys = [s if s in history else None for s in seqs]
-        lengths = [s.prompt_len + s.num_sampled for s in seqs]
+        if lengths is None:
+            lengths = [s.prompt_len + s.num_sampled for s in seqs]
         sizes = [0 if k is None else window_size(s.job.gen_settings, n) for k, s, n in zip(keys, seqs, lengths)]
         if not any(sizes):
             return None
@@ -204,3 +241,63 @@ class ModelRunner:
             token_ids = token_ids[to_device(rows, torch.int64, token_ids.device)]
         self._histories.append([seqs[i] for i in rows], [seqs[i].prompt_len + seqs[i].num_sampled for i in rows],
                                token_ids)
+
+    # --- verification (speculative decoding) ---
+
+    def verify(self, chunks: Seq[Chunk], logits: torch.Tensor,
+               draft_probs: Seq[torch.Tensor | None] | None = None) -> VerifiedStep:
+        """Rejection-sample the drafts of verify rows `chunks` (logits: every position of each, concatenated).
+        draft_probs[i]: the drafter's distributions at chunk i's drafted positions ([k_i, V]), None for point
+        masses. The drafts are appended to the penalty histories (tokens after an accepted prefix are overwritten
+        when the sequence gets there)."""
+        seqs = [c.seq for c in chunks]
+        rows, draft_ids, u_accept, u_residual, keys, lengths = [], [], [], [], [], []
+        for chunk, seq in zip(chunks, seqs):
+            length = len(seq.token_ids)
+            for j in range(len(chunk.drafts) + 1):
+                token_idx = seq.num_sampled + j
+                rows.append(self._row_params(seq, 0.0, token_idx))
+                draft_ids.append(chunk.drafts[j] if j < len(chunk.drafts) else -1)
+                u_accept.append(accept_counter(token_idx))
+                u_residual.append(residual_counter(token_idx))
+                keys.append(seq)
+                lengths.append(length + j)
+            if seq in self._histories and chunk.drafts:
+                self._histories.append([seq] * len(chunk.drafts), range(length, length + len(chunk.drafts)),
+                                       to_device(list(chunk.drafts), torch.int64, logits.device))
+        device = logits.device
+        drafted = to_device(draft_ids, torch.int64, device)
+        if _plain_greedy_width(rows, logits.shape[1]) is not None and not any(p is not None for p in draft_probs or ()):
+            return VerifiedStep(chunks, greedy_verdicts(logits, drafted, self.vocab_size))
+        seeds = [k.job.seed for k in keys]
+        draws = to_device(uniforms(seeds, u_accept) + uniforms(seeds, u_residual), torch.float64, device)
+        probs = probabilities(logits.float(), rows, self._penalty_windows(keys, logits.shape[1], lengths))
+        q = self._draft_distributions(chunks, draft_probs, drafted, probs.shape[1]) if draft_probs else None
+        return VerifiedStep(chunks, verdicts(probs, drafted, q, draws[:len(rows)], draws[len(rows):]))
+
+    @staticmethod
+    def _draft_distributions(chunks: Seq[Chunk], draft_probs: Seq[torch.Tensor | None], drafted: torch.Tensor,
+                             num_columns: int) -> torch.Tensor | None:
+        """[P, V] drafter distributions: point masses where none was given, zeros past each row's drafts."""
+        if all(p is None for p in draft_probs):
+            return None
+        parts = []
+        for chunk, given in zip(chunks, draft_probs):
+            k = len(chunk.drafts)
+            block = torch.zeros(k + 1, num_columns, dtype=torch.float32, device=drafted.device)
+            if given is not None:
+                block[:k, : given.shape[1]] = given[:k]
+            parts.append(block)
+        q = torch.cat(parts)
+        point = torch.tensor([p is None for c, p in zip(chunks, draft_probs) for _ in range(len(c.drafts) + 1)],
+                             device=drafted.device)
+        point &= drafted >= 0
+        one_hot = torch.zeros_like(q).scatter_(1, drafted.clamp(min=0)[:, None], 1.0)
+        return torch.where(point[:, None], one_hot, q)
+
+    def record_tokens(self, seq: Sequence, position: int, token_ids: Seq[int]) -> None:
+        """Write ids the host chose at position.. of seq's penalty history (after a verify step)."""
+        if seq in self._histories and token_ids:
+            device = self.model.device
+            self._histories.append([seq] * len(token_ids), range(position, position + len(token_ids)),
+                                   to_device(list(token_ids), torch.int64, device))

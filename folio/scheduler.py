@@ -29,17 +29,30 @@ class CacheTooSmall(RuntimeError):
 
 @dataclass
 class Chunk:
-    """Tokens `token_ids[start:end]` of `seq` are fed this step. Logits are wanted for the last one when `end`
-    reaches the end of the sequence (a token is then sampled), or for every one of a verify row."""
+    """Tokens `token_ids[start:end]` of `seq` are fed this step, followed by `drafts` (speculative tokens, not in
+    the sequence: positions end .. stop - 1). Logits are wanted for the last one when `end` reaches the end of the
+    sequence (a token is then sampled), or for every one of a verify row."""
 
     seq: Sequence
     start: int
     end: int
     verify: bool = False  # a row of drafted tokens: logits for each of its tokens
+    drafts: tuple[int, ...] = ()  # (a verify row's; accepted ones join the sequence after sampling)
+
+    @property
+    def stop(self) -> int:
+        """One past the last position fed (drafts included)."""
+        return self.end + len(self.drafts)
 
     @property
     def num_tokens(self) -> int:
-        return self.end - self.start
+        return self.stop - self.start
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids fed, drafts included."""
+        ids = self.seq.token_ids[self.start:self.end]
+        return ids + list(self.drafts) if self.drafts else ids
 
     @property
     def wants_logits(self) -> bool:
@@ -112,10 +125,12 @@ class Scheduler:
 
     # --- the step ---
 
-    def plan(self) -> StepPlan:
-        return self._plan(set())
+    def plan(self, drafts: dict[Sequence, tuple[int, ...]] | None = None) -> StepPlan:
+        """drafts: speculative tokens of decoding sequences; each such sequence feeds a verify row of its unfed
+        token and its drafts, or a plain decode row when the pool has no pages for the drafts."""
+        return self._plan(set(), drafts or {})
 
-    def _plan(self, sampling: set[Sequence]) -> StepPlan:
+    def _plan(self, sampling: set[Sequence], drafts: dict[Sequence, tuple[int, ...]]) -> StepPlan:
         """`sampling`: sequences whose next token is being sampled now (plan_ahead): each feeds it, at position
         len(token_ids)."""
         plan = StepPlan(copies=self.cache.take_copies())
@@ -140,6 +155,11 @@ class Scheduler:
                 chunk = self._next_chunk(seq, budget)
                 if chunk is None:
                     continue
+                if seq in drafts and chunk.end == len(seq.token_ids) and chunk.num_tokens == 1:
+                    # drafts never preempt anyone: without pages for them the row just decodes
+                    verify = Chunk(seq, chunk.start, chunk.end, verify=True, drafts=drafts[seq])
+                    if self.cache.allocate(seq, verify.stop):
+                        chunk = verify
             if not self._ensure_pages(seq, chunk.end, plan):
                 continue
             if chunk.is_prompt and seq not in sampling:
@@ -152,6 +172,12 @@ class Scheduler:
         for chunk in plan.chunks:
             if chunk.seq.status is SeqStatus.RUNNING:
                 self.cache.commit(chunk.seq, chunk.end)
+
+    def commit_drafts(self, seq: Sequence, end: int) -> None:
+        """A verify row's accepted drafts joined the sequence: their K/V, written by its forward, are cached up
+        to `end`; pages taken for rejected drafts go back."""
+        self.cache.commit(seq, end)
+        self.cache.trim(seq)
 
     def plan_ahead(self, seqs: list[Sequence]) -> StepPlan | None:
         """The step after the current one, planned before the tokens now being sampled are known. Each of `seqs`
@@ -181,7 +207,7 @@ class Scheduler:
         if crossing + self._prompt_pages_bound(others, admissible) > self.cache.num_allocatable:
             return None
         sampling = set(seqs)
-        plan = self._plan(sampling)
+        plan = self._plan(sampling, {})
         if plan.preempted:
             raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
         by_seq = {c.seq: c for c in plan.chunks if c.seq in sampling}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Host phases of a step, in the order they run.
-PHASES = ("plan", "forward", "sample", "launch_ahead", "wait_tokens", "emit")
+PHASES = ("plan", "draft", "forward", "sample", "launch_ahead", "wait_tokens", "emit")
 
 
 @dataclass
@@ -22,7 +22,9 @@ class StepStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (not counting those reused from the cache)
     num_decode_rows: int = 0  # rows feeding one sampled token
     num_verify_rows: int = 0  # rows feeding drafted tokens, every one with logits
-    num_sampled: int = 0  # tokens sampled
+    num_sampled: int = 0  # tokens sampled (a verify row's accepted drafts included)
+    num_drafted: int = 0  # tokens drafted into verify rows
+    num_accepted_drafts: int = 0
     num_started: int = 0  # jobs admitted for the first time
     num_finished: int = 0  # jobs that ended (any reason, errors included)
     num_failed: int = 0

@@ -248,6 +248,17 @@ class KVCacheManager:
 
     # --- giving pages back ---
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the pages past the sequence's tokens (taken for drafted tokens that were rejected). They were
+        never committed, so nothing of them is registered or shared."""
+        keep = -(-len(seq.token_ids) // self.page_size)
+        if len(seq.block_table) > keep:
+            if seq.num_cached_tokens > keep * self.page_size:
+                raise AssertionError(f"trim below the cached length of {seq!r}")
+            self._pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            seq.claimed_page_idx = {i for i in seq.claimed_page_idx if i < keep}
+
     def free(self, seq: Sequence) -> None:
         """Release every page of the sequence; a partly filled last page stays findable for partial reuse (the
         next chat turn, say)."""

@@ -314,27 +314,8 @@ def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...
     """Truncate, renormalise and draw. Returns token_ids, token_probs, candidate ids and final probabilities, the
     last two [B, C] sorted by probability."""
     device = x.device
-    num_columns = x.shape[1]
-    p = _pick_params(rows, num_columns, device)
-    if p.max_top_k is None:
-        sorted_logits, candidate_ids = x.sort(dim=1, descending=True, stable=True)
-    else:
-        # Every row's candidates lie within the widest top-k: a partial top-k instead of a full sort.
-        width = min(num_columns, max(p.max_top_k, max(row.return_top_tokens for row in rows)))
-        sorted_logits, candidate_ids = x.topk(width, dim=1, sorted=True)
-
-    # A row whose logits are all -inf has nothing to pick; compute on zeros to keep NaNs out, report -1 below.
-    pickable = sorted_logits[:, 0] > -math.inf
-    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / p.temperature
-    rank = torch.arange(sorted_logits.shape[1], device=device)[None, :]
-    probs = torch.softmax(scaled.masked_fill(rank >= p.top_k, -math.inf), dim=1)
-
-    # top-p: keep a token while the mass of the tokens before it has not reached p (the smallest set reaching p).
-    mass_before = probs.cumsum(dim=1) - probs
-    keep = (mass_before < p.top_p - _TOP_P_SLACK) | (rank == 0)
-    keep &= probs >= p.min_p * probs[:, 0:1]
-    probs = probs * keep
-    probs = probs / probs.sum(dim=1, keepdim=True)
+    p = _pick_params(rows, x.shape[1], device)
+    probs, candidate_ids, pickable = truncated_probs(x, rows, p)
 
     # Inverse CDF. Kept candidates form a prefix (each truncation keeps a prefix of the sorted order), so clamping
     # to the last non-zero entry guards against u * total rounding up to the very end.
@@ -360,3 +341,34 @@ def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...
     token_probs = torch.where(pickable, token_probs, 0.0)
     probs = torch.where(pickable[:, None], probs, 0.0)
     return token_ids, token_probs, candidate_ids, probs
+
+
+def truncated_probs(x: torch.Tensor, rows: Sequence[RowParams], p: _PickParams | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p and min-p over logits `x` [B, V] that already carry penalties, bias and masks:
+    the final probabilities [B, C] sorted descending (renormalised; a greedy row's is its top-1 at temperature 1,
+    which the caller replaces by the argmax), their token ids [B, C], and which rows have anything to pick."""
+    device = x.device
+    num_columns = x.shape[1]
+    if p is None:
+        p = _pick_params(rows, num_columns, device)
+    if p.max_top_k is None:
+        sorted_logits, candidate_ids = x.sort(dim=1, descending=True, stable=True)
+    else:
+        # Every row's candidates lie within the widest top-k: a partial top-k instead of a full sort.
+        width = min(num_columns, max(p.max_top_k, max(row.return_top_tokens for row in rows)))
+        sorted_logits, candidate_ids = x.topk(width, dim=1, sorted=True)
+
+    # A row whose logits are all -inf has nothing to pick; compute on zeros to keep NaNs out, report -1 below.
+    pickable = sorted_logits[:, 0] > -math.inf
+    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / p.temperature
+    rank = torch.arange(sorted_logits.shape[1], device=device)[None, :]
+    probs = torch.softmax(scaled.masked_fill(rank >= p.top_k, -math.inf), dim=1)
+
+    # top-p: keep a token while the mass of the tokens before it has not reached p (the smallest set reaching p).
+    mass_before = probs.cumsum(dim=1) - probs
+    keep = (mass_before < p.top_p - _TOP_P_SLACK) | (rank == 0)
+    keep &= probs >= p.min_p * probs[:, 0:1]
+    probs = probs * keep
+    probs = probs / probs.sum(dim=1, keepdim=True)
+    return probs, candidate_ids, pickable
