@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -116,6 +117,12 @@ class SamplerSettings:
         """Always the most probable token: temperature 0, top_k 1, no truncation, no penalties."""
         base = cls(temperature=0.0, top_k=1, top_p=0.0, min_p=0.0, token_repetition_penalty=1.0)
         return dataclasses.replace(base, **overrides) if overrides else base
+
+    @functools.cached_property
+    def truncation_only(self) -> SamplerSettings:
+        """These settings without penalties or bias: temperature and truncation alone (a draft model's)."""
+        return dataclasses.replace(self, token_repetition_penalty=1.0, token_frequency_penalty=0.0,
+                                   token_presence_penalty=0.0, token_bias=())
 
     @property
     def is_greedy(self) -> bool:

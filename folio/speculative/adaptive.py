@@ -78,7 +78,7 @@ class DraftLengths:
         room = max(0, budget - len(seqs))
         # the j-th draft of a sequence is worth rate^j extra tokens: keep the `room` most valuable
         values = sorted(((self.rate(seq) ** j, i) for i, (seq, k) in enumerate(zip(seqs, wanted))
-                         for j in range(1, k + 1)), reverse=True)
+                         for j in range(1, k + 1)), key=lambda entry: (-entry[0], entry[1]))
         kept = [0] * len(seqs)
         for _, i in values[:room]:
             kept[i] += 1

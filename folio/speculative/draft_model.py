@@ -9,8 +9,9 @@ position whose draft K/V may be missing or stale, and always feeds at least the 
 that forward has the same shape in the common case (a captured graph serves it).
 
 A draft pass for rows with k_i drafts: one forward of each row's catch-up tokens, then k_max - 1 forwards of one
-token per still-drafting row. Greedy jobs draft the argmax; sampled jobs draw from q = softmax(logits / temperature),
-which the acceptance test then divides by (a better match to the target than a point mass, so more is accepted).
+token per still-drafting row. Greedy jobs draft the argmax; sampled jobs draw from q, the draft's distribution under
+the job's temperature and truncation, which the acceptance test then divides by (a better match to the target than a
+point mass, so more is accepted).
 The rows' positions are the target's: the scheduler has already allocated the verify rows' pages.
 """
 
@@ -25,9 +26,10 @@ from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
-from folio.sampling.distribution import draw
+from folio.sampling.distribution import draw, probabilities
 from folio.sampling.host import to_device
 from folio.sampling.rng import uniforms
+from folio.sampling.sampler import RowParams
 from folio.scheduler import Chunk, StepPlan
 from folio.sequence import Sequence
 from folio.speculative.streams import draft_counter
@@ -141,20 +143,16 @@ class DraftModelRunner:
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy rows: the argmax; sampled rows: a draw from softmax(logits / temperature), also returned."""
+        """Greedy rows: the argmax; sampled rows: a draw from q, the draft's distribution under the job's
+        temperature and truncation (top-k, top-p, min-p: the closer q is to the target's p, the more is
+        accepted), which is also returned (penalties and bias are left to the target)."""
         logits = logits[:, :self.vocab_size].float()
-        greedy_ids = logits.argmax(dim=1)
-        sampled = [not s.job.gen_settings.is_greedy for s in seqs]
-        if not any(sampled):
-            return greedy_ids, None
-        device = logits.device
-        temperatures = to_device([s.job.gen_settings.temperature if f else 1.0 for s, f in zip(seqs, sampled)],
-                                 torch.float32, device)
-        q = torch.softmax(logits / temperatures[:, None], dim=1)
+        if all(s.job.gen_settings.is_greedy for s in seqs):
+            return logits.argmax(dim=1), None
+        rows = [RowParams.unchecked(settings=s.job.gen_settings.truncation_only, u=0.0, history_ids=(),
+                                    blocked_ids=(), vocab_size=None, return_top_tokens=0, return_logits=False)
+                for s in seqs]
+        q = probabilities(logits, rows)
         u = uniforms([s.job.seed for s in seqs],
                      [draft_counter(s.num_sampled + j) for s, j in zip(seqs, offsets)])
-        drawn = draw(q, to_device(u, torch.float64, device))
-        if all(sampled):
-            return drawn, q
-        is_sampled = to_device([int(f) for f in sampled], torch.int64, device).bool()
-        return torch.where(is_sampled, drawn, greedy_ids), q
+        return draw(q, to_device(u, torch.float64, logits.device)), q

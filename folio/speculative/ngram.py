@@ -60,7 +60,7 @@ class NgramDraft:
     `extend` receives the whole current history each time and indexes only what was appended since its last call.
     A history shorter than what was indexed is a rollback and rebuilds the index from it. The history must otherwise
     extend the one indexed: a rollback and a regrowth to the same or a greater length between two calls is not
-    detected (the caller passes the job's accepted tokens, which only grow except on a rollback).
+    detected, so a caller that can do both calls `extend` in between or starts a fresh instance.
 
     `max_ngram=1` keeps no statistics (a context is at least one token), leaving prompt lookup alone.
     """
