@@ -4,11 +4,16 @@ drafting, at batch 1 and 32, against speculation off, in one process on one card
     python bench/speculative.py [--batches 1,32] [--new-tokens 256] [--prompt-len 128]
     python bench/speculative.py --device cpu --tiny      (a smoke test of the script itself, no GPU)
 
-Random bf16 weights (bench/engine.py's build_pair): a 1B draft of random weights agrees with the target almost
-never, so two honest high-acceptance runs sit beside it: the target drafting for itself (acceptance 1, k = 4, the
-pure overhead of drafting and verifying), and n-gram drafting on a repetitive workload (greedy decoding of random
-weights falls into cycles; the prompt is a random span repeated four times). Every run is greedy with forced output
-lengths, so all runs of a batch size generate the same number of tokens.
+Random bf16 weights (bench/engine.py's build_pair; --residual-scale scales the attention and MLP output projections
+of both models, 1 by default: it changes no shape and no cost). A 1B draft of random weights agrees with the target
+almost never, so two honest high-acceptance runs sit beside it: the target drafting for itself (acceptance 1, k = 4,
+the pure overhead of drafting and verifying), and n-gram drafting on a repetitive workload: --repeat-new-tokens
+of greedy output from prompts of a random span repeated four times, by the target with its attention and MLP output
+projections scaled by --repeat-residual-scale (0 by default). At transformers' initial scale the random 8B model's
+greedy output does not repeat a single token in 1,024 (n-gram drafting finds nothing); with the residual branches
+off it is a bigram model (each token a fixed function of the one before), whose greedy output falls into a cycle,
+at exactly the same cost per step (same shapes, same bytes read). Every run is greedy with forced output lengths, so
+the runs compared generate the same number of tokens.
 
 Per run, over the decode phase (after every job's first token):
   acceptance: accepted / drafted tokens;
@@ -135,7 +140,8 @@ def make_generator(target, batch: int, new_tokens: int, prompt_len: int, **spec)
     tokens = batch * -(-(prompt_len * 4 + new_tokens + 16) // page) * page + 4 * page
     cache = Cache(target.model, num_tokens=tokens, page_size=page)
     gen = DynamicGenerator(target.model, cache, target.tokenizer, max_batch_size=batch,
-                           max_seq_len=prompt_len * 4 + new_tokens + 16, max_chunk_size=batch * prompt_len, **spec)
+                           max_seq_len=prompt_len * 4 + new_tokens + 16,
+                           max_chunk_size=-(-batch * prompt_len // page) * page, **spec)
     gen.warmup()  # kernels loaded, graphs warm: the timed run measures steady work
     return gen
 
@@ -216,12 +222,18 @@ def bench_batch(batch: int, target, draft, args, rows: list) -> None:
         ("off (repetitive)", repetitive, {}),
         ("n-gram (repetitive)", repetitive, dict(use_ngram_draft=True)),
     ]
+    new_tokens = {"off (repetitive)": args.repeat_new_tokens, "n-gram (repetitive)": args.repeat_new_tokens}
     runs: dict[str, Run] = {}
     target_costs = draft_costs = None
+    saved = None
     for name, prompt_set, spec in configs:
+        if "repetitive" in name and saved is None and args.repeat_residual_scale != 1.0:
+            saved = [(layer.o_proj.clone(), layer.down.clone()) for layer in target.model.weights.layers]
+            scale_residual_branches(target.model, args.repeat_residual_scale)
         log(f"batch {batch}: {name}")
-        gen = make_generator(target, batch, args.new_tokens, args.prompt_len, **spec)
-        r = run(name, gen, prompt_set, args.new_tokens)
+        length = new_tokens.get(name, args.new_tokens)
+        gen = make_generator(target, batch, length, args.prompt_len, **spec)
+        r = run(name, gen, prompt_set, length)
         runs[name] = r
         if cuda:
             # costs from the largest graph sets (the self-draft generator's: target rows up to 5 per sequence)
@@ -231,6 +243,13 @@ def bench_batch(batch: int, target, draft, args, rows: list) -> None:
                 draft_costs = GraphCosts(gen.speculator.draft_runner.graphs, "draft")
         log(f"  {r.tok_s:,.0f} tok/s, {len(r.steps)} decode steps, drafted {r.drafted}, accepted {r.accepted}")
         release(gen)
+    if saved is not None:
+        with torch.no_grad():
+            for layer, (o_proj, down) in zip(target.model.weights.layers, saved):
+                layer.o_proj.copy_(o_proj)
+                layer.down.copy_(down)
+        saved = None
+        release()
     self_costs = None
     if cuda:
         # the self-draft run's drafting forwards are the target's own graphs
@@ -251,6 +270,13 @@ def bench_batch(batch: int, target, draft, args, rows: list) -> None:
         rows.append(dict(batch=batch, run="verify k=4 / plain step (graphs)", ratio=verify / plain,
                          plain_ms=plain, verify_ms=verify,
                          draft_step_ms=draft_costs.ms(batch) if draft_costs else None))
+
+
+def scale_residual_branches(model, scale: float) -> None:
+    with torch.no_grad():
+        for layer in model.weights.layers:
+            layer.o_proj.mul_(scale)
+            layer.down.mul_(scale)
 
 
 def fmt(value, spec: str) -> str:
@@ -277,8 +303,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--repeat-new-tokens", type=int, default=1024, help="output length of the repetitive runs")
+    parser.add_argument("--repeat-residual-scale", type=float, default=0.0, help="the repetitive runs' scale of "
+                        "the target's attention and MLP output projections")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
+    parser.add_argument("--residual-scale", type=float, default=1.0, help="scale of the attention and MLP output "
+                        "projections of both random models (1: transformers' initialisation)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.tiny:
@@ -287,6 +318,9 @@ def main() -> None:
     draft = bench_engine.build_pair("tiny-draft" if args.tiny else "1B", device)
     draft.hf = None  # transformers' copy of the draft is not needed
     rows: list = []
+    if args.residual_scale != 1.0:
+        for pair in (target, draft):
+            scale_residual_branches(pair.model, args.residual_scale)
     for batch in (int(b) for b in args.batches.split(",")):
         bench_batch(batch, target, draft, args, rows)
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

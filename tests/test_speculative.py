@@ -325,14 +325,27 @@ def test_draft_lengths_follow_the_acceptance_rate():
     lengths = DraftLengths(max_draft_tokens=6, draft_token_cost=0.15)
     ks = [lengths.best_length(a / 10) for a in range(11)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 6
-    # free drafts: draft whenever anything is accepted
-    assert DraftLengths(4, 0.0).best_length(0.05) == 4
-    # a sequence that accepts nothing stops drafting, and probes once every probe_interval steps
+    # free drafts: all of them once they beat the cost of a step that is not launched ahead
+    free = DraftLengths(4, 0.0)
+    assert free.best_length(0.5) == 4 and free.best_length(0.05) == 0
+    # a sequence that accepts nothing stops drafting and probes once every probe_interval steps; each failed probe
+    # doubles its interval
     seq = object()
     for _ in range(10):
         lengths.record(seq, 3, 0)
-    assert lengths.lengths([seq], [6], step_idx=1) == [0]
-    assert lengths.lengths([seq], [6], step_idx=lengths.probe_interval) == [1]
+    from folio.speculative.adaptive import MAX_PROBE_INTERVAL
+
+    base = lengths.probe_interval
+    interval = lengths._rates[seq].probe_interval  # failures while off count as failed probes
+    assert base < interval <= MAX_PROBE_INTERVAL and interval % base == 0
+    interval = lengths._rates[seq].probe_interval = 2 * base
+    assert lengths.lengths([seq], [6], step_idx=base) == [0]
+    assert lengths.lengths([seq], [6], step_idx=interval) == [1]
+    assert not lengths.any_drafting([seq], base) and lengths.any_drafting([seq], interval)
+    lengths.record(seq, 1, 0)
+    assert lengths._rates[seq].probe_interval == 2 * interval
+    lengths.record(seq, 1, 1)  # an accepted probe: back to the base interval
+    assert lengths._probe_due(seq, base)
 
 
 def test_step_budget_keeps_the_most_valuable_drafts():

@@ -22,6 +22,7 @@ from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch
 from folio.model.model import Model
 
+STAGING_SETS = 4  # enough that a draft pass of a few forwards rarely waits for the device to catch up
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -50,10 +51,11 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_idx = torch.arange(n, dtype=torch.int64, device=device)
-        # Host staging, pinned so the copies are queued on the stream instead of blocking. Two sets, used in
-        # turn: a step launched ahead (before the previous one's tokens were read back) fills one set while the
-        # previous step's copies from the other may still be queued on the device.
-        self._staging = [_HostStaging(n, self.max_blocks) for _ in range(2)]
+        # Host staging, pinned so the copies are queued on the stream instead of blocking. A ring of sets used in
+        # turn: the host may fill the next run's inputs while earlier runs' copies are still queued on the device
+        # (a step launched ahead; a draft model's forwards, several per step). A set is refilled only once the
+        # copies out of it have run (its event), or the host would overwrite inputs the device has not read yet.
+        self._staging = [_HostStaging(n, self.max_blocks) for _ in range(STAGING_SETS)]
         self._next_staging = 0
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -100,7 +102,8 @@ class DecodeGraphs:
         if b is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch ({self.buckets[-1]})")
         staging = self._staging[self._next_staging]
-        self._next_staging = 1 - self._next_staging
+        self._next_staging = (self._next_staging + 1) % len(self._staging)
+        staging.wait_until_read()
         size = self.page_size
         ids, lens, tables = staging.np_ids, staging.np_lens, staging.np_tables
         on_device = isinstance(token_ids, torch.Tensor)
@@ -132,6 +135,7 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(staging.ids[2, :b], non_blocking=True)
         self.context_lens[:b].copy_(staging.lens[:b], non_blocking=True)
         self.block_tables[:b].copy_(staging.tables[:b], non_blocking=True)
+        staging.mark_queued()
         self._graphs[b].replay()
         return self._logits[b][:num_seqs]
 
@@ -146,3 +150,14 @@ class _HostStaging:
         self.np_ids = self.ids.numpy()
         self.np_lens = self.lens.numpy()
         self.np_tables = self.tables.numpy()
+        self._read = None  # recorded after the copies out of these buffers
+
+    def wait_until_read(self) -> None:
+        """Block until the device has copied the inputs last staged here (at once when it has)."""
+        if self._read is not None and not self._read.query():
+            self._read.synchronize()
+
+    def mark_queued(self) -> None:
+        if self._read is None:
+            self._read = torch.cuda.Event()
+        self._read.record()

@@ -2,11 +2,15 @@
 
 Per sequence, the acceptance rate a (the chance that a drafted token is accepted, given that the one before was) is
 tracked as a decaying average of accepted drafts over tested drafts. A step that verifies k drafts yields on average
-E(k) = 1 + a + a^2 + ... + a^k tokens and costs 1 + k * c plain steps, where c is a draft token's cost (the
-drafter's forward, relative to the target's, plus the verify row's extra token); the sequence drafts the k that
-maximises E(k) / (1 + k c), which is 0 (no speculation) when a is low. A sequence at 0 probes with one draft every
-`probe_interval` steps so that it notices when its text turns predictable; every such sequence probes in the same
-step, so the other steps stay plain decode steps (which the launch-ahead pipeline overlaps).
+E(k) = 1 + a + a^2 + ... + a^k tokens and costs 1 + o + k * c plain steps, where c is a draft token's cost (the
+drafter's forward, relative to the target's, plus the verify row's extra token) and o what a step loses by not being
+launched ahead (the next step's drafts wait for this step's tokens); the sequence drafts the k that maximises
+E(k) / (1 + o + k c), which is 0 (no speculation) when a is low. A sequence at 0 probes with one draft every
+`probe_interval` steps so that it notices when its text turns predictable; a probe that fails doubles its interval
+(up to MAX_PROBE_INTERVAL), so that a job that never accepts costs almost nothing. Intervals are powers of two times
+the base and probes fall on multiples of them, so the probes of many sequences share steps and the other steps stay
+plain decode steps, which the launch-ahead pipeline overlaps. An n-gram drafter that finds nothing to propose counts
+as a failed draft.
 
 At large batches a step is bound by compute rather than by reading the weights, and a drafted token costs about what
 a sequence's own token does: the drafts of a step are capped so that decode rows plus drafts stay within
@@ -21,12 +25,17 @@ from folio.sequence import Sequence
 
 DECAY = 0.7  # weight of the past in the running counts (about the last three steps count)
 INITIAL_RATE = 0.6  # what a sequence is assumed to accept before its first verify step
+# What a step that is not launched ahead loses, relative to a plain step: the host's share of a one-token step (plan,
+# input buffers, the sync) on large models at small batches, where speculation pays.
+STEP_OVERHEAD = 0.1
+MAX_PROBE_INTERVAL = 256
 
 
 @dataclass
 class _Rate:
     accepted: float = INITIAL_RATE
     tested: float = 1.0
+    probe_interval: int = 0  # 0: the base interval
 
     @property
     def value(self) -> float:
@@ -51,7 +60,7 @@ class DraftLengths:
         best_k, best_gain, expected = 0, 1.0, 1.0
         for k in range(1, self.max_draft_tokens + 1):
             expected += rate ** k
-            gain = expected / (1.0 + k * self.draft_token_cost)
+            gain = expected / (1.0 + STEP_OVERHEAD + k * self.draft_token_cost)
             if gain > best_gain + 1e-9:
                 best_k, best_gain = k, gain
         return best_k
@@ -62,11 +71,10 @@ class DraftLengths:
         if not self.adaptive:
             wanted = [min(self.max_draft_tokens, m) for m in limits]
         else:
-            probing = step_idx % self.probe_interval == 0
             wanted = []
             for seq, limit in zip(seqs, limits):
                 k = self.best_length(self.rate(seq))
-                if k == 0 and probing:
+                if k == 0 and self._probe_due(seq, step_idx):
                     k = 1
                 wanted.append(min(k, limit))
         return self._within_budget(seqs, wanted)
@@ -84,6 +92,11 @@ class DraftLengths:
             kept[i] += 1
         return kept
 
+    def _probe_due(self, seq: Sequence, step_idx: int) -> bool:
+        rate = self._rates.get(seq)
+        interval = rate.probe_interval if rate is not None and rate.probe_interval else self.probe_interval
+        return step_idx % interval == 0
+
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """A verify step of `seq` accepted num_accepted of num_drafted drafts: each accepted draft passed a test,
         and the first rejected one (if any) failed one; drafts after it were never tested."""
@@ -91,8 +104,17 @@ class DraftLengths:
             return
         tested = num_accepted + (num_accepted < num_drafted)
         rate = self._rates.setdefault(seq, _Rate())
+        was_off = self.best_length(rate.value) == 0
         rate.accepted = DECAY * rate.accepted + num_accepted
         rate.tested = DECAY * rate.tested + tested
+        if num_accepted:
+            rate.probe_interval = 0
+        elif was_off:  # a failed probe
+            rate.probe_interval = min(MAX_PROBE_INTERVAL, 2 * (rate.probe_interval or self.probe_interval))
+
+    def record_miss(self, seq: Sequence) -> None:
+        """The drafter had nothing to propose: as costly as a rejected draft (the step is not launched ahead)."""
+        self.record(seq, 1, 0)
 
     def forget(self, seq: Sequence) -> None:
         self._rates.pop(seq, None)
@@ -101,6 +123,6 @@ class DraftLengths:
         """Whether some of `seqs` may draft in step next_step_idx (then it cannot be launched ahead)."""
         if not seqs:
             return False
-        if not self.adaptive or next_step_idx % self.probe_interval == 0:
+        if not self.adaptive:
             return True
-        return any(self.best_length(self.rate(seq)) > 0 for seq in seqs)
+        return any(self.best_length(self.rate(seq)) > 0 or self._probe_due(seq, next_step_idx) for seq in seqs)

@@ -57,6 +57,8 @@ class Speculator:
             proposal = tuple(index.propose(k))
             if proposal:
                 planned[seq] = proposal
+            else:
+                self.lengths.record_miss(seq)
         return planned
 
     def fill(self, plan: StepPlan) -> list:
