@@ -123,9 +123,10 @@ def _prepare_model(config) -> bool:
         if not is_demo_model_current(model_dir):
             print(f"writing the demo model to ./{model_dir}", file=sys.stderr)
         write_demo_model(model_dir)
-    if not (model_dir / "config.json").is_file():
-        print(f"folio serve: {model_dir} is not a model directory (no config.json)", file=sys.stderr)
-        return False
+    for name, path in (("model_path", config.model_path), ("draft_model_path", config.draft_model_path)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            print(f"folio serve: {name}: {path} is not a model directory (no config.json)", file=sys.stderr)
+            return False
     return True
 
 
@@ -171,8 +172,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 1
     if finish is not None:
         u, t = finish.usage, finish.timings
+        drafts = ""
+        if u.accepted_draft_tokens or u.rejected_draft_tokens:
+            drafts = f" ({u.accepted_draft_tokens} drafted tokens accepted, {u.rejected_draft_tokens} rejected)"
         print(f"[{finish.reason.value}; {u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), "
-              f"{u.completion_tokens} generated; first token {t.time_to_first_token_s * 1000:.0f} ms, "
+              f"{u.completion_tokens} generated{drafts}; first token {t.time_to_first_token_s * 1000:.0f} ms, "
               f"total {t.total_s:.2f} s]", file=sys.stderr)
     return 0
 

@@ -40,6 +40,12 @@ class ServeConfig:
     model_path: Hugging Face model directory (config.json, safetensors, tokenizer.json), readable on every node.
     device: "auto" (cuda when num_gpus > 0, else cpu), "cpu" or "cuda".
     dtype: float32 / float16 / bfloat16; None keeps the checkpoint's.
+    draft_model_path / ngram: the speculative decoding drafter, at most one: a draft model directory (a smaller model
+        with the target's vocabulary, loaded on each replica beside the target with the target's device and dtype,
+        readable on every node), or n-grams of each request's own tokens (ngram: true). Neither: no speculation.
+        The target verifies every draft (exact rejection sampling): completions keep the target's distribution.
+    num_draft_tokens: most tokens drafted per sequence and step (each sequence's draft length adapts to how many of
+        its drafts the target accepts).
     cache_tokens / cache_memory_fraction: KV-cache size per replica, in tokens (a multiple of page_size) or as a
         share of the GPU's free memory; at most one. Neither: 0.85 of free memory on a GPU, 16384 tokens on a CPU.
         On a GPU the largest step's activations are set aside first (folio.activation_reserve_bytes, from
@@ -74,6 +80,9 @@ class ServeConfig:
     model_path: str = "demo-model"
     device: str = "auto"
     dtype: str | None = None
+    draft_model_path: str | None = None
+    ngram: bool = False
+    num_draft_tokens: int = 4
     cache_tokens: int | None = None
     cache_memory_fraction: float | None = None
     page_size: int = 256
@@ -106,6 +115,7 @@ class ServeConfig:
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _field_types()[field.name])
         self._check_model()
+        self._check_drafter()
         self._check_engine()
         self._check_deployment()
 
@@ -122,6 +132,14 @@ class ServeConfig:
             raise ConfigError("device: cpu with num_gpus > 0 would hold GPUs the replica never uses; set num_gpus 0")
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ConfigError(f"device: {self.device} needs num_gpus > 0")
+
+    def _check_drafter(self) -> None:
+        if self.draft_model_path is not None and not self.draft_model_path:
+            raise ConfigError("draft_model_path: must name a model directory, or be unset for no draft model")
+        if self.draft_model_path is not None and self.ngram:
+            raise ConfigError("draft_model_path / ngram: choose one drafter (a draft model, or n-grams of each "
+                              "request's own tokens), not both")
+        _positive("num_draft_tokens", self.num_draft_tokens)
 
     def _check_engine(self) -> None:
         if self.page_size < MIN_PAGE_SIZE or self.page_size & (self.page_size - 1):
@@ -173,6 +191,11 @@ class ServeConfig:
             _positive("request_timeout_s", self.request_timeout_s)
 
     # --- derived values ---
+
+    @property
+    def speculative(self) -> bool:
+        """Whether replicas draft tokens for the target to verify."""
+        return self.ngram or self.draft_model_path is not None
 
     @property
     def resolved_device(self) -> str:

@@ -30,9 +30,9 @@ from folio import (
     StepStats,
     StreamingResult,
     Tokenizer,
-    activation_reserve_bytes,
 )
 from folio.router.digest import build_digest
+from folio.serve import speculation
 from folio.serve.config import ServeConfig
 from folio.serve.errors import InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
 from folio.serve.schema import Chunk, EngineRequest, Finish, ModelInfo, Timings, TopTokens, Usage
@@ -55,6 +55,8 @@ class StepTotals:
     num_sampled: int = 0
     num_preemptions: int = 0
     num_failed: int = 0
+    num_drafted: int = 0  # tokens drafted into verify rows (speculative decoding)
+    num_accepted_drafts: int = 0  # drafted tokens the target accepted
     busy_s: float = 0.0  # wall time inside steps
     num_running: int = 0  # after the last step
     num_waiting: int = 0
@@ -64,6 +66,8 @@ class StepTotals:
         self.num_prompt_tokens += stats.num_prompt_tokens
         self.num_decode_rows += stats.num_decode_rows
         self.num_sampled += stats.num_sampled
+        self.num_drafted += stats.num_drafted  # before the accepted ones (GeneratorMetrics reads them the other way)
+        self.num_accepted_drafts += stats.num_accepted_drafts
         self.num_preemptions += stats.num_preemptions
         self.num_failed += stats.num_failed
         self.busy_s += stats.total_s
@@ -82,27 +86,31 @@ class Engine:
     runner: DynamicGeneratorAsync
     info: ModelInfo
     totals: StepTotals
+    draft_model: Model | None = None  # speculative decoding's draft model (config.draft_model_path)
 
     @classmethod
     def build(cls, config: ServeConfig, num_replicas: int | None = None) -> Engine:
-        """Load model -> tokenizer -> allocate cache -> generator -> warm up -> start the engine thread."""
+        """Load model (and draft model) -> tokenizer -> allocate cache -> generator -> warm up -> start the engine
+        thread."""
         model = load_model(config)
+        draft_model = speculation.load_draft_model(config, model)
         tokenizer = Tokenizer.from_pretrained(config.model_path)
         cache_size = config.cache_size()
         if model.device.type == "cuda":
-            # leave room for the largest step's activations and the decode graphs (or fail here, with the numbers)
-            cache_size["reserve_bytes"] = activation_reserve_bytes(model, config.max_batch_size,
-                                                                   config.max_chunk_size, config.page_size)
+            # leave room for the largest step's activations, the decode graphs and the draft model's cache (or fail
+            # here, with the numbers)
+            cache_size = speculation.gpu_cache_size(config, model, draft_model)
         cache = Cache(model, page_size=config.page_size, **cache_size)
         generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                     max_chunk_size=config.max_chunk_size, max_queued_jobs=config.max_queue_size)
+                                     max_chunk_size=config.max_chunk_size, max_queued_jobs=config.max_queue_size,
+                                     **speculation.generator_kwargs(config, draft_model))
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
         totals = StepTotals()
         runner = DynamicGeneratorAsync(generator=generator, on_step=totals.add)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
-        return cls(config, model, tokenizer, cache, generator, runner, info, totals)
+        return cls(config, model, tokenizer, cache, generator, runner, info, totals, draft_model)
 
     # --- state (attribute reads from the event loop; the page pool is read on the engine thread) ---
 
@@ -265,7 +273,9 @@ def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:
             reason=result.eos_reason, stop_token_id=result.eos_triggering_token_id,
             stop_string=result.eos_triggering_string,
             usage=Usage(prompt_tokens=result.prompt_tokens or 0, cached_tokens=result.cached_tokens or 0,
-                        completion_tokens=result.new_tokens or 0),
+                        completion_tokens=result.new_tokens or 0,
+                        accepted_draft_tokens=result.accepted_draft_tokens or 0,
+                        rejected_draft_tokens=result.rejected_draft_tokens or 0),
             timings=Timings(queued_s=result.time_enqueued or 0.0, prefill_s=result.time_prefill or 0.0,
                             generate_s=result.time_generate or 0.0,
                             time_to_first_token_s=max(0.0, first_token - arrival_s), total_s=now - arrival_s))

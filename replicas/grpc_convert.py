@@ -91,6 +91,8 @@ def _finish_to_proto(finish: Finish, into: pb.Finish) -> None:
     u, t = finish.usage, finish.timings
     into.usage.prompt_tokens, into.usage.cached_tokens = u.prompt_tokens, u.cached_tokens
     into.usage.completion_tokens = u.completion_tokens
+    into.usage.accepted_draft_tokens = u.accepted_draft_tokens
+    into.usage.rejected_draft_tokens = u.rejected_draft_tokens
     into.timings.queued_s, into.timings.prefill_s, into.timings.generate_s = t.queued_s, t.prefill_s, t.generate_s
     into.timings.time_to_first_token_s, into.timings.total_s = t.time_to_first_token_s, t.total_s
 
@@ -126,7 +128,8 @@ def finish_from_proto(message: pb.Finish) -> Finish:
         reason=EOS_REASONS.get(message.reason, EosReason.ERROR),
         stop_token_id=message.stop_token_id if message.HasField("stop_token_id") else None,
         stop_string=message.stop_string if message.HasField("stop_string") else None,
-        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.accepted_draft_tokens,
+                    u.rejected_draft_tokens),
         timings=Timings(t.queued_s, t.prefill_s, t.generate_s, t.time_to_first_token_s, t.total_s))
 
 

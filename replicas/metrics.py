@@ -14,6 +14,10 @@ Generator replicas:
     folio_engine_prompt_tokens_computed_total, folio_engine_decode_rows_total, folio_engine_preemptions_total,
     folio_engine_failed_jobs_total                                 from each step's StepStats
     folio_engine_running_jobs / folio_engine_waiting_jobs          after the last step
+    folio_engine_drafted_tokens_total / folio_engine_accepted_draft_tokens_total
+                                                speculative decoding: tokens drafted, and those the target accepted
+                                                (a recent acceptance rate is rate() of accepted / rate() of drafted)
+    folio_engine_draft_acceptance_rate          accepted / drafted over the replica's lifetime (set once it drafted)
 Each object is created once per process (Ray metrics must not be re-registered per request).
 """
 
@@ -35,10 +39,13 @@ STEP_COUNTERS = {
     "decode_rows": "Decode rows (one sampled token fed each).",
     "preemptions": "Sequences preempted for want of pages.",
     "failed_jobs": "Jobs that failed inside a step (the others went on).",
+    "drafted_tokens": "Tokens drafted for the target to verify (speculative decoding).",
+    "accepted_draft_tokens": "Drafted tokens the target accepted (speculative decoding).",
 }
 STEP_TOTAL_ATTRIBUTES = {"steps": "num_steps", "busy_seconds": "busy_s", "prompt_tokens_computed": "num_prompt_tokens",
                          "decode_rows": "num_decode_rows", "preemptions": "num_preemptions",
-                         "failed_jobs": "num_failed"}
+                         "failed_jobs": "num_failed", "drafted_tokens": "num_drafted",
+                         "accepted_draft_tokens": "num_accepted_drafts"}
 
 
 class IngressMetrics:
@@ -91,9 +98,13 @@ class GeneratorMetrics:
                                      tag_keys=keys)
         self.waiting = metrics.Gauge("folio_engine_waiting_jobs", description="Jobs queued, after the last step.",
                                      tag_keys=keys)
+        # Over the replica's lifetime, like folio_prefix_cache_hit_rate: the two counters give any recent window.
+        self.draft_acceptance_rate = metrics.Gauge(
+            "folio_engine_draft_acceptance_rate",
+            description="Accepted / drafted tokens over the replica's life (speculative decoding).", tag_keys=keys)
         for metric in (self.generated_tokens, self.prompt_tokens, self.cached_prompt_tokens, self.hit_rate,
                        self.pages_in_use, self.pages_cached, self.pages_total, self.running, self.waiting,
-                       *counter.values()):
+                       self.draft_acceptance_rate, *counter.values()):
             metric.set_default_tags(tags)
         self._num_prompt = 0
         self._num_cached = 0
@@ -121,6 +132,12 @@ class GeneratorMetrics:
                 self._published[name] = value
         self.running.set(totals.num_running)
         self.waiting.set(totals.num_waiting)
+        # accepted first: the engine thread adds a step's drafted tokens before its accepted ones, so the rate read
+        # while a step is being added stays <= 1
+        num_accepted = totals.num_accepted_drafts
+        num_drafted = totals.num_drafted
+        if num_drafted:  # a replica without a drafter exports no rate rather than a made-up 0
+            self.draft_acceptance_rate.set(num_accepted / num_drafted)
 
     def record_pages(self, num_in_use: int, num_cached: int, num_pages: int) -> None:
         self.pages_in_use.set(num_in_use)

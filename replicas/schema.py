@@ -107,6 +107,10 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     completion_tokens: int = 0  # tokens sampled, a final stop token included
+    # Speculative decoding: drafted tokens the target accepted (counted in completion_tokens too) and rejected
+    # (computed, then dropped); both 0 without a drafter.
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 @dataclass

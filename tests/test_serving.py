@@ -1,8 +1,9 @@
 """folio served by Ray Serve on a local cluster (loopback), called by real gRPC clients and the Python handle client.
 
 One cluster for the module: application "folio" (ingress + 2 generator replicas of the demo model, CPU, a 4096-token
-cache of 16-token pages) and application "small" (1 replica that takes 1 running + 1 queued request, 1 more may wait
-at the caller) for the queue-full case. The replica-kill test runs last: it takes a replica of "folio" down.
+cache of 16-token pages), application "small" (1 replica that takes 1 running + 1 queued request, 1 more may wait
+at the caller) for the queue-full case, and application "spec" (1 replica drafting with n-grams) for speculative
+decoding. The replica-kill test runs last: it takes a replica of "folio" down.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ def served(tmp_path_factory):
                        grpc_port=free_port(), http_port=free_port(), app_name="folio")
     small = main.replace(app_name="small", num_replicas=1, num_cpus=0.2, ingress_num_cpus=0.1, cache_tokens=1024,
                          max_batch_size=1, max_queue_size=1, max_queued_requests=1)
+    spec = main.replace(app_name="spec", num_replicas=1, num_cpus=0.2, ingress_replicas=1, ingress_num_cpus=0.1,
+                        ngram=True)
     metrics_port = free_port()
     local.start_cluster(main, metrics_export_port=metrics_port)
     try:
         local.deploy(main)
         local.deploy(small)
+        local.deploy(spec)
         channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
         yield {"main": main, "small": small, "channel": channel, "metrics_port": metrics_port}
         channel.close()
@@ -298,6 +302,44 @@ def test_metrics_are_exported(served):
     assert sum(steps) > 0
     ok = [line for line in body.splitlines() if line.startswith("ray_folio_requests_total{") and 'status="OK"' in line]
     assert ok and sum(float(line.rsplit(" ", 1)[1]) for line in ok) > 0
+
+
+def test_speculative_app_completes_as_the_plain_one_and_exports_its_acceptance_rate(served):
+    """Application "spec" drafts with n-grams: greedy completions equal "folio"'s, responses count the drafts, and
+    its replica exports them. Its drafts are all from the calls here (the warm-up's steps are not counted)."""
+    import urllib.request
+
+    stub = _stub(served)
+    prompt = "one two three four, one two three four, one two three four, one two three four,"
+    plain = stub.GenerateUnary(_request(prompt, max_new_tokens=40, **_greedy()), metadata=_md(), timeout=60)
+    unary = stub.GenerateUnary(_request(prompt, max_new_tokens=40, **_greedy()), metadata=_md("spec"), timeout=60)
+    streamed = _stream(stub, _request(prompt, max_new_tokens=40, **_greedy()), app="spec")
+    assert list(unary.token_ids) == list(plain.token_ids) == [t for m in streamed for t in m.token_ids]
+    assert plain.finish.usage.accepted_draft_tokens == plain.finish.usage.rejected_draft_tokens == 0
+    usages = [unary.finish.usage, streamed[-1].finish.usage]
+    for usage in usages:
+        assert usage.accepted_draft_tokens + usage.rejected_draft_tokens > 0
+        assert usage.accepted_draft_tokens <= usage.completion_tokens == 40
+    num_drafted = sum(u.accepted_draft_tokens + u.rejected_draft_tokens for u in usages)
+    num_accepted = sum(u.accepted_draft_tokens for u in usages)
+
+    wanted = {"ray_folio_engine_drafted_tokens_total": num_drafted,
+              "ray_folio_engine_accepted_draft_tokens_total": num_accepted,
+              "ray_folio_engine_draft_acceptance_rate": num_accepted / num_drafted}
+    seen = {}
+
+    def spec_values_match() -> bool:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{served['metrics_port']}/metrics", timeout=5).read()
+        except OSError:
+            return False
+        for line in body.decode().splitlines():
+            if line.startswith("ray_folio_engine_") and 'app="spec"' in line:
+                seen[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+        # the replica publishes its totals every routing-stats poll (1 s): wait for those of the calls above
+        return all(name in seen and seen[name] == pytest.approx(value) for name, value in wanted.items())
+
+    assert _wait_for(spec_values_match, timeout_s=40, interval_s=1.0), f"wanted {wanted}, the endpoint has {seen}"
 
 
 def test_python_handle_client_streams(served):

@@ -224,7 +224,7 @@ def test_proto_round_trip():
     from folio.results import EosReason
 
     chunk = Chunk(text="ab", token_ids=[1, 2], token_probs=[0.5, 0.25],
-                  finish=Finish(EosReason.STOP_STRING, stop_string="x", usage=Usage(3, 1, 2)))
+                  finish=Finish(EosReason.STOP_STRING, stop_string="x", usage=Usage(3, 1, 2, 1, 4)))
     assert grpc_convert.chunk_from_proto(grpc_convert.chunk_to_proto(chunk)) == chunk
 
 

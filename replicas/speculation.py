@@ -1,0 +1,78 @@
+"""Speculative decoding on a generator replica: the drafter a ServeConfig chooses (draft_model_path or ngram), loaded
+once per replica beside the target, and what it adds to the GPU memory a replica sets aside.
+
+Imports torch (through folio's engine): import it only where a model runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from folio import Model, activation_reserve_bytes
+from folio.serve.config import ServeConfig
+
+# DynamicGenerator's and DraftModelRunner's bound on the rows of a captured decode graph (folio.speculative.build).
+MAX_GRAPH_ROWS = 512
+
+
+def load_draft_model(config: ServeConfig, model: Model) -> Model | None:
+    """The draft model of config.draft_model_path on the target's device, in its dtype, with its engine options
+    (None without one). Load it before the cache is sized: its weights are then no longer free memory."""
+    if config.draft_model_path is None:
+        return None
+    return Model.from_pretrained(config.draft_model_path, device=model.device, dtype=model.dtype, progress=False,
+                                 options=model.options)
+
+
+def generator_kwargs(config: ServeConfig, draft_model: Model | None) -> dict[str, Any]:
+    """DynamicGenerator's speculative decoding keywords ({} without a drafter)."""
+    if not config.speculative:
+        return {}
+    # a verify row feeds the last sampled token and every draft
+    return {"draft_model": draft_model, "use_ngram_draft": config.ngram,
+            "num_draft_tokens": config.num_draft_tokens, "max_q_size": 1 + config.num_draft_tokens}
+
+
+def target_rows_per_step(config: ServeConfig) -> int:
+    """Most rows (decode rows plus drafted tokens) a decode step of the target feeds: what its decode graphs are
+    captured for (DynamicGenerator)."""
+    if not config.speculative:
+        return config.max_batch_size
+    return max(config.max_batch_size, min(MAX_GRAPH_ROWS, config.max_batch_size * (1 + config.num_draft_tokens)))
+
+
+def draft_reserve_bytes(config: ServeConfig, draft_model: Model) -> int:
+    """The draft model's activations and decode graphs, an upper bound: DraftModelRunner drafts up to
+    min(512, 2 * max_batch_size) rows at once and ingests the target's prompt chunks. Counted beside the target's
+    although the two never run at once (cached blocks of one may serve the other): a safe overestimate, small for a
+    small draft model."""
+    rows = min(MAX_GRAPH_ROWS, 2 * config.max_batch_size)
+    return activation_reserve_bytes(draft_model, rows, config.max_chunk_size, config.page_size)
+
+
+def cache_page_bytes(model: Model, page_size: int) -> int:
+    """Bytes of one page of `model`'s KV cache (K and V, every layer), as folio.Cache counts them."""
+    cfg = model.config
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None) -> dict[str, Any]:
+    """folio.Cache's sizing keywords for the target's cache on a GPU. The generator makes the draft model's cache
+    with as many pages after it, so with a draft model both caches share what the config gives the cache: a
+    memory fraction is split in proportion to their page sizes, and a token count's draft pages are reserved."""
+    size = config.cache_size()
+    reserve = activation_reserve_bytes(model, target_rows_per_step(config), config.max_chunk_size, config.page_size)
+    if draft_model is None:
+        return {**size, "reserve_bytes": reserve}
+    reserve += draft_reserve_bytes(config, draft_model)
+    target_page_bytes = cache_page_bytes(model, config.page_size)
+    draft_page_bytes = cache_page_bytes(draft_model, config.page_size)
+    if "max_memory_fraction" in size:
+        # Cache takes fraction * (free - reserve) // target_page_bytes pages: scaled, both caches fit the fraction
+        share = target_page_bytes / (target_page_bytes + draft_page_bytes)
+        return {"max_memory_fraction": size["max_memory_fraction"] * share, "reserve_bytes": reserve}
+    num_pages = size["num_tokens"] // config.page_size
+    return {**size, "reserve_bytes": reserve + num_pages * draft_page_bytes}
