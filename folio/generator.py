@@ -30,7 +30,7 @@ from folio.sampling.host import to_device
 from folio.scheduler import Chunk, Scheduler
 from folio.sequence import SeqStatus, Sequence
 from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk_size, resolve_max_seq_len
-from folio.speculative.build import build_speculator
+from folio.speculative.build import build_speculator, target_graph_rows
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
 from folio.validation import validate_job
@@ -103,9 +103,7 @@ class DynamicGenerator:
             draft_step_token_budget)
         self.draft_model = draft_model
         # verify rows replay in the decode graphs as one row per token
-        graph_rows = self.max_batch_size
-        if self.speculator is not None:
-            graph_rows = max(graph_rows, min(512, self.max_batch_size * (1 + num_draft_tokens)))
+        graph_rows = target_graph_rows(self.max_batch_size, num_draft_tokens if self.speculator else None)
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, self.vocab_size,
                                   self.max_q_size, cuda_graphs, max_graph_rows=graph_rows)
         if self.speculator is not None and self.speculator.draft_runner is not None:

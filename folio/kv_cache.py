@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 MIN_PAGE_SIZE = 16
 
 
+def page_bytes(model: Model, page_size: int) -> int:
+    """Bytes of one page of `model`'s cache: K and V, every layer."""
+    cfg = model.config
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
 class Cache:
     def __init__(
         self,
@@ -36,9 +43,7 @@ class Cache:
         self.ops = model.ops  # the model's op set (backend, launch options): copy_page_slots runs through it
         self.page_size = page_size
         self.page_shape = (page_size, cfg.num_kv_heads, cfg.head_dim)
-        element_size = torch.empty((), dtype=model.dtype).element_size()
-        # K and V, every layer
-        self.bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
+        self.bytes_per_page = page_bytes(model, page_size)
         self.num_pages = self._resolve_num_pages(model.device, num_tokens, max_memory_fraction, reserve_bytes)
         shape = (cfg.num_layers, self.num_pages, *self.page_shape)
         # zeros, not empty: deterministic contents for slots no sequence has written yet

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from folio import Model, activation_reserve_bytes
+from folio.kv_cache import page_bytes
 from folio.serve.config import ServeConfig
-
-# DynamicGenerator's and DraftModelRunner's bound on the rows of a captured decode graph (folio.speculative.build).
-MAX_GRAPH_ROWS = 512
+from folio.speculative.build import draft_graph_rows, target_graph_rows
 
 
 def load_draft_model(config: ServeConfig, model: Model) -> Model | None:
@@ -38,25 +35,15 @@ def generator_kwargs(config: ServeConfig, draft_model: Model | None) -> dict[str
 def target_rows_per_step(config: ServeConfig) -> int:
     """Most rows (decode rows plus drafted tokens) a decode step of the target feeds: what its decode graphs are
     captured for (DynamicGenerator)."""
-    if not config.speculative:
-        return config.max_batch_size
-    return max(config.max_batch_size, min(MAX_GRAPH_ROWS, config.max_batch_size * (1 + config.num_draft_tokens)))
+    return target_graph_rows(config.max_batch_size, config.num_draft_tokens if config.speculative else None)
 
 
 def draft_reserve_bytes(config: ServeConfig, draft_model: Model) -> int:
-    """The draft model's activations and decode graphs, an upper bound: DraftModelRunner drafts up to
-    min(512, 2 * max_batch_size) rows at once and ingests the target's prompt chunks. Counted beside the target's
-    although the two never run at once (cached blocks of one may serve the other): a safe overestimate, small for a
-    small draft model."""
-    rows = min(MAX_GRAPH_ROWS, 2 * config.max_batch_size)
+    """The draft model's activations and decode graphs, an upper bound: a draft forward feeds up to
+    draft_graph_rows rows and ingests the target's prompt chunks. Counted beside the target's although the two never
+    run at once (cached blocks of one may serve the other): a safe overestimate, small for a small draft model."""
+    rows = draft_graph_rows(config.max_batch_size)
     return activation_reserve_bytes(draft_model, rows, config.max_chunk_size, config.page_size)
-
-
-def cache_page_bytes(model: Model, page_size: int) -> int:
-    """Bytes of one page of `model`'s KV cache (K and V, every layer), as folio.Cache counts them."""
-    cfg = model.config
-    element_size = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
 
 
 def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None) -> dict[str, Any]:
@@ -68,8 +55,8 @@ def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None)
     if draft_model is None:
         return {**size, "reserve_bytes": reserve}
     reserve += draft_reserve_bytes(config, draft_model)
-    target_page_bytes = cache_page_bytes(model, config.page_size)
-    draft_page_bytes = cache_page_bytes(draft_model, config.page_size)
+    target_page_bytes = page_bytes(model, config.page_size)
+    draft_page_bytes = page_bytes(draft_model, config.page_size)
     if "max_memory_fraction" in size:
         # Cache takes fraction * (free - reserve) // target_page_bytes pages: scaled, both caches fit the fraction
         share = target_page_bytes / (target_page_bytes + draft_page_bytes)

@@ -343,6 +343,15 @@ def test_chart_autoscaling_example_renders_a_valid_rayservice(helm, crd_validato
     assert "llm-serve-svc" in notes and "application: llama" in notes
 
 
+@pytest.mark.parametrize("drafter", [{"ngram": True}, {"draftPath": "/models/draft", "numDraftTokens": 6}])
+def test_chart_passes_the_drafter_to_the_application(helm, crd_validator, drafter):
+    rayservice, _ = render(helm, {"model": drafter})
+    args = check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)["applications"][0]["args"]
+    assert args.get("ngram", False) == drafter.get("ngram", False)
+    assert args.get("draft_model_path") == drafter.get("draftPath")
+    assert args["num_draft_tokens"] == drafter.get("numDraftTokens", 4)
+
+
 @pytest.mark.parametrize("router", ["pow2", "ray_prefix"])
 def test_chart_renders_each_router(helm, crd_validator, router):
     """The chart's router table and kwargs equal folio.serve.app's (check_serve_config compares them)."""
@@ -378,6 +387,7 @@ SCHEMA_VIOLATIONS = {
     "unknown dtype": {"model": {"dtype": "int8"}},
     "GPUs given as a resource": {"workers": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
     "unknown auth mode": {"rayAuthMode": "basic"},
+    "no draft tokens": {"model": {"numDraftTokens": 0}},
 }
 
 
@@ -396,6 +406,7 @@ CROSS_VALUE_VIOLATIONS = {
                                 "must be a whole number"),
     "cache tokens not whole pages": ({"cache": {"tokens": 1000}}, "multiple of cache.pageSize"),
     "ports clash": ({"ports": {"http": 50051}}, "ports: must all differ"),
+    "two drafters": ({"model": {"ngram": True, "draftPath": "/models/d"}}, "exclude each other"),
 }
 
 

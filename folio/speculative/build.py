@@ -19,6 +19,22 @@ VERIFY_TOKEN_COST = 0.03
 NGRAM_DRAFT_COST = 0.0  # host work, overlapped with nothing but small
 
 
+MAX_GRAPH_ROWS = 512  # the largest decode-graph bucket (folio.model.decode_graphs.BATCH_BUCKETS)
+
+
+def target_graph_rows(max_batch_size: int, num_draft_tokens: int | None) -> int:
+    """Token rows the target's decode graphs are captured for: every sequence's verify row (1 + drafts) with
+    speculation (num_draft_tokens not None), one row each without."""
+    if num_draft_tokens is None:
+        return max_batch_size
+    return max(max_batch_size, min(MAX_GRAPH_ROWS, max_batch_size * (1 + num_draft_tokens)))
+
+
+def draft_graph_rows(max_batch_size: int) -> int:
+    """Token rows the draft model's graphs are captured for: a draft pass's first forward feeds two per sequence."""
+    return max(max_batch_size, min(MAX_GRAPH_ROWS, 2 * max_batch_size))
+
+
 def build_speculator(model: Model, cache: Cache, draft_model: Model | None, draft_cache: Cache | None,
                      num_draft_tokens: int, use_ngram_draft: bool, max_ngram: int, adaptive_draft: bool,
                      max_q_size: int, max_seq_len: int, vocab_size: int, max_batch_size: int,
@@ -43,8 +59,8 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None, draf
     draft_cache = _check_draft_model(model, cache, draft_model, draft_cache, max_seq_len)
     from folio.speculative.draft_model import DraftModelRunner
 
-    runner = DraftModelRunner(draft_model, draft_cache, min(512, max(2 * max_batch_size, max_batch_size)),
-                              max_seq_len, vocab_size, cuda_graphs)
+    runner = DraftModelRunner(draft_model, draft_cache, draft_graph_rows(max_batch_size), max_seq_len, vocab_size,
+                              cuda_graphs)
     # a draft token costs one draft forward per row: about the draft's weight bytes over the target's at the
     # memory-bound batch sizes where speculation pays
     cost = _decode_bytes(draft_model) / max(1, _decode_bytes(model)) + VERIFY_TOKEN_COST

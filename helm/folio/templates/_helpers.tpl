@@ -34,6 +34,9 @@ Checks across values that values.schema.json cannot express; a failure stops `he
 {{- $gen := .Values.generator -}}
 {{- $auto := $gen.autoscaling -}}
 {{- $workers := .Values.workers -}}
+{{- if and .Values.model.draftPath .Values.model.ngram -}}
+{{- fail "model.draftPath and model.ngram exclude each other: choose one drafter" -}}
+{{- end -}}
 {{- if and $auto.enabled (gt (int $auto.minReplicas) (int $auto.maxReplicas)) -}}
 {{- fail (printf "generator.autoscaling: minReplicas (%v) exceeds maxReplicas (%v)" $auto.minReplicas $auto.maxReplicas) -}}
 {{- end -}}
@@ -120,6 +123,13 @@ applications:
       {{- if ne .Values.model.maxSeqLen nil }}
       max_seq_len: {{ .Values.model.maxSeqLen | int }}
       {{- end }}
+      {{- if .Values.model.draftPath }}
+      draft_model_path: {{ .Values.model.draftPath | toJson }}
+      {{- end }}
+      {{- if .Values.model.ngram }}
+      ngram: true
+      {{- end }}
+      num_draft_tokens: {{ .Values.model.numDraftTokens | default 4 | int }}
       {{- if ne .Values.cache.tokens nil }}
       cache_tokens: {{ .Values.cache.tokens | int }}
       {{- else if ne .Values.cache.memoryFraction nil }}
