@@ -15,9 +15,10 @@ off it is a bigram model (each token a fixed function of the one before), whose 
 at exactly the same cost per step (same shapes, same bytes read). Every run is greedy with forced output lengths, so
 the runs compared generate the same number of tokens.
 
-Per run, over the decode phase (after every job's first token):
+Each run enqueues --requests-per-slot requests per batch slot at once and is measured over its decode steps (steps
+that computed no prompt token):
   acceptance: accepted / drafted tokens;
-  tokens/step: tokens per sequence per target forward;
+  tokens/step: tokens per sequence per target forward (a decode row yields 1, a verify row 1 + its accepted drafts);
   tok/s and speed-up over speculation off;
   efficiency: the measured speed-up over the speed-up that the run's own steps allow at their isolated device
     costs. Each step's cost is the captured graphs' replay time for its shape (measured here: the target's decode
@@ -36,7 +37,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +132,10 @@ class Run:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.decode_tokens / max(1, len(self.steps)) / self.batch
+        """Tokens per sequence per target forward."""
+        rows = sum(s.target_rows for s in self.steps)  # a decode row or a verify row's tokens
+        drafted = self.drafted
+        return self.decode_tokens / max(1, rows - drafted) if rows else 0.0
 
 
 def make_generator(target, batch: int, new_tokens: int, prompt_len: int, **spec) -> DynamicGenerator:
@@ -147,37 +150,28 @@ def make_generator(target, batch: int, new_tokens: int, prompt_len: int, **spec)
 
 
 def run(name: str, gen: DynamicGenerator, prompts: list[list[int]], new_tokens: int, note: str = "") -> Run:
-    """Every job at once; the decode phase starts when the last job has its first token."""
-    device = gen.model.device
+    """Every job enqueued at once (more jobs than batch slots keep the batch full as jobs end); measured over the
+    decode steps (steps that computed no prompt token): their tokens, their wall time, their shapes."""
     recorder = None
     if gen.speculator is not None and gen.speculator.draft_runner is not None:
         recorder = DraftRecorder(gen.speculator.draft_runner)
     jobs = [DynamicJob(input_ids=p, max_new_tokens=new_tokens, stop_conditions=[], gen_settings=GREEDY, seed=i)
             for i, p in enumerate(prompts)]
-    result = Run(name, len(prompts), note=note)
+    result = Run(name, gen.max_batch_size, note=note)
+    drafted_before, accepted_before = _spec_counts(gen)
     gen.enqueue(jobs)
-    decoding = False
-    start = None
-    bench_engine.sync(device)
+    bench_engine.sync(gen.model.device)
     while gen.num_remaining_jobs():
         passes_before = len(recorder.passes) if recorder else 0
         _, stats = gen.step()
-        if not decoding and all(j.new_tokens > 0 for j in jobs):
-            decoding = True
-            bench_engine.sync(device)
-            start = time.perf_counter()
-            tokens_before = sum(j.new_tokens for j in jobs)
-            drafted_before, accepted_before = _spec_counts(gen)
+        if stats.num_prompt_tokens or not stats.num_sampled:
             continue
-        if decoding:
-            rows = stats.num_decode_rows + stats.num_verify_rows + stats.num_drafted
-            shape = StepShape(rows)
-            if recorder is not None and len(recorder.passes) > passes_before:
-                shape.draft_rows = recorder.passes[-1]
-            result.steps.append(shape)
-    bench_engine.sync(device)
-    result.decode_s = time.perf_counter() - start
-    result.decode_tokens = sum(j.new_tokens for j in jobs) - tokens_before
+        result.decode_s += stats.total_s
+        result.decode_tokens += stats.num_sampled
+        shape = StepShape(stats.num_decode_rows + stats.num_verify_rows + stats.num_drafted)
+        if recorder is not None and len(recorder.passes) > passes_before:
+            shape.draft_rows = recorder.passes[-1]
+        result.steps.append(shape)
     drafted, accepted = _spec_counts(gen)
     result.drafted, result.accepted = drafted - drafted_before, accepted - accepted_before
     return result
@@ -211,8 +205,9 @@ def release(*objects) -> None:
 def bench_batch(batch: int, target, draft, args, rows: list) -> None:
     cuda = target.model.device.type == "cuda"
     vocab = target.model.config.vocab_size
-    prompts = bench_engine.random_prompts(batch, args.prompt_len, vocab, seed=batch)
-    spans = bench_engine.random_prompts(batch, args.prompt_len // 4, vocab, seed=1000 + batch)
+    count = batch * args.requests_per_slot
+    prompts = bench_engine.random_prompts(count, args.prompt_len, vocab, seed=batch)
+    spans = bench_engine.random_prompts(count, args.prompt_len // 4, vocab, seed=1000 + batch)
     repetitive = [s * 4 for s in spans]
     configs = [
         ("off", prompts, {}),
@@ -260,7 +255,9 @@ def bench_batch(batch: int, target, draft, args, rows: list) -> None:
         efficiency = None
         if cuda and name not in ("off", "off (repetitive)"):
             costs = self_costs if name.startswith("self") else draft_costs
-            ideal = ideal_ms(base, target_costs, None) / ideal_ms(r, target_costs, costs)
+            # tokens per ms at the isolated step costs, this run's over speculation off's
+            ideal = (r.decode_tokens / ideal_ms(r, target_costs, costs)) / (
+                base.decode_tokens / ideal_ms(base, target_costs, None))
             efficiency = speedup / ideal if ideal else None
         rows.append(dict(batch=batch, run=name, acceptance=r.acceptance, tokens_per_step=r.tokens_per_step,
                          tok_s=r.tok_s, speedup=speedup, efficiency=efficiency, drafted=r.drafted,
@@ -303,6 +300,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--requests-per-slot", type=int, default=3, help="requests per batch slot: the batch stays "
+                        "full while they last (continuous batching), so a run is not timed by its slowest job")
     parser.add_argument("--repeat-new-tokens", type=int, default=1024, help="output length of the repetitive runs")
     parser.add_argument("--repeat-residual-scale", type=float, default=0.0, help="the repetitive runs' scale of "
                         "the target's attention and MLP output projections")

@@ -44,7 +44,7 @@ class _Rate:
 
 class DraftLengths:
     def __init__(self, max_draft_tokens: int, draft_token_cost: float, adaptive: bool = True,
-                 probe_interval: int = 16, step_token_budget: int | None = 256):
+                 probe_interval: int = 32, step_token_budget: int | None = 256):
         self.max_draft_tokens = max_draft_tokens
         self.draft_token_cost = draft_token_cost
         self.adaptive = adaptive
