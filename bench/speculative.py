@@ -90,6 +90,7 @@ def replay_ms(graphs, bucket: int, iterations: int = 20) -> float:
 @dataclass
 class StepShape:
     target_rows: int  # token rows of the target's forward
+    seq_rows: int  # sequences in it (decode rows and verify rows)
     draft_rows: list[int] = field(default_factory=list)  # rows of each draft-model forward (catch-up first)
 
 
@@ -133,9 +134,7 @@ class Run:
     @property
     def tokens_per_step(self) -> float:
         """Tokens per sequence per target forward."""
-        rows = sum(s.target_rows for s in self.steps)  # a decode row or a verify row's tokens
-        drafted = self.drafted
-        return self.decode_tokens / max(1, rows - drafted) if rows else 0.0
+        return self.decode_tokens / max(1, sum(s.seq_rows for s in self.steps))
 
 
 def make_generator(target, batch: int, new_tokens: int, prompt_len: int, **spec) -> DynamicGenerator:
@@ -168,7 +167,8 @@ def run(name: str, gen: DynamicGenerator, prompts: list[list[int]], new_tokens: 
             continue
         result.decode_s += stats.total_s
         result.decode_tokens += stats.num_sampled
-        shape = StepShape(stats.num_decode_rows + stats.num_verify_rows + stats.num_drafted)
+        shape = StepShape(stats.num_decode_rows + stats.num_verify_rows + stats.num_drafted,
+                          stats.num_decode_rows + stats.num_verify_rows)
         if recorder is not None and len(recorder.passes) > passes_before:
             shape.draft_rows = recorder.passes[-1]
         result.steps.append(shape)
