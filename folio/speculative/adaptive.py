@@ -9,8 +9,7 @@ E(k) / (1 + o + k c), which is 0 (no speculation) when a is low. A sequence at 0
 `probe_interval` steps so that it notices when its text turns predictable; a probe that fails doubles its interval
 (up to MAX_PROBE_INTERVAL), so that a job that never accepts costs almost nothing. Intervals are powers of two times
 the base and probes fall on multiples of them, so the probes of many sequences share steps and the other steps stay
-plain decode steps, which the launch-ahead pipeline overlaps. An n-gram drafter that finds nothing to propose counts
-as a failed draft.
+plain decode steps, which the launch-ahead pipeline overlaps.
 
 At large batches a step is bound by compute rather than by reading the weights, and a drafted token costs about what
 a sequence's own token does: the drafts of a step are capped so that decode rows plus drafts stay within
@@ -112,9 +111,6 @@ class DraftLengths:
         elif was_off:  # a failed probe
             rate.probe_interval = min(MAX_PROBE_INTERVAL, 2 * (rate.probe_interval or self.probe_interval))
 
-    def record_miss(self, seq: Sequence) -> None:
-        """The drafter had nothing to propose: as costly as a rejected draft (the step is not launched ahead)."""
-        self.record(seq, 1, 0)
 
     def forget(self, seq: Sequence) -> None:
         self._rates.pop(seq, None)
@@ -123,6 +119,8 @@ class DraftLengths:
         """Whether some of `seqs` may draft in step next_step_idx (then it cannot be launched ahead)."""
         if not seqs:
             return False
-        if not self.adaptive:
-            return True
-        return any(self.best_length(self.rate(seq)) > 0 or self._probe_due(seq, next_step_idx) for seq in seqs)
+        return any(self.wants(seq, next_step_idx) for seq in seqs)
+
+    def wants(self, seq: Sequence, step_idx: int) -> bool:
+        """Whether seq drafts in step step_idx (given something to draft)."""
+        return not self.adaptive or self.best_length(self.rate(seq)) > 0 or self._probe_due(seq, step_idx)

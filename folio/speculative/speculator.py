@@ -50,15 +50,10 @@ class Speculator:
             if self.draft_runner is not None:
                 planned[seq] = (-1,) * k
                 continue
-            index = self._ngrams.get(seq)
-            if index is None:
-                index = self._ngrams[seq] = NgramDraft(max_ngram=self.max_ngram)
-            index.extend(seq.token_ids)
+            index = self._ngram_index(seq)
             proposal = tuple(index.propose(k))
             if proposal:
                 planned[seq] = proposal
-            else:
-                self.lengths.record_miss(seq)
         return planned
 
     def fill(self, plan: StepPlan) -> list:
@@ -83,10 +78,22 @@ class Speculator:
         if self.draft_runner is not None:
             self.draft_runner.settle(chunk.seq, chunk.end, num_accepted)
 
+    def _ngram_index(self, seq: Sequence) -> NgramDraft:
+        index = self._ngrams.get(seq)
+        if index is None:
+            index = self._ngrams[seq] = NgramDraft(max_ngram=self.max_ngram)
+        index.extend(seq.token_ids)
+        return index
+
     def any_drafting(self, seqs: list[Sequence], next_step_idx: int) -> bool:
-        """Whether some of `seqs` (whose next tokens are being sampled) may draft in step next_step_idx."""
-        return self.lengths.any_drafting([s for s in seqs if self._job_takes_drafts(s) and self.limit(s) > 1],
-                                         next_step_idx)
+        """Whether some of `seqs` (whose next tokens are being sampled) may draft in step next_step_idx: then that
+        step is not launched ahead. For n-gram drafting, only a sequence whose own tokens so far end in a context
+        seen before (it has something to propose now, so most likely after the next token too): text without
+        repeats costs nothing, and a sequence that starts repeating itself drafts at once."""
+        candidates = [s for s in seqs if self._job_takes_drafts(s) and self.limit(s) > 1]
+        if self.draft_runner is not None:
+            return self.lengths.any_drafting(candidates, next_step_idx)
+        return any(self.lengths.wants(s, next_step_idx) and self._ngram_index(s).propose(1) for s in candidates)
 
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
