@@ -51,6 +51,8 @@ class Emitter:
                 top_k_probs=sampled.top_probs[i][:k] if k else None,
                 logits=sampled.logits.get(i))
             staged.append(self.stage(seq, sampled.token_ids[i], extras))
+            if self.speculator is not None and seq.is_live:
+                self.speculator.observe(seq)
         return staged
 
     def stage_verified(self, chunk: Chunk, token_ids: list[int]) -> list[StagedToken]:
@@ -72,6 +74,7 @@ class Emitter:
         if seq.status is SeqStatus.RUNNING:
             self.runner.record_tokens(seq, position + num_accepted, token_ids[-1:])
             self.scheduler.commit_drafts(seq, chunk.end + num_accepted)
+            self.speculator.observe(seq)
         return staged
 
     def stage(self, seq: Sequence, token_id: int, extras: TokenExtras) -> StagedToken:

@@ -341,11 +341,26 @@ def test_draft_lengths_follow_the_acceptance_rate():
     interval = lengths._rates[seq].probe_interval = 2 * base
     assert lengths.lengths([seq], [6], step_idx=base) == [0]
     assert lengths.lengths([seq], [6], step_idx=interval) == [1]
-    assert not lengths.any_drafting([seq], base) and lengths.any_drafting([seq], interval)
+    assert not lengths.any_drafting([seq], [6], base, 1) and lengths.any_drafting([seq], [6], interval, 1)
     lengths.record(seq, 1, 0)
     assert lengths._rates[seq].probe_interval == 2 * interval
     lengths.record(seq, 1, 1)  # an accepted probe: back to the base interval
     assert lengths._probe_due(seq, base)
+
+
+def test_a_step_drafts_only_when_its_drafts_outweigh_what_its_rows_lose():
+    from folio.speculative.adaptive import DraftLengths
+
+    lengths = DraftLengths(max_draft_tokens=4, draft_token_cost=0.0, probe_interval=1 << 20)
+    good, others = object(), [object() for _ in range(63)]
+    for _ in range(5):
+        lengths.record(good, 4, 4)
+        for seq in others:
+            lengths.record(seq, 4, 0)
+    assert lengths.lengths([good], [4], step_idx=1, num_rows=1) == [4]
+    # one predictable sequence among 64 decode rows: its few extra tokens do not pay for every row's wait
+    assert lengths.lengths([good], [4], step_idx=1, num_rows=64) == [0]
+    assert not lengths.any_drafting([good] + others, [4] * 64, 1, 64)
 
 
 def test_step_budget_keeps_the_most_valuable_drafts():

@@ -9,7 +9,8 @@ E(k) / (1 + o + k c), which is 0 (no speculation) when a is low. A sequence at 0
 `probe_interval` steps so that it notices when its text turns predictable; a probe that fails doubles its interval
 (up to MAX_PROBE_INTERVAL), so that a job that never accepts costs almost nothing. Intervals are powers of two times
 the base and probes fall on multiples of them, so the probes of many sequences share steps and the other steps stay
-plain decode steps, which the launch-ahead pipeline overlaps.
+plain decode steps, which the launch-ahead pipeline overlaps. A step drafts at all only when its drafts' expected
+extra tokens outweigh what every row of the step loses by its not being launched ahead.
 
 At large batches a step is bound by compute rather than by reading the weights, and a drafted token costs about what
 a sequence's own token does: the drafts of a step are capped so that decode rows plus drafts stay within
@@ -24,9 +25,11 @@ from folio.sequence import Sequence
 
 DECAY = 0.7  # weight of the past in the running counts (about the last three steps count)
 INITIAL_RATE = 0.6  # what a sequence is assumed to accept before its first verify step
-# What a step that is not launched ahead loses, relative to a plain step: the host's share of a one-token step (plan,
-# input buffers, the sync) on large models at small batches, where speculation pays.
+# What a step that is not launched ahead (and runs the drafting and verification's host work) loses, relative to a
+# plain step: STEP_OVERHEAD + STEP_OVERHEAD_PER_ROW * rows. The 8B runs of bench/speculative.py on an H200 lost about
+# 5-10% at batch 1 and 25-35% at batch 32 (per-row host work: drafts, verify rows, acceptance, staging).
 STEP_OVERHEAD = 0.1
+STEP_OVERHEAD_PER_ROW = 0.006
 MAX_PROBE_INTERVAL = 256
 
 
@@ -64,19 +67,30 @@ class DraftLengths:
                 best_k, best_gain = k, gain
         return best_k
 
-    def lengths(self, seqs: list[Sequence], limits: list[int], step_idx: int) -> list[int]:
+    def lengths(self, seqs: list[Sequence], limits: list[int], step_idx: int, num_rows: int = 0) -> list[int]:
         """Drafts per sequence this step; limits[i] is the most sequence i may draft (its remaining token budget
-        and max_q_size)."""
+        and max_q_size); num_rows: the step's decode rows (at least len(seqs)), all of which wait when it drafts."""
         if not self.adaptive:
             wanted = [min(self.max_draft_tokens, m) for m in limits]
         else:
-            wanted = []
+            wanted, probing = [], False
             for seq, limit in zip(seqs, limits):
                 k = self.best_length(self.rate(seq))
                 if k == 0 and self._probe_due(seq, step_idx):
-                    k = 1
+                    k, probing = 1, True
                 wanted.append(min(k, limit))
+            if not probing and not self._step_pays(seqs, wanted, num_rows):
+                return [0] * len(seqs)
         return self._within_budget(seqs, wanted)
+
+    def _step_pays(self, seqs: list[Sequence], wanted: list[int], num_rows: int) -> bool:
+        """Whether the expected extra tokens of the drafts outweigh what the whole step loses by speculating (it is
+        not launched ahead: every row waits), in tokens: the step's rows times the lost fraction of a step."""
+        extra = sum(self.rate(seq) ** j for seq, k in zip(seqs, wanted) for j in range(1, k + 1))
+        if extra == 0:
+            return False
+        rows = max(num_rows, len(seqs))
+        return extra >= rows * (STEP_OVERHEAD + STEP_OVERHEAD_PER_ROW * rows)
 
     def _within_budget(self, seqs: list[Sequence], wanted: list[int]) -> list[int]:
         budget = self.step_token_budget
@@ -115,12 +129,6 @@ class DraftLengths:
     def forget(self, seq: Sequence) -> None:
         self._rates.pop(seq, None)
 
-    def any_drafting(self, seqs: list[Sequence], next_step_idx: int) -> bool:
+    def any_drafting(self, seqs: list[Sequence], limits: list[int], next_step_idx: int, num_rows: int) -> bool:
         """Whether some of `seqs` may draft in step next_step_idx (then it cannot be launched ahead)."""
-        if not seqs:
-            return False
-        return any(self.wants(seq, next_step_idx) for seq in seqs)
-
-    def wants(self, seq: Sequence, step_idx: int) -> bool:
-        """Whether seq drafts in step step_idx (given something to draft)."""
-        return not self.adaptive or self.best_length(self.rate(seq)) > 0 or self._probe_due(seq, step_idx)
+        return bool(seqs) and any(self.lengths(seqs, limits, next_step_idx, num_rows))

@@ -23,6 +23,7 @@ class Speculator:
         self.draft_runner = draft_runner
         self.max_ngram = max_ngram
         self._ngrams: dict[Sequence, NgramDraft] = {}
+        self._has_proposal: dict[Sequence, bool] = {}  # n-gram: as of the sequence's last staged token
         self.num_drafted = 0
         self.num_accepted = 0
 
@@ -42,7 +43,9 @@ class Speculator:
         seqs = [s for s in active if self.eligible(s)]
         if not seqs:
             return {}
-        ks = self.lengths.lengths(seqs, [self.limit(s) for s in seqs], step_idx)
+        if self.draft_runner is None:
+            seqs = [s for s in seqs if self._has_proposal.get(s, True)]
+        ks = self.lengths.lengths(seqs, [self.limit(s) for s in seqs], step_idx, len(active))
         planned = {}
         for seq, k in zip(seqs, ks):
             if k == 0:
@@ -87,13 +90,19 @@ class Speculator:
 
     def any_drafting(self, seqs: list[Sequence], next_step_idx: int) -> bool:
         """Whether some of `seqs` (whose next tokens are being sampled) may draft in step next_step_idx: then that
-        step is not launched ahead. For n-gram drafting, only a sequence whose own tokens so far end in a context
-        seen before (it has something to propose now, so most likely after the next token too): text without
-        repeats costs nothing, and a sequence that starts repeating itself drafts at once."""
+        step is not launched ahead."""
         candidates = [s for s in seqs if self._job_takes_drafts(s) and self.limit(s) > 1]
-        if self.draft_runner is not None:
-            return self.lengths.any_drafting(candidates, next_step_idx)
-        return any(self.lengths.wants(s, next_step_idx) and self._ngram_index(s).propose(1) for s in candidates)
+        if self.draft_runner is None:
+            candidates = [s for s in candidates if self._has_proposal.get(s, True)]
+        return self.lengths.any_drafting(candidates, [self.limit(s) - 1 for s in candidates], next_step_idx,
+                                         len(seqs))
+
+    def observe(self, seq: Sequence) -> None:
+        """seq's tokens grew (staging, while the device runs the next step): for n-gram drafting, note whether its
+        tokens so far end in a context seen before. Only such sequences draft (or stop the next step from being
+        launched ahead): text without repeats costs nothing, and a sequence that starts repeating drafts at once."""
+        if self.draft_runner is None and self._job_takes_drafts(seq):
+            self._has_proposal[seq] = bool(self._ngram_index(seq).propose(1))
 
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
@@ -102,6 +111,7 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._ngrams.pop(seq, None)
+        self._has_proposal.pop(seq, None)
         self.lengths.forget(seq)
         if self.draft_runner is not None:
             self.draft_runner.forget(seq)
