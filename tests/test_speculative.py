@@ -409,3 +409,31 @@ def test_async_generator_and_generate_take_the_same_settings(peaked):
         peaked.generator().generate(text, max_new_tokens=16, gen_settings=GREEDY, completion_only=True,
                                     stop_conditions=[])
     assert gen.speculator.num_drafted > 0
+
+
+def test_ngram_observation_agrees_with_the_drafter():
+    """The cheap per-token check (the last token seen before with a successor) says whether the n-gram drafter has
+    a proposal, token by token, over random streams with repeats."""
+    import random
+
+    from folio.speculative.adaptive import DraftLengths
+    from folio.speculative.ngram import NgramDraft
+    from folio.speculative.speculator import Speculator
+
+    class Job:
+        return_probs = return_top_tokens = return_logits = False
+
+    class Seq:
+        job = Job()
+
+    rng = random.Random(0)
+    for trial in range(20):
+        spec = Speculator(DraftLengths(4, 0.0), max_q_size=8)
+        seq = Seq()
+        seq.token_ids = [rng.randrange(12) for _ in range(rng.randrange(1, 6))]
+        index = NgramDraft()
+        for _ in range(60):
+            spec.observe(seq)
+            index.extend(seq.token_ids)
+            assert spec._has_proposal[seq] == bool(index.propose(1)), (trial, seq.token_ids)
+            seq.token_ids = seq.token_ids + [rng.randrange(12)]

@@ -24,6 +24,7 @@ class Speculator:
         self.max_ngram = max_ngram
         self._ngrams: dict[Sequence, NgramDraft] = {}
         self._has_proposal: dict[Sequence, bool] = {}  # n-gram: as of the sequence's last staged token
+        self._followed: dict[Sequence, list] = {}  # n-gram: [tokens seen with a successor, tokens observed]
         self.num_drafted = 0
         self.num_accepted = 0
 
@@ -99,10 +100,24 @@ class Speculator:
 
     def observe(self, seq: Sequence) -> None:
         """seq's tokens grew (staging, while the device runs the next step): for n-gram drafting, note whether its
-        tokens so far end in a context seen before. Only such sequences draft (or stop the next step from being
-        launched ahead): text without repeats costs nothing, and a sequence that starts repeating drafts at once."""
-        if self.draft_runner is None and self._job_takes_drafts(seq):
-            self._has_proposal[seq] = bool(self._ngram_index(seq).propose(1))
+        last token occurred before with a successor, which is exactly when the n-gram drafter has something to
+        propose (every longer match ends in that one-token context). Only such sequences draft (or stop the next
+        step from being launched ahead): text without repeats costs a set lookup per token, and a sequence that
+        starts repeating itself drafts at once. The full n-gram index is built only when a sequence drafts."""
+        if self.draft_runner is not None or not self._job_takes_drafts(seq):
+            return
+        tokens = seq.token_ids
+        followed = self._followed.get(seq)
+        if followed is None:
+            followed = self._followed[seq] = [set(tokens[:-1]), len(tokens)]
+        seen, num_seen = followed
+        if len(tokens) < num_seen:  # rolled back: start over
+            seen.clear()
+            seen.update(tokens[:-1])
+        else:
+            seen.update(tokens[num_seen - 1:-1])
+        followed[1] = len(tokens)
+        self._has_proposal[seq] = tokens[-1] in seen
 
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
@@ -112,6 +127,7 @@ class Speculator:
     def forget(self, seq: Sequence) -> None:
         self._ngrams.pop(seq, None)
         self._has_proposal.pop(seq, None)
+        self._followed.pop(seq, None)
         self.lengths.forget(seq)
         if self.draft_runner is not None:
             self.draft_runner.forget(seq)
