@@ -338,18 +338,15 @@ class DynamicGenerator:
         verify = [i for i, c in enumerate(chunks) if c.verify]
         device = logits.device
         plain_chunks, verify_chunks = [chunks[i] for i in plain], [chunks[i] for i in verify]
+        plain_logits = logits[to_device([rows[i] for i in plain], torch.int64, device)] if plain else None
+        verify_rows = [[rows[i] + j for j in range(chunks[i].num_logits)] for i in verify]
+        verify_logits = logits[to_device([r for row in verify_rows for r in row], torch.int64, device)]
         try:
-            sampled = None
-            if plain:
-                index = to_device([rows[i] for i in plain], torch.int64, device)
-                sampled = runner.sample(plain_chunks, logits[index])
-            index = to_device([rows[i] + j for i in verify for j in range(chunks[i].num_logits)], torch.int64,
-                              device)
-            verified = runner.verify(verify_chunks, logits[index], draft_probs)
-        except Exception as error:  # noqa: BLE001 - this step's sampled jobs fail; the generator goes on
-            logger.exception("sampling a verify step failed")
-            return emitter.emit(self.pipeline.take_staged()) + [emitter.fail(c.seq, error) for c in chunks
-                                                                if c.seq.is_live]
+            sampled = runner.sample(plain_chunks, plain_logits) if plain else None
+            verified = runner.verify(verify_chunks, verify_logits, draft_probs)
+        except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
+            return emitter.emit(self.pipeline.take_staged()) + isolation.verify_each(
+                runner, emitter, plain_chunks, plain_logits, verify_chunks, verify_logits, draft_probs, error)
         tick = stats.lap("sample", tick)
         results = emitter.emit(self.pipeline.take_staged()) if self.pipeline.overlap_emit else []
         staged = emitter.stage_all(plain_chunks, sampled.read()) if sampled is not None else []

@@ -437,3 +437,27 @@ def test_ngram_observation_agrees_with_the_drafter():
             index.extend(seq.token_ids)
             assert spec._has_proposal[seq] == bool(index.propose(1)), (trial, seq.token_ids)
             seq.token_ids = seq.token_ids + [rng.randrange(12)]
+
+
+def test_a_verify_row_that_fails_fails_its_job_alone(peaked, monkeypatch):
+    """A job whose verification raises fails with its error; the other jobs of the step finish as without it."""
+    from folio.runner import ModelRunner
+
+    token_lists = repetitive_prompts(peaked.tokenizer, 3)
+    want = run_greedy(peaked.generator(), token_lists, max_new_tokens=12)
+    gen = peaked.generator(**NGRAM)
+    jobs = make_jobs(token_lists, max_new_tokens=12)
+    bad = jobs[1]
+    original = ModelRunner.verify
+
+    def verify(self, chunks, logits, draft_probs=None):
+        if any(c.seq.job is bad for c in chunks):
+            raise RuntimeError("bad row")
+        return original(self, chunks, logits, draft_probs)
+
+    monkeypatch.setattr(ModelRunner, "verify", verify)
+    results = run_to_end(gen, jobs)
+    final = results[bad.serial][-1]
+    assert final.eos and isinstance(final.error, RuntimeError)
+    assert [jobs[0].generated_ids, jobs[2].generated_ids] == [want[0], want[2]]
+    assert gen.cache_manager.num_in_use == 0
