@@ -6,7 +6,9 @@ prompt chunk the target ingests is ingested here too (`mirror`), and every slot 
 copy-on-write carry over page for page. Decode rows are not mirrored (that would cost a draft forward per token of
 sequences that are not drafting); the first forward of a draft pass catches a sequence up instead, from the first
 position whose draft K/V may be missing or stale, and always feeds at least the last two tokens so that every row of
-that forward has the same shape in the common case (a captured graph serves it).
+that forward has the same shape in the common case (a captured graph serves it). What the draft cache holds only
+ever changes the drafts, never the output: a page reused from the prefix cache whose tokens were generated while
+their sequence was not drafting has no draft K/V for them, and drafts over it are accepted less.
 
 A draft pass for rows with k_i drafts: one forward of each row's catch-up tokens, then k_max - 1 forwards of one
 token per still-drafting row. Greedy jobs draft the argmax; sampled jobs draw from q, the draft's distribution under
