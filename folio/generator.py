@@ -253,13 +253,12 @@ class DynamicGenerator:
             plan, logits, error = self.scheduler.plan(drafts), None, None
         results = emitter.started_results(plan)
         tick = stats.lap("plan", tick)
-        draft_probs = None
         if ahead is None:
             if plan.empty:
                 results += emitter.emit(self.pipeline.take_staged())
                 return results + self._fail_unadmittable(results)
             if self.speculator is not None:
-                draft_probs = self._draft(plan)
+                self._draft(plan)
                 tick = stats.lap("draft", tick)
             try:
                 logits, stats.used_graph = self.runner.forward(plan)
@@ -275,19 +274,18 @@ class DynamicGenerator:
         results += emitter.prefill_results(plan)
         sampled = [c for c in plan.chunks if c.wants_logits]
         if any(c.verify for c in sampled):
-            return results + self._verify_and_emit(sampled, logits, draft_probs, stats, tick)
+            return results + self._verify_and_emit(sampled, logits, stats, tick)
         if sampled:
             return results + self._sample_and_emit(sampled, logits, stats, tick)
         return results + emitter.emit(self.pipeline.take_staged())
 
-    def _draft(self, plan) -> list | None:
+    def _draft(self, plan) -> None:
         """Drafts into the plan's verify rows; on failure the rows decode without them."""
         try:
-            return self.speculator.fill(plan)
+            self.speculator.fill(plan)
         except Exception:  # noqa: BLE001 - drafting is an optimisation: the step goes on without it
             logger.exception("drafting failed; this step decodes without drafts")
             plan.chunks = [Chunk(c.seq, c.start, c.end) if c.verify else c for c in plan.chunks]
-            return None
 
     def _fail_unadmittable(self, results: list[Result]) -> list[Result]:
         """Nothing ran, nothing is running and jobs wait: the first of them does not fit even an empty cache (the
@@ -325,8 +323,8 @@ class DynamicGenerator:
         stats.lap("emit", tick)
         return results
 
-    def _verify_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, draft_probs: list | None,
-                         stats: StepStats, tick: float) -> list[Result]:
+    def _verify_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
+                         tick: float) -> list[Result]:
         """A step with verify rows: plain rows are sampled, verify rows rejection-sampled; nothing is launched
         ahead (the next step's drafts depend on what is accepted now)."""
         emitter, runner = self.emitter, self.runner
@@ -343,10 +341,10 @@ class DynamicGenerator:
         verify_logits = logits[to_device([r for row in verify_rows for r in row], torch.int64, device)]
         try:
             sampled = runner.sample(plain_chunks, plain_logits) if plain else None
-            verified = runner.verify(verify_chunks, verify_logits, draft_probs)
+            verified = runner.verify(verify_chunks, verify_logits)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
             return emitter.emit(self.pipeline.take_staged()) + isolation.verify_each(
-                runner, emitter, plain_chunks, plain_logits, verify_chunks, verify_logits, draft_probs, error)
+                runner, emitter, plain_chunks, plain_logits, verify_chunks, verify_logits, error)
         tick = stats.lap("sample", tick)
         results = emitter.emit(self.pipeline.take_staged()) if self.pipeline.overlap_emit else []
         staged = emitter.stage_all(plain_chunks, sampled.read()) if sampled is not None else []

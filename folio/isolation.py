@@ -55,18 +55,17 @@ def sample_each(runner: ModelRunner, emitter: Emitter, chunks: list[Chunk], logi
 
 
 def verify_each(runner: ModelRunner, emitter: Emitter, plain: list[Chunk], plain_logits: torch.Tensor | None,
-                verify: list[Chunk], verify_logits: torch.Tensor, draft_probs: list | None,
-                error: Exception) -> list[Result]:
+                verify: list[Chunk], verify_logits: torch.Tensor, error: Exception) -> list[Result]:
     """Sampling a step with verify rows failed: the plain rows one by one (sample_each), then each verify row
     alone; only the jobs whose own row fails again fail."""
     results = sample_each(runner, emitter, plain, plain_logits, error) if plain else []
     logger.warning("verifying a step failed (%s); verifying its %d rows one by one", error, len(verify))
     offset = 0
-    for k, chunk in enumerate(verify):
+    for chunk in verify:
         rows = verify_logits[offset:offset + chunk.num_logits]
         offset += chunk.num_logits
         try:
-            tokens = runner.verify([chunk], rows, None if draft_probs is None else [draft_probs[k]]).read()[0]
+            tokens = runner.verify([chunk], rows).read()[0]
         except Exception as own:  # noqa: BLE001 - this row's job fails, the others go on
             results.append(emitter.fail(chunk.seq, own))
             continue

@@ -244,11 +244,10 @@ class ModelRunner:
 
     # --- verification (speculative decoding) ---
 
-    def verify(self, chunks: Seq[Chunk], logits: torch.Tensor,
-               draft_probs: Seq[torch.Tensor | None] | None = None) -> VerifiedStep:
-        """Rejection-sample the drafts of verify rows `chunks` (logits: every position of each, concatenated).
-        draft_probs[i]: the drafter's distributions at chunk i's drafted positions ([k_i, V]), None for point
-        masses. The drafts are appended to the penalty histories (tokens after an accepted prefix are overwritten
+    def verify(self, chunks: Seq[Chunk], logits: torch.Tensor) -> VerifiedStep:
+        """Rejection-sample the drafts of verify rows `chunks` (logits: every position of each, concatenated)
+        against each chunk's draft_probs (the drafter's distributions at its drafted positions, [k, V]; None for
+        point masses). The drafts are appended to the penalty histories (tokens after an accepted prefix are overwritten
         when the sequence gets there)."""
         seqs = [c.seq for c in chunks]
         rows, draft_ids, u_accept, u_residual, keys, lengths = [], [], [], [], [], []
@@ -267,12 +266,13 @@ class ModelRunner:
                                        to_device(list(chunk.drafts), torch.int64, logits.device))
         device = logits.device
         drafted = to_device(draft_ids, torch.int64, device)
-        if _plain_greedy_width(rows, logits.shape[1]) is not None and not any(p is not None for p in draft_probs or ()):
+        draft_probs = [c.draft_probs for c in chunks]
+        if _plain_greedy_width(rows, logits.shape[1]) is not None and all(p is None for p in draft_probs):
             return VerifiedStep(chunks, greedy_verdicts(logits, drafted, self.vocab_size))
         seeds = [k.job.seed for k in keys]
         draws = to_device(uniforms(seeds, u_accept) + uniforms(seeds, u_residual), torch.float64, device)
         probs = probabilities(logits.float(), rows, self._penalty_windows(keys, logits.shape[1], lengths))
-        q = self._draft_distributions(chunks, draft_probs, drafted, probs.shape[1]) if draft_probs else None
+        q = self._draft_distributions(chunks, draft_probs, drafted, probs.shape[1])
         return VerifiedStep(chunks, verdicts(probs, drafted, q, draws[:len(rows)], draws[len(rows):]))
 
     @staticmethod
@@ -289,8 +289,8 @@ class ModelRunner:
                 block[:k, : given.shape[1]] = given[:k]
             parts.append(block)
         q = torch.cat(parts)
-        point = torch.tensor([p is None for c, p in zip(chunks, draft_probs) for _ in range(len(c.drafts) + 1)],
-                             device=drafted.device)
+        point = to_device([int(p is None) for c, p in zip(chunks, draft_probs) for _ in range(len(c.drafts) + 1)],
+                          torch.int64, drafted.device).bool()
         point &= drafted >= 0
         one_hot = torch.zeros_like(q).scatter_(1, drafted.clamp(min=0)[:, None], 1.0)
         return torch.where(point[:, None], one_hot, q)

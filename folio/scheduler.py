@@ -38,6 +38,8 @@ class Chunk:
     end: int
     verify: bool = False  # a row of drafted tokens: logits for each of its tokens
     drafts: tuple[int, ...] = ()  # (a verify row's; accepted ones join the sequence after sampling)
+    # the drafter's distributions at the drafted positions (a [k, V] device tensor, opaque here); None: point masses
+    draft_probs: object = None
 
     @property
     def stop(self) -> int:

@@ -450,10 +450,10 @@ def test_a_verify_row_that_fails_fails_its_job_alone(peaked, monkeypatch):
     bad = jobs[1]
     original = ModelRunner.verify
 
-    def verify(self, chunks, logits, draft_probs=None):
+    def verify(self, chunks, logits):
         if any(c.seq.job is bad for c in chunks):
             raise RuntimeError("bad row")
-        return original(self, chunks, logits, draft_probs)
+        return original(self, chunks, logits)
 
     monkeypatch.setattr(ModelRunner, "verify", verify)
     results = run_to_end(gen, jobs)

@@ -60,16 +60,15 @@ class Speculator:
                 planned[seq] = proposal
         return planned
 
-    def fill(self, plan: StepPlan) -> list:
-        """Draft into the plan's verify rows (a draft model's pass). Returns, per verify row, the drafter's
-        distributions at its drafted positions (None: point masses)."""
+    def fill(self, plan: StepPlan) -> None:
+        """Draft into the plan's verify rows (a draft model's pass): their drafts, and the drafter's distributions
+        at them for sampled jobs."""
         chunks = [c for c in plan.chunks if c.verify]
         if self.draft_runner is None or not chunks:
-            return [None] * len(chunks)
+            return
         out = self.draft_runner.draft(chunks, [len(c.drafts) for c in chunks])
-        for chunk, ids in zip(chunks, out.token_ids):
-            chunk.drafts = tuple(ids)
-        return out.probs
+        for chunk, ids, probs in zip(chunks, out.token_ids, out.probs):
+            chunk.drafts, chunk.draft_probs = tuple(ids), probs
 
     def settle(self, chunk: Chunk, num_accepted: int) -> None:
         num_drafted = len(chunk.drafts)
