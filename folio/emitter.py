@@ -23,6 +23,7 @@ class StagedToken:
     token_id: int
     extras: TokenExtras
     failure: Result | None = None  # the job failed at staging: emit this result instead
+    filter_ended: bool = False  # the job's filter completed its output with this token
 
 
 class Emitter:
@@ -82,15 +83,30 @@ class Emitter:
         leaves the scheduler now. Its text and result come at emission."""
         job = seq.job
         if token_id < 0:
-            return StagedToken(seq, token_id, extras, failure=self.fail(seq, RuntimeError(
-                "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
+            return StagedToken(seq, token_id, extras, failure=self.fail(seq, self._nothing_to_pick(seq)))
+        filter_ended = False
+        if job.active_filters():
+            try:
+                filter_ended = job.feed_filters(token_id)
+            except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
+                return StagedToken(seq, token_id, extras, failure=self.fail(seq, error))
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
         self.stats.num_sampled += 1
-        if seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
+        if filter_ended or seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
             self.scheduler.remove(seq)
             seq.status = SeqStatus.FINISHED
-        return StagedToken(seq, token_id, extras)
+        return StagedToken(seq, token_id, extras, filter_ended=filter_ended)
+
+    def _nothing_to_pick(self, seq: Sequence) -> BaseException:
+        error = self.runner.mask_errors.pop(seq, None)
+        if error is not None:
+            return error
+        if seq.job.active_filters():
+            return RuntimeError("the job's filters allow no token here (with its blocked tokens, bias and "
+                                "vocabulary): generation cannot continue under its constraints")
+        return RuntimeError("every token was masked for this job (blocked tokens, bias and vocabulary leave "
+                            "nothing)")
 
     def emit(self, staged: list[StagedToken]) -> list[Result]:
         """Hand staged tokens to their jobs (stop checks, text); results in staging order."""
@@ -103,7 +119,7 @@ class Emitter:
             if job not in self.live:
                 continue  # cancelled or failed since it was staged
             try:
-                result = job.receive_token(entry.token_id, entry.extras)
+                result = job.receive_token(entry.token_id, entry.extras, entry.filter_ended)
             except Exception as error:  # noqa: BLE001 - one job's failure must not take down the batch
                 results.append(self.fail(seq, error))
                 continue

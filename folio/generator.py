@@ -18,6 +18,7 @@ import torch
 
 from folio import convenience, isolation
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
+from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
 from folio.job import DynamicJob, JobState
 from folio.kv_cache import Cache
@@ -112,6 +113,8 @@ class DynamicGenerator:
         self.pipeline = LaunchAhead(decode_ahead=graphs if decode_ahead is None else bool(decode_ahead),
                                     prefill_ahead=bool(prefill_ahead),
                                     overlap_emit=graphs if overlap_emit is None else bool(overlap_emit))
+        self.masks = MaskWorker(self.vocab_size, tokenizer.eos_token_ids)
+        self.runner.masks = self.masks
         self.emitter = Emitter(self.scheduler, self.runner, self.speculator)
         self._serials = itertools.count()
         self._deferred: list[Result] = []  # results of other jobs collected while generate() ran
@@ -144,6 +147,8 @@ class DynamicGenerator:
 
     def _enqueue_one(self, job: DynamicJob) -> int:
         self.validate_job(job)
+        for f in job.filters:
+            f.bind(self.tokenizer, self.vocab_size)  # compiles: a grammar that does not raises FilterError here
         if self.max_queued_jobs is not None and self.num_pending_jobs() >= self.max_queued_jobs:
             raise QueueFull(f"the generator's queue is full ({self.max_queued_jobs} waiting jobs); "
                             f"raise max_queued_jobs or wait for jobs to start")
@@ -253,6 +258,8 @@ class DynamicGenerator:
             plan, logits, error = self.scheduler.plan(drafts), None, None
         results = emitter.started_results(plan)
         tick = stats.lap("plan", tick)
+        # masks of filtered sequences sampling this step, computed while the forward runs
+        self.masks.prepare([c.seq for c in plan.chunks if c.wants_logits])
         if ahead is None:
             if plan.empty:
                 results += emitter.emit(self.pipeline.take_staged())
@@ -315,6 +322,7 @@ class DynamicGenerator:
         results = emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else []
         tick = stats.lap("emit", tick)
         staged = emitter.stage_all(chunks, sampled.read())
+        self.masks.prepare([c.seq for c in chunks])  # the next step's masks, while its forward runs
         tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit:
             pipeline.staged = staged

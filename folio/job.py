@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from folio.constrain.base import Filter
 from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
@@ -63,6 +64,20 @@ def _as_token_list(input_ids: Any) -> list[int]:
     return ids
 
 
+def _as_filters(filters: Any) -> tuple[Filter, ...]:
+    if isinstance(filters, Filter):
+        filters = (filters,)
+    if filters is None or isinstance(filters, (str, bytes)) or not isinstance(filters, Iterable):
+        raise TypeError("filters must be a list of folio.constrain.Filter objects")
+    filters = tuple(filters)
+    for f in filters:
+        if not isinstance(f, Filter):
+            raise TypeError(f"filters must hold folio.constrain.Filter objects, got {type(f).__name__}")
+    if len({id(f) for f in filters}) < len(filters):
+        raise ValueError("filters: the same Filter object appears twice (a filter keeps one job's state)")
+    return filters
+
+
 class DynamicJob:
     """One generation request.
 
@@ -70,6 +85,9 @@ class DynamicJob:
     empty list to disable stopping on EOS. Stop tokens are blocked while fewer than `min_new_tokens` tokens have been
     sampled; stop strings always apply.
     `max_skips`: how many times later jobs may be admitted ahead of this one while it waits for room (None: no limit).
+    `filters`: folio.constrain.Filter objects (each belongs to this job) that constrain every sampled token; the
+    job ends with EOS reason "end_filter" when one's output is complete. `filter_prefer_eos`: when a filter
+    allows an EOS token, pick it (end as early as the filter allows).
     """
 
     def __init__(
@@ -86,6 +104,8 @@ class DynamicJob:
         return_top_tokens: int = 0,
         return_logits: bool = False,
         max_skips: int | None = 4,
+        filters: Sequence[Filter] = (),
+        filter_prefer_eos: bool = False,
     ):
         self.input_ids = _as_token_list(input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -108,6 +128,8 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_logits = return_logits
         self.max_skips = max_skips
+        self.filters = _as_filters(filters)
+        self.filter_prefer_eos = bool(filter_prefer_eos)
         self.stop_tokens, self.stop_strings = self._split_stop_conditions(stop_conditions)
         self._stop_on_eos = stop_conditions is None
 
@@ -150,6 +172,28 @@ class DynamicJob:
                 raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
         return frozenset(tokens), tuple(strings)
 
+    # --- constraints ---
+
+    def active_filters(self) -> tuple[Filter, ...]:
+        """The filters that constrain this job's next token (their bitmasks are intersected)."""
+        return self.filters
+
+    @property
+    def takes_drafts(self) -> bool:
+        """Speculative decoding may draft for this job: not when it reports per-token probabilities, top tokens
+        or logits (those are reported for the sampled token of a one-token row), nor when filters constrain it
+        (a mask is computed per sampled position, from the filter's state after the previous token)."""
+        return not (self.return_probs or self.return_top_tokens or self.return_logits or self.filters)
+
+    def feed_filters(self, token_id: int) -> bool:
+        """The engine sampled token_id for this job: advance its filters. True when a filter's output is complete
+        (the job ends with EOS reason "end_filter"). A token a filter rejects raises FilterError."""
+        finished = False
+        for f in self.active_filters():
+            f.feed(token_id)
+            finished |= f.is_finished()
+        return finished
+
     # --- lifecycle, driven by the generator ---
 
     def bind(self, serial: int, tokenizer: Tokenizer) -> None:
@@ -188,9 +232,11 @@ class DynamicJob:
         return PrefillResult(job=self, serial=self.serial, identifier=self.identifier,
                              curr_progress=curr_progress, max_progress=max_progress)
 
-    def receive_token(self, token_id: int, extras: TokenExtras) -> StreamingResult:
+    def receive_token(self, token_id: int, extras: TokenExtras, filter_ended: bool = False) -> StreamingResult:
         """Run one sampled token through stop checks and the text pipeline; return its result (eos set when the
-        job ends). Stop tokens are not part of the text; text held before them is released."""
+        job ends). Stop tokens are not part of the text; text held before them is released. filter_ended: the
+        job's filter completed with this token (EOS reason "end_filter"; a stop token that completes it is not part
+        of the text either)."""
         now = time.monotonic()
         if self.time_first_token is None:
             self.time_first_token = now
@@ -204,7 +250,8 @@ class DynamicJob:
         if token_id in self.stop_tokens:
             event = self._text.flush()
             result = self._released(event.text, event.token_ids)
-            return self._finish(result, EosReason.STOP_TOKEN, token_id=token_id)
+            reason = EosReason.END_FILTER if filter_ended else EosReason.STOP_TOKEN
+            return self._finish(result, reason, token_id=token_id)
 
         self._held.append(extras)
         event = self._text.push(token_id)
@@ -212,10 +259,10 @@ class DynamicJob:
         if event.stop_string is not None:
             result.held_text = event.held_text
             return self._finish(result, EosReason.STOP_STRING, string=event.stop_string)
-        if self.new_tokens >= self.max_new_tokens:
+        if filter_ended or self.new_tokens >= self.max_new_tokens:
             tail = self._text.flush()
             self._merge(result, self._released(tail.text, tail.token_ids))
-            return self._finish(result, EosReason.MAX_NEW_TOKENS)
+            return self._finish(result, EosReason.END_FILTER if filter_ended else EosReason.MAX_NEW_TOKENS)
         return result
 
     def error_result(self, error: BaseException) -> StreamingResult:

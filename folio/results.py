@@ -26,6 +26,7 @@ class EosReason(str, enum.Enum):
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"
     MAX_NEW_TOKENS = "max_new_tokens"
+    END_FILTER = "end_filter"  # the job's filter completed its output
     # The job failed (its error is in `StreamingResult.error`); the generator keeps serving the other jobs.
     ERROR = "error"
 

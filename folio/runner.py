@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from folio.constrain.masks import MaskWorker
 from folio.kv_cache import Cache
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.decode_graphs import DecodeGraphs
@@ -120,6 +121,9 @@ class ModelRunner:
         self._histories = DeviceHistories(model.device)  # prompt + sampled ids of sequences with penalties
         # called with (plan, num_fed) before each forward: a draft model follows the target's cache with it
         self.on_forward: Callable[[StepPlan, int], None] | None = None
+        # the token bitmasks of filtered jobs (set by the generator), and the errors their filters raised
+        self.masks: MaskWorker | None = None
+        self.mask_errors: dict[Sequence, BaseException] = {}
 
     def _capture_graphs(self, cuda_graphs: bool | None, max_rows: int, max_seq_len: int) -> DecodeGraphs | None:
         on_cuda = self.model.device.type == "cuda"
@@ -138,6 +142,9 @@ class ModelRunner:
 
     def remove_sequence(self, seq: Sequence) -> None:
         self._histories.remove(seq)
+        self.mask_errors.pop(seq, None)
+        if self.masks is not None:
+            self.masks.forget(seq)
 
     # --- the forward ---
 
@@ -201,13 +208,25 @@ class ModelRunner:
         jobs = [s.job for s in seqs]
         draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
         rows = [self._row_params(s, u, s.num_sampled) for s, u in zip(seqs, draws)]
+        allowed = self._allowed(seqs, logits.device)
         # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
         # overwrites only after this step's sampler in stream order) are read by nothing else
         output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True,
-                        ops=self.model.ops)
+                        ops=self.model.ops, allowed=allowed)
         self._record_sampled(seqs, output.token_ids)
         return SampledStep(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
                            [i for i, j in enumerate(jobs) if j.return_logits])
+
+    def _allowed(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:
+        """The rows' filter bitmasks (None: no row is filtered); a filter that raised leaves its row nothing to
+        pick, and its error for the emitter."""
+        if self.masks is None:
+            return None
+        allowed, errors = self.masks.collect(seqs, device)
+        for seq, error in zip(seqs, errors):
+            if error is not None:
+                self.mask_errors[seq] = error
+        return allowed
 
     def _row_params(self, seq: Sequence, u: float, token_idx: int) -> RowParams:
         """The sampler row of seq's token_idx-th generated token."""

@@ -31,7 +31,8 @@ def set_bits(row: np.ndarray, token_ids: Iterable[int]) -> None:
         return
     bits = np.zeros(row.size * 32, dtype=bool)
     bits[ids] = True
-    row[:] = np.packbits(bits.reshape(-1, 8), axis=1, bitorder="little").view(np.int32).reshape(-1)
+    # little-endian words: bit b of byte j of word w is token 32 w + 8 j + b
+    row[:] |= np.packbits(bits, bitorder="little").view("<i4")
 
 
 class FilterError(ValueError):

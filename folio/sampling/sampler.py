@@ -23,6 +23,7 @@ import torch
 
 from folio.ops import DEFAULT as DEFAULT_OPS
 from folio.ops import OpSet
+from folio.sampling.bitmask import apply_bitmask
 from folio.sampling.host import to_device
 from folio.sampling.penalties import History, apply_penalties, history_windows, window_size
 from folio.sampling.settings import SamplerSettings
@@ -134,7 +135,7 @@ def _first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: torch.Tensor | None = None,
-           in_place: bool = False, ops: OpSet | None = None) -> SampleOutput:
+           in_place: bool = False, ops: OpSet | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] fp32 (left unchanged unless in_place) following each row's
     RowParams. penalty_windows: the rows' penalty ids already on the device ([B, width], see
     DeviceHistories.windows, with V as the padding id), used instead of the rows' history_ids.
@@ -142,8 +143,15 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
     in a copy (at batch 256 of a 128k vocabulary the copy moves 262 MB, ~60-90 us of a decode step) -- unless a
     row returns its processed logits, which then stay in a copy of their own.
     ops: where the native sampling kernels come from (the model's op set; None: folio.ops.DEFAULT, backend
-    "auto")."""
+    "auto").
+    allowed: [B, W] int32 token bitmask on the logits' device (folio.sampling.bitmask; filters): tokens whose bit
+    is clear are never picked. Applied first, so the penalties and bias of masked tokens do not matter."""
     _check_call(logits, rows)
+    if allowed is not None:
+        if not in_place:
+            logits, in_place = logits.clone(), True
+        with torch.inference_mode(logits.is_inference()):  # a forward's output may be an inference tensor
+            apply_bitmask(logits, allowed)
     num_columns = logits.shape[1]
     width = _plain_greedy_width(rows, num_columns)
     if width is not None:

@@ -1,0 +1,96 @@
+"""MaskWorker: the token bitmasks of filtered jobs, computed on CPU threads while the device runs the forward.
+
+A sequence's mask depends only on its filters' state, which changes when a token is fed (at staging). The
+generator asks for masks twice: right after staging (while the launched-ahead forward runs) and right after
+planning a step (for sequences about to sample their first token). Each request runs on the worker pool; `collect`
+waits for the ones the step samples and hands the sampler one [B, W] int32 bitmask on the device. A request made
+before the last feed is stale and is recomputed (each is tagged with the sequence's sampled-token count).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from folio.constrain.base import bitmask_words
+from folio.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class MaskWorker:
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int], max_workers: int | None = None):
+        self.vocab_size = vocab_size
+        self.num_words = bitmask_words(vocab_size)
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        workers = max_workers if max_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="folio-masks")
+        self._pending: dict[Sequence, tuple[int, Future]] = {}
+
+    @staticmethod
+    def constrained(seq: Sequence) -> bool:
+        return bool(seq.job.active_filters())
+
+    def prepare(self, seqs: Seq[Sequence]) -> None:
+        """Start computing the next-token masks of the constrained, live sequences among seqs."""
+        for seq in seqs:
+            if not seq.is_live or not self.constrained(seq):
+                continue
+            pending = self._pending.get(seq)
+            if pending is not None and pending[0] == seq.num_sampled:
+                continue
+            self._pending[seq] = (seq.num_sampled, self._pool.submit(self.mask_row, seq))
+
+    def collect(self, seqs: Seq[Sequence], device: torch.device
+                ) -> tuple[torch.Tensor | None, list[BaseException | None]]:
+        """The rows' masks, [len(seqs), W] int32 on `device` (unconstrained rows: all bits set), or None when no row
+        is constrained; and per row the error its filter raised (its row is then all clear: nothing to pick)."""
+        if not any(self.constrained(s) for s in seqs):
+            return None, [None] * len(seqs)
+        masks = np.full((len(seqs), self.num_words), -1, dtype=np.int32)
+        errors: list[BaseException | None] = [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            if not self.constrained(seq):
+                continue
+            pending = self._pending.pop(seq, None)
+            try:
+                if pending is not None and pending[0] == seq.num_sampled:
+                    masks[i] = pending[1].result()
+                else:
+                    masks[i] = self.mask_row(seq)
+            except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
+                errors[i] = error
+                masks[i] = 0
+        pinned = torch.from_numpy(masks)
+        if device.type == "cuda":
+            pinned = pinned.pin_memory()
+        return pinned.to(device, non_blocking=True), errors
+
+    def mask_row(self, seq: Sequence) -> np.ndarray:
+        """One sequence's next-token mask: the intersection of its filters' bitmasks (on a worker thread)."""
+        job = seq.job
+        row = np.full(self.num_words, -1, dtype=np.int32)
+        scratch = np.zeros(self.num_words, dtype=np.int32)
+        for f in job.active_filters():
+            scratch[:] = 0
+            f.fill_bitmask(scratch)
+            row &= scratch
+        if job.filter_prefer_eos:
+            allowed_eos = [t for t in self.eos_token_ids if row[t // 32] >> (t % 32) & 1]
+            if allowed_eos:
+                row[:] = 0
+                for t in allowed_eos:
+                    row[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(1 << 31))
+        return row
+
+    def forget(self, seq: Sequence) -> None:
+        self._pending.pop(seq, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
