@@ -111,10 +111,10 @@ def test_error_in_one_job_fails_only_that_job(peaked, monkeypatch):
                                     stop_conditions=[])
         original = bad.job.receive_token
 
-        def explode(token_id, extras):
+        def explode(token_id, extras, *rest):
             if bad.job.new_tokens == 3:
                 raise RuntimeError("filter blew up")
-            return original(token_id, extras)
+            return original(token_id, extras, *rest)
 
         bad.job.receive_token = explode
         good_task = asyncio.create_task(collect(good))
