@@ -4,6 +4,8 @@
 #   bash bench/gpu.sh            # from anywhere; needs python3 with torch (CUDA), pip, nvcc, ninja, pybind11, pytest
 #   ENGINE_BENCH=1 bash bench/gpu.sh     # then also the engine benchmark (bench/engine.py, its table last)
 #   ENGINE_BENCH=only bash bench/gpu.sh  # the engine benchmark instead of the kernel one; ENGINE_ARGS passes options
+#   ENGINE_BENCH=only EXTRA_BENCH="bench/constrained.py --batches 1,64" bash bench/gpu.sh
+#                                        # a feature benchmark instead (its table last)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -51,7 +53,13 @@ if [ "${ENGINE_BENCH:-0}" != "only" ]; then
   cat "$OUT/bench.log" | tail -45
 fi
 engine_rc=
-if [ "${ENGINE_BENCH:-0}" != "0" ]; then
+extra_rc=
+if [ -n "${EXTRA_BENCH:-}" ]; then
+  # shellcheck disable=SC2086  # EXTRA_BENCH is a script and its options
+  "$PY" ${EXTRA_BENCH} >"$OUT/extra.log" 2>&1
+  extra_rc=$?
+  tail -30 "$OUT/extra.log"
+elif [ "${ENGINE_BENCH:-0}" != "0" ]; then
   # shellcheck disable=SC2086  # ENGINE_ARGS is a list of options
   "$PY" bench/engine.py ${ENGINE_ARGS:-} >"$OUT/engine.log" 2>&1
   engine_rc=$?
@@ -61,4 +69,4 @@ echo "---"
 echo "build (sm_${FOLIO_CUDA_ARCHS/./}, $MAX_JOBS jobs): ${build_s} s"
 echo "native gpu tests (rc $native_rc): $(tail -1 "$OUT/pytest-native.log")"
 echo "other gpu tests (rc $others_rc): $(tail -1 "$OUT/pytest-gpu-others.log")"
-echo "bench rc $bench_rc${engine_rc:+; engine bench rc $engine_rc}; logs in $OUT"
+echo "bench rc $bench_rc${engine_rc:+; engine bench rc $engine_rc}${extra_rc:+; $EXTRA_BENCH rc $extra_rc}; logs in $OUT"

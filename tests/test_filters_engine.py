@@ -120,3 +120,32 @@ def test_filters_are_refused_when_not_filters():
     f = Subset({1})
     with pytest.raises(ValueError, match="twice"):
         folio.DynamicJob(input_ids=[1, 2], max_new_tokens=3, filters=[f, f])
+
+
+def test_bitmask_applies_on_every_cpu_path():
+    """sample(allowed=...) on the CPU: greedy rows pick the argmax over the allowed tokens, sampled rows (and rows
+    asking for top tokens) only allowed tokens; bits past the last word mask their columns."""
+    import random
+
+    import torch
+
+    from folio.constrain.base import bitmask_words, set_bits
+    from folio.sampling import RowParams, SamplerSettings, sample
+
+    num_rows, num_columns = 24, 1000
+    logits = torch.randn(num_rows, num_columns, generator=torch.Generator().manual_seed(0)) * 3
+    rng = random.Random(1)
+    masks = torch.zeros(num_rows, bitmask_words(num_columns), dtype=torch.int32)
+    allowed = []
+    for b in range(num_rows):
+        ids = rng.sample(range(num_columns), rng.choice([1, 3, 40]))
+        allowed.append(set(ids))
+        set_bits(masks[b].numpy(), ids)
+    variants = [SamplerSettings.greedy(), SamplerSettings(temperature=1.0, top_k=0, top_p=1.0), SamplerSettings()]
+    rows = [RowParams(variants[b % 3], (b * 0.37) % 1.0, return_top_tokens=b % 2) for b in range(num_rows)]
+    before = logits.clone()
+    out = sample(logits, rows, allowed=masks).token_ids.tolist()
+    assert torch.equal(logits, before)  # not in place: the caller's logits are untouched
+    assert all(t in allowed[b] for b, t in enumerate(out))
+    for b in range(0, num_rows, 3):
+        assert out[b] == max(allowed[b], key=lambda t: logits[b, t].item())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,11 @@ class MaskWorker:
         workers = max_workers if max_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="folio-masks")
         self._pending: dict[Sequence, tuple[int, Future]] = {}
+        # totals since construction, for benchmarks: masks made, worker seconds making them, and seconds the step
+        # waited for them in collect (the part not hidden behind the forward)
+        self.num_masks = 0
+        self.mask_s = 0.0
+        self.wait_s = 0.0
 
     @staticmethod
     def constrained(seq: Sequence) -> bool:
@@ -52,6 +58,7 @@ class MaskWorker:
         is constrained; and per row the error its filter raised (its row is then all clear: nothing to pick)."""
         if not any(self.constrained(s) for s in seqs):
             return None, [None] * len(seqs)
+        start = time.perf_counter()
         masks = np.full((len(seqs), self.num_words), -1, dtype=np.int32)
         errors: list[BaseException | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
@@ -66,6 +73,7 @@ class MaskWorker:
             except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
                 errors[i] = error
                 masks[i] = 0
+        self.wait_s += time.perf_counter() - start
         pinned = torch.from_numpy(masks)
         if device.type == "cuda":
             pinned = pinned.pin_memory()
@@ -73,6 +81,7 @@ class MaskWorker:
 
     def mask_row(self, seq: Sequence) -> np.ndarray:
         """One sequence's next-token mask: the intersection of its filters' bitmasks (on a worker thread)."""
+        start = time.perf_counter()
         job = seq.job
         row = np.full(self.num_words, -1, dtype=np.int32)
         scratch = np.zeros(self.num_words, dtype=np.int32)
@@ -86,6 +95,8 @@ class MaskWorker:
                 row[:] = 0
                 for t in allowed_eos:
                     row[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(1 << 31))
+        self.num_masks += 1  # (+= from worker threads: a benchmark's counter, not exact under races)
+        self.mask_s += time.perf_counter() - start
         return row
 
     def forget(self, seq: Sequence) -> None:

@@ -1,0 +1,197 @@
+"""Constrained decoding benchmark (issue 20): an 8B-shape model decoding under a JSON schema against the same model
+decoding without one, at batch 1 and 64, in one process on one card.
+
+    python bench/constrained.py [--batches 1,64] [--new-tokens 256] [--prompt-len 128] [--tokenizer tekken.json]
+    python bench/constrained.py --device cpu --tiny      (a smoke test of the script itself, no GPU)
+
+The vocabulary is a real 131,072-token one (the Tekken tokenizer file shipped in mistral_common's wheel, --tokenizer;
+ids 0-999 its special tokens), so the grammar engine computes masks over the vocabulary size the issue names; the
+model is the 8B shape of bench/engine.py with its vocabulary resized to match, random bf16 weights.
+
+The schema (SCHEMA below: an object holding an array of at least 40 records of integers, bounded strings, enums
+and numbers) cannot be completed within --new-tokens, so every constrained job runs the same number of steps as
+an unconstrained one: the runs compare the same work. Sampling is folio's default (temperature 0.8, top-k 50,
+top-p 0.8, repetition penalty 1.025).
+
+Measured over the decode steps in which every job of the batch samples (no prompt tokens): tokens/s = sampled
+tokens / summed step wall time. Runs alternate plain, constrained, plain, constrained; each ratio is constrained
+over the mean of the plain runs. Mask time: the worker threads' time per mask (one job's next-token bitmask), and
+the time per step the step waited for masks (what the forward did not hide). Targets: ratio >= 0.9 at batch 64,
+>= 0.95 at batch 1. Prints one table last; writes $OUT/constrained.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine as bench_engine  # noqa: E402  (bench/engine.py: models, prompts, logging)
+
+from folio import DynamicJob, SamplerSettings, Tokenizer  # noqa: E402
+from folio.constrain import JsonSchemaFilter  # noqa: E402
+
+log = bench_engine.log
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array", "minItems": 40,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0},
+                    "name": {"type": "string", "maxLength": 24},
+                    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                    "score": {"type": "number"},
+                },
+                "required": ["id", "name", "tags", "score"], "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["records"], "additionalProperties": False,
+}
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """The byte -> printable character map of byte-level BPE (GPT-2's): printable Latin-1 bytes stand for
+    themselves, the others are shifted past 255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tekken_tokenizer(path: Path) -> Tokenizer:
+    """A folio Tokenizer over the Tekken vocabulary: its byte strings as byte-level BPE pieces (no merges: encoding
+    yields single bytes, which is all a benchmark prompt needs; decoding and the token bytes the grammar engine
+    reads are exact). Ids 0-999 are the special tokens, 1 BOS and 2 EOS."""
+    data = json.loads(path.read_text())
+    num_special = data["config"]["default_num_special_tokens"]
+    vocab_size = data["config"]["default_vocab_size"]
+    alphabet = byte_level_alphabet()
+    vocab = {}
+    for entry in data["vocab"][: vocab_size - num_special]:
+        piece = "".join(alphabet[b] for b in base64.b64decode(entry["token_bytes"]))
+        vocab[piece] = entry["rank"] + num_special
+    specials = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, num_special)]
+    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, s in enumerate(specials)]
+    vocab.update({s: i for i, s in enumerate(specials)})
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {"type": "BPE", "vocab": vocab, "merges": [], "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": False,
+                  "byte_fallback": False, "ignore_merges": False},
+    }
+    return Tokenizer(json.dumps(spec), bos_token_id=1, eos_token_ids=[2], pad_token_id=None)
+
+
+def run(gen, prompts, new_tokens: int, constrained: bool, batch: int) -> dict:
+    settings = SamplerSettings()
+    jobs = [DynamicJob(input_ids=p, max_new_tokens=new_tokens, stop_conditions=[], gen_settings=settings, seed=i,
+                       filters=[JsonSchemaFilter(SCHEMA)] if constrained else [])
+            for i, p in enumerate(prompts)]
+    masks = gen.masks
+    masks_before = (masks.num_masks, masks.mask_s, masks.wait_s)
+    gen.enqueue(jobs)
+    full_steps, full_tokens, full_s, steps = 0, 0, 0.0, 0
+    wait_before = masks.wait_s
+    while gen.num_remaining_jobs():
+        t0 = time.perf_counter()
+        results, stats = gen.step()
+        dt = time.perf_counter() - t0
+        steps += 1
+        for r in results:
+            if getattr(r, "error", None) is not None:
+                raise r.error
+            if getattr(r, "eos", False) and constrained and r.eos_reason.value != "max_new_tokens":
+                raise RuntimeError(f"a constrained job ended early ({r.eos_reason}): the schema must outlast "
+                                   "--new-tokens so that both runs do the same work")
+        if stats.num_prompt_tokens == 0 and stats.num_sampled == batch:
+            full_steps += 1
+            full_tokens += stats.num_sampled
+            full_s += dt
+    wait_s = masks.wait_s - wait_before
+    num_masks = masks.num_masks - masks_before[0]
+    text = jobs[0].full_completion
+    return {"tokens_per_s": full_tokens / full_s if full_s else 0.0, "full_steps": full_steps, "steps": steps,
+            "step_ms": 1e3 * full_s / max(1, full_steps),
+            "mask_us_per_token": 1e6 * (masks.mask_s - masks_before[1]) / num_masks if num_masks else None,
+            "mask_wait_ms_per_step": 1e3 * wait_s / max(1, steps) if constrained else None,
+            "sample": text[:120]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test of the script)")
+    parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "scratch" / "tekken_240911.json"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tokenizer = tekken_tokenizer(Path(args.tokenizer))
+    shape = "tiny" if args.tiny else "8B"
+    bench_engine.SHAPES[shape]["vocab_size"] = tokenizer.vocab_size
+    pair = bench_engine.build_pair(shape, device)
+    pair.tokenizer = tokenizer
+    table = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = bench_engine.random_prompts(batch, [args.prompt_len], tokenizer.vocab_size - 1000, seed=batch)
+        prompts = [[t + 1000 for t in p] for p in prompts]  # no special tokens in prompts
+        gen, cache = bench_engine.make_generator(pair, batch, args.prompt_len + args.new_tokens + 16, batch)
+        run(gen, prompts, 8, constrained=True, batch=batch)  # warm-up: graphs, compile, the grammar cache
+        run(gen, prompts, 8, constrained=False, batch=batch)
+        plain, constrained = [], []
+        for _ in range(2):
+            plain.append(run(gen, prompts, args.new_tokens, False, batch))
+            constrained.append(run(gen, prompts, args.new_tokens, True, batch))
+        plain_tps = sum(r["tokens_per_s"] for r in plain) / len(plain)
+        for r in constrained:
+            r["ratio"] = r["tokens_per_s"] / plain_tps
+        row = {"batch": batch, "plain_tokens_per_s": plain_tps, "plain": plain, "constrained": constrained,
+               "ratio": sum(r["ratio"] for r in constrained) / len(constrained),
+               "target": 0.9 if batch > 1 else 0.95, "mask_workers": gen.masks._pool._max_workers}
+        log(f"batch {batch}: {json.dumps(row)[:600]}")
+        table.append(row)
+        del gen, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT", "."))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    (out / "constrained.json").write_text(json.dumps({"device": device_name, "rows": table}, indent=1))
+    print(f"\nconstrained decoding, {shape} shape, vocabulary {tokenizer.vocab_size}, {device_name}, "
+          f"{os.cpu_count()} CPUs")
+    print("| batch | plain tok/s | JSON-schema tok/s | ratio | target | mask us/token (worker) | mask wait ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for row in table:
+        c = row["constrained"]
+        tps = sum(r["tokens_per_s"] for r in c) / len(c)
+        mask_us = sum(r["mask_us_per_token"] or 0 for r in c) / len(c)
+        wait = sum(r["mask_wait_ms_per_step"] or 0 for r in c) / len(c)
+        print(f"| {row['batch']} | {row['plain_tokens_per_s']:.1f} | {tps:.1f} | {row['ratio']:.3f} | "
+              f">= {row['target']} | {mask_us:.1f} | {wait:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
