@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from folio.job import DynamicJob, JobState, TokenExtras
 from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
+from folio.sampling.state import observe_sampled
 from folio.scheduler import Chunk, Scheduler, StepPlan
 from folio.sequence import SeqStatus, Sequence
 from folio.speculative.speculator import Speculator
@@ -86,6 +87,7 @@ class Emitter:
                 "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
+        observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu)
         self.stats.num_sampled += 1
         if seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
             self.scheduler.remove(seq)

@@ -422,6 +422,7 @@ def test_ngram_observation_agrees_with_the_drafter():
 
     class Job:
         return_probs = return_top_tokens = return_logits = False
+        gen_settings = folio.SamplerSettings()
 
     class Seq:
         job = Job()

@@ -121,7 +121,8 @@ class Speculator:
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
         job = seq.job
-        return not (job.return_probs or job.return_top_tokens or job.return_logits)
+        return not (job.return_probs or job.return_top_tokens or job.return_logits
+                    or not job.gen_settings.speculation_safe)
 
     def forget(self, seq: Sequence) -> None:
         self._ngrams.pop(seq, None)
