@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio.constrain.base import FilterError
 from folio.job import DynamicJob, JobState, TokenExtras
 from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
+from folio.sampling.state import observe_sampled
 from folio.scheduler import Chunk, Scheduler, StepPlan
 from folio.sequence import SeqStatus, Sequence
 from folio.speculative.speculator import Speculator
@@ -92,6 +94,7 @@ class Emitter:
                 return StagedToken(seq, token_id, extras, failure=self.fail(seq, error))
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
+        observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu)
         self.stats.num_sampled += 1
         if filter_ended or seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
             self.scheduler.remove(seq)
@@ -103,7 +106,7 @@ class Emitter:
         if error is not None:
             return error
         if seq.job.active_filters():
-            return RuntimeError("the job's filters allow no token here (with its blocked tokens, bias and "
+            return FilterError("the job's filters allow no token here (with its blocked tokens, bias and "
                                 "vocabulary): generation cannot continue under its constraints")
         return RuntimeError("every token was masked for this job (blocked tokens, bias and vocabulary leave "
                             "nothing)")

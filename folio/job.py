@@ -182,8 +182,10 @@ class DynamicJob:
     def takes_drafts(self) -> bool:
         """Speculative decoding may draft for this job: not when it reports per-token probabilities, top tokens
         or logits (those are reported for the sampled token of a one-token row), nor when filters constrain it
-        (a mask is computed per sampled position, from the filter's state after the previous token)."""
-        return not (self.return_probs or self.return_top_tokens or self.return_logits or self.filters)
+        (a mask is computed per sampled position, from the filter's state after the previous token), nor when its
+        sampling keeps state from token to token (mirostat, DRY, skew: verify rows do not apply them)."""
+        return not (self.return_probs or self.return_top_tokens or self.return_logits or self.filters
+                    or not self.gen_settings.speculation_safe)
 
     def feed_filters(self, token_id: int) -> bool:
         """The engine sampled token_id for this job: advance its filters. True when a filter's output is complete

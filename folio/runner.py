@@ -20,6 +20,7 @@ from folio.model.model import Model
 from folio.sampling import RowParams, sample
 from folio.sampling.device_history import DeviceHistories
 from folio.sampling.distribution import probabilities
+from folio.sampling.dry import breakers_for
 from folio.sampling.host import to_device
 from folio.sampling.penalties import window_size
 from folio.sampling.rng import uniforms
@@ -214,7 +215,9 @@ class ModelRunner:
         output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True,
                         ops=self.model.ops, allowed=allowed)
         self._record_sampled(seqs, output.token_ids)
-        return SampledStep(output, any(j.return_probs for j in jobs), any(j.return_top_tokens for j in jobs),
+        # mirostat's state advances with the sampled token's probability, at staging
+        return SampledStep(output, any(j.return_probs or j.gen_settings.mirostat for j in jobs),
+                           any(j.return_top_tokens for j in jobs),
                            [i for i, j in enumerate(jobs) if j.return_logits])
 
     def _allowed(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:
@@ -233,9 +236,11 @@ class ModelRunner:
         job = seq.job
         return RowParams.unchecked(
             settings=job.gen_settings, u=u,
-            history_ids=(),  # the penalties read the device histories (see _penalty_windows)
+            # the penalties read the device histories (see _penalty_windows); DRY reads the host's
+            history_ids=seq.token_ids if job.gen_settings.dry_active else (),
             blocked_ids=tuple(job.stop_tokens) if token_idx < job.min_new_tokens else (),
-            vocab_size=self.vocab_size, return_top_tokens=job.return_top_tokens, return_logits=job.return_logits)
+            vocab_size=self.vocab_size, return_top_tokens=job.return_top_tokens, return_logits=job.return_logits,
+            state=seq.sampler_state, dry_breakers=breakers_for(job))
 
     def _penalty_windows(self, seqs: list[Sequence], num_columns: int,
                          lengths: list[int] | None = None) -> torch.Tensor | None:

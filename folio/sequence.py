@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from folio.job import DynamicJob
+    from folio.sampling.state import SamplerState
 
 
 class SeqStatus(enum.Enum):
@@ -55,6 +56,7 @@ class Sequence:
 
     # --- sampling (DynamicGenerator) ---
     num_sampled: int = 0  # tokens sampled so far; ahead of job.new_tokens while tokens wait to be emitted
+    sampler_state: SamplerState | None = None  # per-job sampler state (mirostat's mu): kept across preemption
 
     @property
     def prompt_len(self) -> int:

@@ -2,8 +2,9 @@
 
 Speculative decoding needs the distribution itself, not a draw from it: a drafted token is accepted with a
 probability that compares the target's probability of it with the drafter's. The steps are `sample()`'s (penalties,
-bias, blocked tokens, vocabulary mask, then temperature, top-k, top-p, min-p), so a draw from these rows is a draw
-from the sampler.
+bias, blocked tokens, DRY, vocabulary mask, then temperature, top-k, top-p, min-p and the extended samplers), so a
+draw from these rows is a draw from the sampler -- except for skew, which changes the draw rather than the
+distribution, and mirostat, whose mu comes from the rows' states (jobs with either do not take drafts).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from folio.sampling.dry import apply_dry
 from folio.sampling.host import to_device
 from folio.sampling.penalties import apply_penalties
 from folio.sampling.sampler import RowParams, _apply_bias_and_blocks, _pick_params, _plain_greedy_width, truncated_probs
@@ -29,6 +31,7 @@ def final_logits(logits: torch.Tensor, rows: Sequence[RowParams],
     else:
         apply_penalties(work, settings, windows=penalty_windows)
     _apply_bias_and_blocks(work, rows)
+    apply_dry(work, rows, num_columns)
     x = work[:, :num_columns]
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, x.device)

@@ -1,22 +1,29 @@
 """Batched sampling on the logits' device, each row with its own settings.
 
-Order of operations per row (the reference's, with the common top-p definition):
-  repetition / frequency / presence penalties -> token bias -> blocked tokens (-inf) -> mask beyond the real vocab
-  -> greedy rows: argmax; other rows: temperature -> softmax over the top-k -> top-p -> min-p -> renormalise
+Order of operations per row (the reference's, with the common top-p definition and the intended semantics where
+the reference has bugs):
+  repetition / frequency / presence penalties -> token bias -> blocked tokens (-inf) -> DRY -> mask beyond the real
+  vocab -> greedy rows: argmax; other rows: temperature (unless temperature_last) and quadratic smoothing -> softmax
+  over the top-k -> top-p -> min-p -> top-a -> tail-free -> locally typical -> mirostat (each renormalised)
+  -> temperature_last, then dynamic temperature (p^(1/T) renormalised) -> XTC (in expectation) -> skew on the draw
   -> inverse-CDF pick with the row's uniform draw over the candidates sorted by probability.
+The stages after min-p are folio.sampling.truncation's; DRY is folio.sampling.dry's; mirostat's mu comes from the
+row's SamplerState (folio.sampling.state: the caller advances it with the sampled token's probability).
 
 All rows are processed together with tensor ops; per-row parameters travel to the device as a few small tensors
 built once per call (pinned, non-blocking on CUDA). Nothing here reads a device value back to the host: the caller
 does that when it reads `token_ids`.
 
 The native sampling kernels come from an op set (folio.ops.OpSet; a model's `ops`): under backend "reference", or
-where the op set has no native kernel for the logits' device, the torch code below runs instead.
+where the op set has no native kernel for the logits' device, the torch code below runs instead. The native kernel
+knows temperature, top-k, top-p and min-p only: rows that use an extended sampler take the torch code (a batch with
+both kinds of rows is split in two).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +31,12 @@ import torch
 from folio.ops import DEFAULT as DEFAULT_OPS
 from folio.ops import OpSet
 from folio.sampling.bitmask import apply_bitmask
+from folio.sampling.dry import apply_dry
 from folio.sampling.host import to_device
 from folio.sampling.penalties import History, apply_penalties, history_windows, window_size
 from folio.sampling.settings import SamplerSettings
+from folio.sampling.state import SamplerState
+from folio.sampling.truncation import ExtendedParams, after_truncation, extended_params, pre_softmax, skewed
 
 # Mass within this distance of top_p counts as reaching it: fp32 sums of probabilities that are exactly p in
 # exact arithmetic land a few ulps either side of it.
@@ -39,12 +49,14 @@ class RowParams:
 
     settings: the job's SamplerSettings.
     u: the job's uniform draw for this token, in [0, 1) (see folio.sampling.rng).
-    history_ids: prompt + generated token ids, oldest first, for the penalties (ids outside the logits are ignored):
-        a sequence of ints, or a 1-D int64 CPU tensor (cheaper to window than a long Python list).
+    history_ids: prompt + generated token ids, oldest first, for the penalties and DRY (ids outside the logits are
+        ignored): a sequence of ints, or a 1-D int64 CPU tensor (cheaper to window than a long Python list).
     blocked_ids: token ids that must not be picked (e.g. stop tokens below min_new_tokens).
     vocab_size: number of real vocabulary entries; logits at and beyond it are masked (None: all columns are real).
     return_top_tokens: how many of the most probable final candidates to report.
     return_logits: report the processed logits (after penalties, bias and masks, before temperature).
+    state: the job's sampler state (mirostat's mu; None: a fresh one).
+    dry_breakers: token ids that break DRY matches (folio.sampling.dry.breaker_ids).
     """
 
     settings: SamplerSettings
@@ -54,15 +66,19 @@ class RowParams:
     vocab_size: int | None = None
     return_top_tokens: int = 0
     return_logits: bool = False
+    state: SamplerState | None = None
+    dry_breakers: Collection[int] = frozenset()
 
     @classmethod
     def unchecked(cls, settings: SamplerSettings, u: float, history_ids: History, blocked_ids: Sequence[int],
-                  vocab_size: int | None, return_top_tokens: int, return_logits: bool) -> RowParams:
+                  vocab_size: int | None, return_top_tokens: int, return_logits: bool,
+                  state: SamplerState | None = None, dry_breakers: Collection[int] = frozenset()) -> RowParams:
         """A row built from values the caller has already validated (the generator: a validated job's
         settings, its own draws), without __post_init__'s checks: it builds one per sequence per step."""
         row = object.__new__(cls)
         row.__dict__.update(settings=settings, u=u, history_ids=history_ids, blocked_ids=blocked_ids,
-                            vocab_size=vocab_size, return_top_tokens=return_top_tokens, return_logits=return_logits)
+                            vocab_size=vocab_size, return_top_tokens=return_top_tokens, return_logits=return_logits,
+                            state=state, dry_breakers=dry_breakers)
         return row
 
     def __post_init__(self) -> None:
@@ -162,7 +178,11 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
         pickable = values > -math.inf  # False for rows of -inf (nothing to pick) or NaN, as in _pick
         return SampleOutput(torch.where(pickable, ids, -1), pickable.float())
     if logits.device.type == "cuda" and not any(row.return_top_tokens for row in rows):
-        native = _sample_native(ops if ops is not None else DEFAULT_OPS, logits, rows, penalty_windows, in_place)
+        extended = [row.settings.uses_extended_samplers for row in rows]
+        if any(extended) and not all(extended) and not any(row.return_logits for row in rows):
+            return _sample_split(logits, rows, extended, penalty_windows, ops)
+        ops = ops if ops is not None else DEFAULT_OPS
+        native = None if any(extended) else _sample_native(ops, logits, rows, penalty_windows, in_place)
         if native is not None:
             return native
     # Working copy with one extra column: scatters aim the entries they must skip at it.
@@ -172,6 +192,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
     else:
         apply_penalties(work, [row.settings for row in rows], windows=penalty_windows)
     _apply_bias_and_blocks(work, rows)
+    apply_dry(work, rows, num_columns)
     x = work[:, :num_columns]
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, x.device)
@@ -216,12 +237,28 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         ops.apply_penalties(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
                  ints[:, 7].contiguous(), ints[:, 8].contiguous())
     _apply_bias_and_blocks(work, rows)
+    apply_dry(work, rows, num_columns)
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
         work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
     token_ids, token_probs = ops.sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
                                          floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
     return SampleOutput(token_ids, token_probs, None, None, work if return_logits else None)
+
+
+def _sample_split(logits: torch.Tensor, rows: Sequence[RowParams], extended: list[bool],
+                  penalty_windows: torch.Tensor | None, ops: OpSet | None) -> SampleOutput:
+    """Rows with extended samplers through the torch code, the others through the native kernels; merged."""
+    token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    token_probs = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
+    for flag in (True, False):
+        picked = [b for b, e in enumerate(extended) if e is flag]
+        index = to_device(picked, torch.int64, logits.device)
+        windows = None if penalty_windows is None else penalty_windows[index]
+        part = sample(logits[index], [rows[b] for b in picked], windows, in_place=True, ops=ops)
+        token_ids.index_copy_(0, index, part.token_ids)
+        token_probs.index_copy_(0, index, part.token_probs)
+    return SampleOutput(token_ids, token_probs)
 
 
 # The native penalty kernel reads at most this many ids per row (its shared-memory bound).
@@ -235,7 +272,7 @@ def _plain_greedy_width(rows: Sequence[RowParams], num_columns: int) -> int | No
     for row in rows:
         s = row.settings
         if (not s.is_greedy or s.penalty_window != 0 or s.token_bias or row.blocked_ids or row.return_top_tokens
-                or row.return_logits):
+                or row.return_logits or s.dry_active):
             return None
         row_width = min(row.vocab_size or num_columns, num_columns)
         if width is not None and row_width != width:
@@ -285,6 +322,7 @@ class _PickParams:
     u: torch.Tensor
     any_greedy: bool
     max_top_k: int | None  # None: some row has top-k off and needs the full sort
+    extended: ExtendedParams | None = None  # the extended samplers' parameters (None: no row uses any)
 
 
 def _per_row_settings(rows: Sequence[RowParams], entry, device: torch.device
@@ -315,7 +353,8 @@ def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.devi
     return _PickParams(temperature=columns[0], top_p=columns[1], min_p=columns[2],
                        top_k=torch.where(columns[3] == 0, float(num_columns), columns[3]), u=u[:, None],
                        any_greedy=any(t is _GREEDY for t in table),
-                       max_top_k=None if 0 in top_ks else max(top_ks))
+                       max_top_k=None if 0 in top_ks else max(top_ks),
+                       extended=extended_params(rows, _per_row_settings, num_columns, device))
 
 
 def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...]:
@@ -325,12 +364,13 @@ def _pick(x: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, ...
     p = _pick_params(rows, x.shape[1], device)
     probs, candidate_ids, pickable = truncated_probs(x, rows, p)
 
-    # Inverse CDF. Kept candidates form a prefix (each truncation keeps a prefix of the sorted order), so clamping
-    # to the last non-zero entry guards against u * total rounding up to the very end.
+    # Inverse CDF (zero-probability candidates are never picked); clamping to the last non-zero entry guards
+    # against u * total rounding up to the very end. A row without one (NaN probabilities) gets -1: an error.
     cdf = probs.cumsum(dim=1)
-    picked = torch.searchsorted(cdf, p.u * cdf[:, -1:], right=True)
-    num_nonzero = (probs > 0).sum(dim=1, keepdim=True)
-    picked = torch.minimum(picked, num_nonzero - 1)
+    picked = torch.searchsorted(cdf, skewed(p.u, p.extended) * cdf[:, -1:], right=True)
+    nonzero = probs > 0
+    last_nonzero = probs.shape[1] - 1 - nonzero.flip(1).to(torch.int8).argmax(dim=1, keepdim=True)
+    picked = torch.minimum(picked, torch.where(nonzero.any(dim=1, keepdim=True), last_nonzero, -1))
     token_ids = candidate_ids.gather(1, picked).squeeze(1)
     token_probs = probs.gather(1, picked).squeeze(1)
 
@@ -369,7 +409,7 @@ def truncated_probs(x: torch.Tensor, rows: Sequence[RowParams], p: _PickParams |
 
     # A row whose logits are all -inf has nothing to pick; compute on zeros to keep NaNs out, report -1 below.
     pickable = sorted_logits[:, 0] > -math.inf
-    scaled = torch.where(pickable[:, None], sorted_logits, 0.0) / p.temperature
+    scaled = pre_softmax(torch.where(pickable[:, None], sorted_logits, 0.0), p.temperature, p.extended)
     rank = torch.arange(sorted_logits.shape[1], device=device)[None, :]
     probs = torch.softmax(scaled.masked_fill(rank >= p.top_k, -math.inf), dim=1)
 
@@ -379,4 +419,6 @@ def truncated_probs(x: torch.Tensor, rows: Sequence[RowParams], p: _PickParams |
     keep &= probs >= p.min_p * probs[:, 0:1]
     probs = probs * keep
     probs = probs / probs.sum(dim=1, keepdim=True)
+    if p.extended is not None:
+        probs, candidate_ids = after_truncation(probs, candidate_ids, p.extended)
     return probs, candidate_ids, pickable
