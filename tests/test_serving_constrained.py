@@ -364,3 +364,225 @@ def test_filter_that_allows_nothing_fails_only_its_request(engine, monkeypatch):
     assert isinstance(stuck, InvalidRequest) and stuck.field == "response_format.grammar", stuck
     assert "after 3 generated tokens" in str(stuck)
     assert sum(len(c.token_ids) for c in other) == 12 and other[-1].finish is not None
+
+
+# --- through a real server (gRPC) ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pytest.importorskip("ray.serve")
+    grpc = pytest.importorskip("grpc")
+    from fakes import free_port
+
+    from folio.demo import write_demo_model
+    from folio.serve import local
+    from folio.serve.config import ServeConfig
+
+    model_dir = write_demo_model(tmp_path_factory.mktemp("constrained") / "demo-model")
+    config = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.5, ingress_num_cpus=0.2, num_replicas=1,
+                         cache_tokens=2048, page_size=16, max_batch_size=8, max_queue_size=8,
+                         grpc_port=free_port(), http_port=free_port(), app_name="constrained")
+    local.start_cluster(config)
+    try:
+        local.deploy(config)
+        channel = grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}")
+        yield {"config": config, "channel": channel, "model_dir": model_dir}
+        channel.close()
+    finally:
+        local.shutdown()
+
+
+def _call(served, message, unary=True):
+    from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.GenerationStub(served["channel"])
+    md = (("application", "constrained"),)
+    if unary:
+        return stub.GenerateUnary(message, metadata=md, timeout=60)
+    return list(stub.Generate(message, metadata=md, timeout=60))
+
+
+def _greedy_message(text="Once upon a time", **fields):
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    message = pb.GenerateRequest(text=text, stop_on_eos=False, **fields)
+    message.sampler.temperature, message.sampler.top_k = 0.0, 1
+    return message
+
+
+def _status(served, message):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        _call(served, message)
+    return info.value.code(), info.value.details()
+
+
+def _no_whitespace_bias(message, model_dir):
+    """Bans every token with whitespace in it: JSON never needs any, and a random model could pad forever."""
+    from folio import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    for token_id in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token_id])
+        if text and any(c.isspace() for c in text):
+            message.sampler.token_bias[token_id] = -math.inf
+
+
+@pytest.mark.ray
+def test_server_json_schema(served):
+    import jsonschema
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    message = _greedy_message(max_new_tokens=64, filter_prefer_eos=True)
+    message.stop_on_eos = True
+    message.response_format.json_schema = json.dumps(SCHEMA)
+    _no_whitespace_bias(message, served["model_dir"])
+    result = _call(served, message)
+    jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert result.finish.reason in (pb.FINISH_REASON_END_FILTER, pb.FINISH_REASON_STOP_TOKEN)
+
+
+@pytest.mark.ray
+def test_server_regex_choice_and_grammar(served):
+    import re
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    message = _greedy_message(max_new_tokens=16)
+    message.response_format.regex = "[a-c]{3}-[0-9]{2}"
+    messages = _call(served, message, unary=False)
+    text = "".join(m.text for m in messages)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", text), text
+    assert messages[-1].finish.reason == pb.FINISH_REASON_END_FILTER
+
+    message = _greedy_message(max_new_tokens=16)
+    message.response_format.choice.options.extend(["north", "south", "east", "west"])
+    result = _call(served, message)
+    assert result.text in ("north", "south", "east", "west")
+    assert result.finish.reason == pb.FINISH_REASON_END_FILTER
+
+    message = _greedy_message(max_new_tokens=16)
+    message.response_format.grammar = 'start: answer "!"\nanswer: "yes" | "no"'
+    result = _call(served, message)
+    assert result.text in ("yes!", "no!") and result.finish.reason == pb.FINISH_REASON_END_FILTER
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("kind, spec, cls", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}}),
+     "JsonSchemaFilter"),
+    ("regex", "(ab", "RegexFilter"),
+    ("grammar", "start: undefined_rule", "GrammarFilter"),
+])
+def test_server_constraint_that_does_not_compile_is_invalid_argument(served, kind, spec, cls):
+    """The details carry the engine compiler's own message (what FilterError says here, in the test process)."""
+    import grpc
+
+    import folio.constrain
+    from folio import Tokenizer
+
+    compiler_message = None
+    try:
+        getattr(folio.constrain, cls)(spec).bind(Tokenizer.from_pretrained(served["model_dir"]), 1000)
+    except FilterError as e:
+        compiler_message = str(e)
+    assert compiler_message, f"{cls} compiled {spec!r}"
+    message = _greedy_message(max_new_tokens=8)
+    setattr(message.response_format, kind, spec)
+    code, details = _status(served, message)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"response_format.{kind}: {compiler_message}"
+
+
+@pytest.mark.ray
+def test_server_rejects_bad_constraint_fields_naming_them(served):
+    import grpc
+
+    message = _greedy_message(max_new_tokens=8)
+    message.response_format.json_schema = "{not json"
+    code, details = _status(served, message)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("response_format.json_schema: ")
+    message = _greedy_message(max_new_tokens=8)
+    message.sampler.cfg_scale = 2.0
+    code, details = _status(served, message)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("cfg_scale: ")
+    for name, value in (("mirostat", 3), ("dry_base", 0.5), ("xtc_probability", 2.0), ("top_a", -1.0)):
+        message = _greedy_message(max_new_tokens=8)
+        setattr(message.sampler, name, value)
+        code, details = _status(served, message)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(name + ": "), (name, details)
+
+
+@pytest.mark.ray
+def test_server_filter_dead_end_fails_only_its_request(served):
+    """A choice whose every first token is banned by the request's own bias: nothing to pick at the first step."""
+    import grpc
+
+    from folio import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(served["model_dir"])
+    stuck = _greedy_message(max_new_tokens=8)
+    stuck.response_format.choice.options.append("abc")
+    for token_id in range(tokenizer.vocab_size):
+        if tokenizer.decode([token_id]).startswith("a"):
+            stuck.sampler.token_bias[token_id] = -math.inf
+    code, details = _status(served, stuck)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("response_format.choice: "), details
+    assert len(_call(served, _greedy_message(max_new_tokens=8)).token_ids) == 8  # the replica serves on
+
+
+@pytest.mark.ray
+def test_server_banned_strings(served):
+    plain = _call(served, _greedy_message(max_new_tokens=24))
+    banned = plain.text[4:7]  # greedy: the unbanned completion would contain it at the same place
+    assert len(banned) == 3
+    message = _greedy_message(max_new_tokens=24, banned_strings=[banned])
+    messages = _call(served, message, unary=False)
+    text = "".join(m.text for m in messages)
+    assert banned not in text
+    assert "".join(m.suppressed_text for m in messages), "the suppressed text is reported"
+    unary = _call(served, message)
+    assert unary.text == text and unary.suppressed_text == "".join(m.suppressed_text for m in messages)
+
+
+@pytest.mark.ray
+def test_server_token_healing(served):
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    result = _call(served, _greedy_message("Once upon a ti", max_new_tokens=8, token_healing=True))
+    assert result.finish.reason == pb.FINISH_REASON_MAX_NEW_TOKENS and result.token_ids
+
+
+@pytest.mark.ray
+def test_server_cfg(served):
+    plain = _call(served, _greedy_message(max_new_tokens=12))
+    same = _greedy_message(max_new_tokens=12, negative_text="It was a dark and stormy night")
+    same.sampler.cfg_scale = 1.0  # the positive logits alone
+    assert list(_call(served, same).token_ids) == list(plain.token_ids)
+    guided = _greedy_message(max_new_tokens=12, negative_text="It was a dark and stormy night")
+    guided.sampler.cfg_scale = 3.0
+    result = _call(served, guided)
+    assert len(result.token_ids) == 12
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("settings", [
+    {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2},
+    {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_range": 64},
+    {"xtc_threshold": 0.1, "xtc_probability": 0.5, "min_temp": 0.5, "max_temp": 1.5, "temperature_last": True,
+     "top_a": 0.1, "tfs": 0.95, "typical": 0.9, "smoothing_factor": 0.2, "skew": 0.1, "temp_exponent": 1.5},
+])
+def test_server_new_samplers_produce_results(served, settings):
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    message = pb.GenerateRequest(text="Once upon a time", max_new_tokens=10, stop_on_eos=False, seed=7)
+    message.sampler.temperature = 1.0
+    for name, value in settings.items():
+        setattr(message.sampler, name, value)
+    if "dry_multiplier" in settings:
+        message.sampler.dry_sequence_breakers.values.extend(["\n", "."])
+    first, second = _call(served, message), _call(served, message)
+    assert len(first.token_ids) == 10 and list(first.token_ids) == list(second.token_ids)  # seeded
