@@ -77,6 +77,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS token")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                     help="the completion is JSON valid under this JSON Schema file")
+    fmt.add_argument("--regex", default=None, help="the completion matches this regular expression")
+    fmt.add_argument("--grammar", type=Path, default=None, metavar="FILE", help="a Lark grammar file")
+    fmt.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                     help="the completion is one of these (repeatable)")
+    gen.add_argument("--ban", action="append", default=[], metavar="TEXT", help="banned string (repeatable)")
+    gen.add_argument("--token-healing", action="store_true")
+    gen.add_argument("--negative-prompt", default=None, help="classifier-free guidance's negative prompt")
+    gen.add_argument("--cfg-scale", type=float, default=None)
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     gen.set_defaults(handler=_cmd_generate)
     return parser
@@ -152,9 +163,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     options = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
                "stop_strings": args.stop, "stop_on_eos": not args.ignore_eos, "seed": args.seed}
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "cfg_scale"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    from folio.serve.schema import ResponseFormat
+
+    if args.json_schema is not None:
+        options["response_format"] = ResponseFormat(json_schema=args.json_schema.read_text())
+    elif args.regex is not None:
+        options["response_format"] = ResponseFormat(regex=args.regex)
+    elif args.grammar is not None:
+        options["response_format"] = ResponseFormat(grammar=args.grammar.read_text())
+    elif args.choice is not None:
+        options["response_format"] = ResponseFormat(choice=args.choice)
+    options.update(banned_strings=args.ban, token_healing=args.token_healing, negative_text=args.negative_prompt)
     target = f"{args.host}:{args.port}"
     with GrpcClient(target, app_name=args.app, timeout_s=args.timeout) as client:
         try:

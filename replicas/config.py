@@ -75,6 +75,9 @@ class ServeConfig:
     routing_stats_period_s / routing_stats_timeout_s: how often Serve polls each replica's record_routing_stats
         (the digest routers rank by), and how long one poll may take.
     warmup: run a short generation when a replica starts.
+    max_constraint_chars: the largest constraint a request may carry, in characters: its response_format (JSON
+        Schema text, pattern, grammar, or all its choices) and its banned_strings together. Larger ones fail with
+        INVALID_ARGUMENT at the ingress, before a replica spends time compiling them.
     """
 
     model_path: str = "demo-model"
@@ -110,6 +113,7 @@ class ServeConfig:
     routing_stats_period_s: float = 1.0
     routing_stats_timeout_s: float = 5.0
     warmup: bool = True
+    max_constraint_chars: int = 65536
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -169,6 +173,7 @@ class ServeConfig:
             raise ConfigError("router_options: keys must be option names (strings)")
         _positive("routing_stats_period_s", self.routing_stats_period_s)
         _positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
+        _positive("max_constraint_chars", self.max_constraint_chars)
 
     def _check_deployment(self) -> None:
         _positive("num_replicas", self.num_replicas)

@@ -52,3 +52,15 @@ class InternalError(RequestError):
     """A bug; the server log has the details, keyed by the request id in the message."""
 
     status = "INTERNAL"
+
+
+class Unimplemented(RequestError):
+    """The request uses a feature this server's engine lacks; `field` names it (like InvalidRequest's)."""
+
+    status = "UNIMPLEMENTED"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.args = (field, problem)
+        self.field = field
+        self.problem = problem

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 from folio import EosReason
 from folio.proto.folio.v1 import generation_pb2 as pb
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import (
     DEFAULT_MAX_NEW_TOKENS,
+    RESPONSE_FORMATS,
     SAMPLER_FIELDS,
+    SAMPLER_LIST_FIELDS,
     Chunk,
     Completion,
     Finish,
     GenerationRequest,
     ModelInfo,
+    ResponseFormat,
     Sampling,
     Timings,
     TopTokens,
@@ -23,6 +28,7 @@ FINISH_REASONS = {
     EosReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
     EosReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
     EosReason.MAX_NEW_TOKENS: pb.FINISH_REASON_MAX_NEW_TOKENS,
+    EosReason.END_FILTER: pb.FINISH_REASON_END_FILTER,
 }
 EOS_REASONS = {value: key for key, value in FINISH_REASONS.items()}
 
@@ -33,6 +39,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerationRequest:
     prompt = message.WhichOneof("prompt")
     if prompt is None:
         raise InvalidRequest("prompt", "give exactly one of text and token_ids")
+    negative = message.WhichOneof("negative_prompt")
     return GenerationRequest(
         text=message.text if prompt == "text" else None,
         token_ids=list(message.token_ids.ids) if prompt == "token_ids" else None,
@@ -48,11 +55,30 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerationRequest:
         decode_special_tokens=message.decode_special_tokens,
         return_probs=message.return_probs,
         return_top_tokens=message.return_top_tokens,
+        response_format=response_format_from_proto(message.response_format)
+        if message.HasField("response_format") else None,
+        filter_prefer_eos=message.filter_prefer_eos,
+        banned_strings=tuple(message.banned_strings),
+        token_healing=message.token_healing,
+        negative_text=message.negative_text if negative == "negative_text" else None,
+        negative_token_ids=list(message.negative_token_ids.ids) if negative == "negative_token_ids" else None,
     )
 
 
+def response_format_from_proto(message: pb.ResponseFormat) -> ResponseFormat:
+    kind = message.WhichOneof("format")
+    if kind is None:
+        raise InvalidRequest("response_format", "give exactly one of " + ", ".join(RESPONSE_FORMATS))
+    if kind == "choice":
+        return ResponseFormat(choice=tuple(message.choice.options))
+    return ResponseFormat(**{kind: getattr(message, kind)})
+
+
 def sampling_from_proto(message: pb.SamplerSettings) -> Sampling:
-    values = {name: getattr(message, name) for name in SAMPLER_FIELDS if message.HasField(name)}
+    values: dict = {name: getattr(message, name) for name in SAMPLER_FIELDS if message.HasField(name)}
+    for name in SAMPLER_LIST_FIELDS:
+        if message.HasField(name):
+            values[name] = tuple(getattr(message, name).values)
     return Sampling(**values, token_bias=dict(message.token_bias))
 
 
@@ -62,7 +88,8 @@ def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
         stop_strings=list(request.stop_strings), stop_token_ids=list(request.stop_token_ids),
         stop_on_eos=request.stop_on_eos, encode_special_tokens=request.encode_special_tokens,
         decode_special_tokens=request.decode_special_tokens, return_probs=request.return_probs,
-        return_top_tokens=request.return_top_tokens)
+        return_top_tokens=request.return_top_tokens, filter_prefer_eos=request.filter_prefer_eos,
+        banned_strings=list(request.banned_strings), token_healing=request.token_healing)
     if request.text is not None:
         message.text = request.text
     if request.token_ids is not None:
@@ -75,8 +102,28 @@ def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
     for name in SAMPLER_FIELDS:
         if getattr(s, name) is not None:
             setattr(message.sampler, name, getattr(s, name))
+    for name in SAMPLER_LIST_FIELDS:
+        if getattr(s, name) is not None:
+            getattr(message.sampler, name).SetInParent()  # set, even when empty
+            getattr(message.sampler, name).values.extend(getattr(s, name))
     for token_id, bias in dict(s.token_bias).items():
         message.sampler.token_bias[token_id] = bias
+    if request.negative_text is not None:
+        message.negative_text = request.negative_text
+    if request.negative_token_ids is not None:
+        message.negative_token_ids.ids.extend(request.negative_token_ids)
+    fmt = request.response_format
+    if fmt is not None:
+        if len(fmt.which()) != 1:
+            raise InvalidRequest("response_format", "give exactly one of " + ", ".join(RESPONSE_FORMATS))
+        for kind in fmt.which():
+            value = getattr(fmt, kind)
+            if kind == "choice":
+                message.response_format.choice.options.extend(value)
+            elif kind == "json_schema" and not isinstance(value, str):
+                message.response_format.json_schema = json.dumps(value)
+            else:
+                setattr(message.response_format, kind, value)
     return message
 
 
@@ -98,8 +145,10 @@ def _finish_to_proto(finish: Finish, into: pb.Finish) -> None:
 
 
 def _fill(message: pb.GenerateResponse | pb.GenerateUnaryResponse, text: str, token_ids: list[int],
-          token_probs: list[float] | None, top_tokens: list[TopTokens] | None, finish: Finish | None) -> None:
+          token_probs: list[float] | None, top_tokens: list[TopTokens] | None, finish: Finish | None,
+          suppressed_text: str) -> None:
     message.text = text
+    message.suppressed_text = suppressed_text
     message.token_ids.extend(token_ids)
     if token_probs:
         message.token_probs.extend(token_probs)
@@ -111,14 +160,15 @@ def _fill(message: pb.GenerateResponse | pb.GenerateUnaryResponse, text: str, to
 
 def chunk_to_proto(chunk: Chunk) -> pb.GenerateResponse:
     message = pb.GenerateResponse()
-    _fill(message, chunk.text, chunk.token_ids, chunk.token_probs, chunk.top_tokens, chunk.finish)
+    _fill(message, chunk.text, chunk.token_ids, chunk.token_probs, chunk.top_tokens, chunk.finish,
+          chunk.suppressed_text)
     return message
 
 
 def completion_to_proto(completion: Completion) -> pb.GenerateUnaryResponse:
     message = pb.GenerateUnaryResponse()
     _fill(message, completion.text, completion.token_ids, completion.token_probs, completion.top_tokens,
-          completion.finish)
+          completion.finish, completion.suppressed_text)
     return message
 
 
@@ -138,7 +188,8 @@ def chunk_from_proto(message: pb.GenerateResponse | pb.GenerateUnaryResponse) ->
         text=message.text, token_ids=list(message.token_ids),
         token_probs=list(message.token_probs) or None,
         top_tokens=[TopTokens(list(t.token_ids), list(t.probs)) for t in message.top_tokens] or None,
-        finish=finish_from_proto(message.finish) if message.HasField("finish") else None)
+        finish=finish_from_proto(message.finish) if message.HasField("finish") else None,
+        suppressed_text=message.suppressed_text)
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:

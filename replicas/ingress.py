@@ -156,7 +156,8 @@ class Ingress:
     async def _stream(self, request: GenerationRequest, start_s: float) -> AsyncIterator[Chunk]:
         request_id = _request_id()
         info = await self.model_info()
-        engine_request = to_engine_request(request, self._tokenizer, info, request_id)
+        engine_request = to_engine_request(request, self._tokenizer, info, request_id,
+                                           max_constraint_chars=self._config.max_constraint_chars)
         if self._config.router in TEXT_ROUTERS:
             engine_request = dataclasses.replace(engine_request, prompt=self._prompt_text(request, engine_request))
         response = self._generator.options(stream=True).generate.remote(engine_request)

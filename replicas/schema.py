@@ -3,6 +3,7 @@
     GenerationRequest  what a client asks for (the gRPC GenerateRequest, or folio.serve.client.Client's arguments)
     EngineRequest      what the ingress sends a generator replica: validated and tokenized (a router reads
                        `input_ids` to find the replica holding the prompt's pages)
+    ResponseFormat     a request's constraint on its output (JSON Schema, regex, grammar, choice)
     Chunk              one streamed piece of a completion; the last one carries `finish`
     Completion         a whole completion
     ModelInfo          the served model and the limits requests must respect
@@ -30,7 +31,33 @@ SAMPLER_FIELDS = {
     "presence_penalty": "token_presence_penalty",
     "repetition_range": "token_repetition_range",
     "repetition_decay": "token_repetition_decay",
+    # the samplers below keep the engine's names
+    "temperature_last": "temperature_last",
+    "min_temp": "min_temp",
+    "max_temp": "max_temp",
+    "temp_exponent": "temp_exponent",
+    "smoothing_factor": "smoothing_factor",
+    "top_a": "top_a",
+    "tfs": "tfs",
+    "typical": "typical",
+    "skew": "skew",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "dry_allowed_length": "dry_allowed_length",
+    "dry_range": "dry_range",
+    "dry_max_ngram": "dry_max_ngram",
+    "xtc_threshold": "xtc_threshold",
+    "xtc_probability": "xtc_probability",
+    "cfg_scale": "cfg_scale",
 }
+# Sampling fields that are not scalars (each converted on its own): field -> folio.SamplerSettings keyword.
+SAMPLER_LIST_FIELDS = {"dry_sequence_breakers": "dry_sequence_breakers"}
+# The ResponseFormat kinds, in the proto's oneof order, and the folio.constrain filter each builds.
+RESPONSE_FORMATS = {"json_schema": "JsonSchemaFilter", "regex": "RegexFilter", "grammar": "GrammarFilter",
+                    "choice": "ChoiceFilter"}
 
 
 @dataclass(frozen=True)
@@ -47,14 +74,53 @@ class Sampling:
     repetition_range: int | None = None
     repetition_decay: int | None = None
     token_bias: Mapping[int, float] = field(default_factory=dict)
+    temperature_last: bool | None = None
+    min_temp: float | None = None
+    max_temp: float | None = None
+    temp_exponent: float | None = None
+    smoothing_factor: float | None = None
+    top_a: float | None = None
+    tfs: float | None = None
+    typical: float | None = None
+    skew: float | None = None
+    mirostat: int | None = None  # 0 off, 1 or 2
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_sequence_breakers: Sequence[str] | None = None  # None: the engine's defaults; () none at all
+    dry_range: int | None = None
+    dry_max_ngram: int | None = None
+    xtc_threshold: float | None = None
+    xtc_probability: float | None = None
+    cfg_scale: float | None = None  # classifier-free guidance; needs GenerationRequest's negative prompt
 
     def engine_kwargs(self) -> dict[str, Any]:
         """folio.SamplerSettings keyword arguments for the fields that are set."""
         kwargs = {engine: getattr(self, name) for name, engine in SAMPLER_FIELDS.items()
                   if getattr(self, name) is not None}
+        for name, engine in SAMPLER_LIST_FIELDS.items():
+            if getattr(self, name) is not None:
+                kwargs[engine] = tuple(getattr(self, name))
         if self.token_bias:
             kwargs["token_bias"] = dict(self.token_bias)
         return kwargs
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the completion must be: exactly one of a JSON Schema (a dict, or its JSON text), a regular expression
+    (the whole completion matches it), a Lark grammar, or a list of choices (the completion is one of them)."""
+
+    json_schema: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Sequence[str] | None = None
+
+    def which(self) -> list[str]:
+        """The kinds that are set (exactly one in a valid request)."""
+        return [name for name in RESPONSE_FORMATS if getattr(self, name) is not None]
 
 
 @dataclass(frozen=True)
@@ -75,6 +141,13 @@ class GenerationRequest:
     decode_special_tokens: bool = False
     return_probs: bool = False
     return_top_tokens: int = 0
+    response_format: ResponseFormat | None = None
+    filter_prefer_eos: bool = False  # with response_format: end as soon as it allows an EOS token
+    banned_strings: Sequence[str] = ()
+    token_healing: bool = False
+    # classifier-free guidance (with sampling.cfg_scale): the negative prompt, in the prompt's form
+    negative_text: str | None = None
+    negative_token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +164,12 @@ class EngineRequest:
     return_probs: bool = False
     return_top_tokens: int = 0
     request_id: str = ""
+    # ("json_schema" | "regex" | "grammar" | "choice", the JSON text / pattern / grammar / tuple of options)
+    response_format: tuple[str, Any] | None = None
+    filter_prefer_eos: bool = False
+    banned_strings: tuple[str, ...] = ()
+    token_healing: bool = False
+    negative_input_ids: tuple[int, ...] | None = None  # classifier-free guidance's negative prompt
     # The prompt as text, for routers that match text: Ray's PrefixCacheAffinityRouter reads `.prompt` of the first
     # argument. The ingress fills it only when the configured router needs it (ours hashes input_ids).
     prompt: str = ""
@@ -141,9 +220,11 @@ class Chunk:
     token_probs: list[float] | None = None
     top_tokens: list[TopTokens] | None = None
     finish: Finish | None = None
+    suppressed_text: str = ""  # banned strings: text taken back by this step (never part of `text`)
 
     def extend(self, other: Chunk) -> None:
         self.text += other.text
+        self.suppressed_text += other.suppressed_text
         self.token_ids.extend(other.token_ids)
         if other.token_probs is not None:
             self.token_probs = (self.token_probs or []) + other.token_probs
@@ -160,6 +241,7 @@ class Completion:
     finish: Finish
     token_probs: list[float] | None = None
     top_tokens: list[TopTokens] | None = None
+    suppressed_text: str = ""  # banned strings: all the text taken back
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
@@ -169,7 +251,7 @@ class Completion:
         if whole.finish is None:
             raise RuntimeError("the stream ended without its final chunk")
         return cls(text=whole.text, token_ids=whole.token_ids, finish=whole.finish,
-                   token_probs=whole.token_probs, top_tokens=whole.top_tokens)
+                   token_probs=whole.token_probs, top_tokens=whole.top_tokens, suppressed_text=whole.suppressed_text)
 
 
 @dataclass(frozen=True)

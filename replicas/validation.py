@@ -6,25 +6,49 @@ checked without the model is checked here, so a bad request never reaches a repl
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from folio import SAMPLER_LIMITS, Tokenizer
 from folio.serve.errors import InvalidRequest
-from folio.serve.schema import EngineRequest, GenerationRequest, ModelInfo, Sampling
+from folio.serve.schema import RESPONSE_FORMATS, EngineRequest, GenerationRequest, ModelInfo, ResponseFormat, Sampling
 
 MAX_RETURN_TOP_TOKENS = 64
 MAX_SEED = (1 << 64) - 1
+# Default of ServeConfig.max_constraint_chars: the largest response_format (its JSON Schema, pattern or grammar, or
+# its choices together) and the most characters of banned_strings together a request may carry.
+DEFAULT_MAX_CONSTRAINT_CHARS = 65536
+MAX_CFG_SCALE = 100.0
 
 
 def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo,
-                      request_id: str = "") -> EngineRequest:
+                      request_id: str = "", max_constraint_chars: int = DEFAULT_MAX_CONSTRAINT_CHARS
+                      ) -> EngineRequest:
     input_ids = prompt_ids(request, tokenizer, info)
     _check_lengths(request, len(input_ids), info)
     sampler = sampler_kwargs(request.sampling, info.vocab_size)
+    negative_ids = negative_prompt_ids(request, tokenizer, info)
+    if (request.sampling.cfg_scale is None) != (negative_ids is None):
+        if negative_ids is None:
+            raise InvalidRequest("cfg_scale", "classifier-free guidance needs a negative prompt (negative_text or "
+                                              "negative_token_ids)")
+        raise InvalidRequest("negative_text" if request.negative_text is not None else "negative_token_ids",
+                             "a negative prompt needs sampler.cfg_scale")
+    if negative_ids is not None:
+        _check_lengths(request, len(negative_ids), info, prompt_field="negative prompt")
+    response_format = response_format_spec(request.response_format, max_constraint_chars)
+    _check_bool("filter_prefer_eos", request.filter_prefer_eos)
+    if request.filter_prefer_eos and response_format is None:
+        raise InvalidRequest("filter_prefer_eos", "applies only with a response_format")
+    banned = _strings("banned_strings", request.banned_strings)
+    if sum(map(len, banned)) > max_constraint_chars:
+        raise InvalidRequest("banned_strings", f"{sum(map(len, banned))} characters in all exceed the server's "
+                                               f"limit of {max_constraint_chars}")
+    _check_bool("token_healing", request.token_healing)
     stop_token_ids = _token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size)
-    stop_strings = _stop_strings(request.stop_strings)
+    stop_strings = _strings("stop_strings", request.stop_strings)
     _check_bool("stop_on_eos", request.stop_on_eos)
     stop_conditions: tuple[int | str, ...] | None
     if request.stop_on_eos and not stop_token_ids and not stop_strings:
@@ -43,7 +67,10 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         input_ids=tuple(input_ids), max_new_tokens=request.max_new_tokens, min_new_tokens=request.min_new_tokens,
         sampler=sampler, stop_conditions=stop_conditions, seed=request.seed,
         decode_special_tokens=request.decode_special_tokens, return_probs=request.return_probs,
-        return_top_tokens=request.return_top_tokens, request_id=request_id)
+        return_top_tokens=request.return_top_tokens, request_id=request_id, response_format=response_format,
+        filter_prefer_eos=request.filter_prefer_eos, banned_strings=tuple(banned),
+        token_healing=request.token_healing,
+        negative_input_ids=None if negative_ids is None else tuple(negative_ids))
 
 
 def prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
@@ -71,7 +98,81 @@ def prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo
     return tokenizer.encode(request.text, add_bos=add_bos, encode_special_tokens=request.encode_special_tokens)
 
 
-def _check_lengths(request: GenerationRequest, num_prompt_tokens: int, info: ModelInfo) -> None:
+def negative_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int] | None:
+    """Classifier-free guidance's negative prompt as token ids (None without one). It takes the prompt's form, and
+    a text one is encoded like the prompt (add_bos, encode_special_tokens)."""
+    has_text, has_ids = request.negative_text is not None, request.negative_token_ids is not None
+    if not has_text and not has_ids:
+        return None
+    if has_text and has_ids:
+        raise InvalidRequest("negative_prompt", "give at most one of negative_text and negative_token_ids, not both")
+    prompt_is_text = request.text is not None
+    if has_text != prompt_is_text:
+        raise InvalidRequest("negative_text" if has_text else "negative_token_ids",
+                             "the negative prompt takes the prompt's form: negative_text with a text prompt, "
+                             "negative_token_ids with token_ids")
+    if has_ids:
+        ids = _token_ids("negative_token_ids", request.negative_token_ids, info.vocab_size)
+        if not ids:
+            raise InvalidRequest("negative_token_ids", "the negative prompt is empty")
+        return ids
+    if not isinstance(request.negative_text, str):
+        raise InvalidRequest("negative_text", f"must be a string, got {type(request.negative_text).__name__}")
+    if not request.negative_text:
+        raise InvalidRequest("negative_text", "the negative prompt is empty")
+    add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
+    return tokenizer.encode(request.negative_text, add_bos=add_bos,
+                            encode_special_tokens=request.encode_special_tokens)
+
+
+def response_format_spec(fmt: ResponseFormat | None, max_chars: int) -> tuple[str, Any] | None:
+    """(kind, value) for the replica to build its filter from: the JSON Schema as JSON text (checked to be a JSON
+    object), the pattern, the grammar, or the choices as a tuple. Compiling is the engine's, on the replica (a
+    schema, pattern or grammar the engine's compiler rejects fails there, with INVALID_ARGUMENT and its message);
+    this checks what needs no compiler, and the size limit."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, ResponseFormat):
+        raise InvalidRequest("response_format", f"must be a folio.serve.schema.ResponseFormat, got "
+                                                f"{type(fmt).__name__}")
+    kinds = fmt.which()
+    if len(kinds) != 1:
+        raise InvalidRequest("response_format", "give exactly one of " + ", ".join(RESPONSE_FORMATS)
+                             + (f" (got {', '.join(kinds)})" if kinds else ""))
+    kind = kinds[0]
+    name = f"response_format.{kind}"
+    value = getattr(fmt, kind)
+    if kind == "json_schema":
+        if isinstance(value, Mapping):
+            try:
+                value = json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequest(name, f"is not serializable as JSON: {e}") from None
+        if not isinstance(value, str):
+            raise InvalidRequest(name, f"must be a JSON object (or its text), got {type(value).__name__}")
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequest(name, f"is not valid JSON: {e}") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise InvalidRequest(name, f"a JSON Schema is an object (or true / false), got {type(parsed).__name__}")
+    elif kind == "choice":
+        value = tuple(_strings(name, value))
+        if not value:
+            raise InvalidRequest(name, "needs at least one option")
+        if len(set(value)) != len(value):
+            raise InvalidRequest(name, "options must be distinct")
+    else:
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(name, f"must be a non-empty string, got {value!r}")
+    size = len(value) if isinstance(value, str) else sum(map(len, value))
+    if size > max_chars:
+        raise InvalidRequest(name, f"{size} characters exceed the server's limit of {max_chars}")
+    return kind, value
+
+
+def _check_lengths(request: GenerationRequest, num_prompt_tokens: int, info: ModelInfo,
+                   prompt_field: str = "prompt") -> None:
     max_new, min_new = request.max_new_tokens, request.min_new_tokens
     if not _is_int(max_new) or max_new < 1:
         raise InvalidRequest("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
@@ -81,11 +182,11 @@ def _check_lengths(request: GenerationRequest, num_prompt_tokens: int, info: Mod
         raise InvalidRequest("min_new_tokens", f"{min_new} exceeds max_new_tokens ({max_new})")
     limit = info.max_request_tokens
     if num_prompt_tokens >= limit:
-        raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens leave no room in the model's context of "
+        raise InvalidRequest(prompt_field, f"{num_prompt_tokens} tokens leave no room in the model's context of "
                                        f"{limit} tokens")
     if num_prompt_tokens + max_new > limit:
-        raise InvalidRequest("max_new_tokens", f"the prompt's {num_prompt_tokens} tokens + {max_new} new tokens "
-                                               f"exceed the context of {limit} tokens; ask for at most "
+        raise InvalidRequest("max_new_tokens", f"the {prompt_field}'s {num_prompt_tokens} tokens + {max_new} new "
+                                               f"tokens exceed the context of {limit} tokens; ask for at most "
                                                f"{limit - num_prompt_tokens}")
 
 
@@ -113,6 +214,30 @@ def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
                 bias != -math.inf and abs(bias) > offset):
             raise InvalidRequest("token_bias", f"bias of token {token_id} must be a number in [-{offset:g}, "
                                                f"{offset:g}] or -inf, got {bias!r}")
+    _optional_bool("temperature_last", s.temperature_last)
+    _real("min_temp", s.min_temp, low=0.0, high=limits.max_temperature)
+    _real("max_temp", s.max_temp, low=0.0, high=limits.max_temperature)
+    if s.min_temp is not None and s.max_temp is not None and s.min_temp > s.max_temp:
+        raise InvalidRequest("min_temp", f"{s.min_temp!r} exceeds max_temp ({s.max_temp!r})")
+    _real("temp_exponent", s.temp_exponent, low=0.0, high=offset, open_low=True)
+    _real("smoothing_factor", s.smoothing_factor, low=0.0, high=offset)
+    _real("top_a", s.top_a, low=0.0, high=1.0)
+    _real("tfs", s.tfs, low=0.0, high=1.0)
+    _real("typical", s.typical, low=0.0, high=1.0)
+    _real("skew", s.skew, low=-offset, high=offset)
+    _integer("mirostat", s.mirostat, low=0, high=2)
+    _real("mirostat_tau", s.mirostat_tau, low=0.0, high=offset, open_low=True)
+    _real("mirostat_eta", s.mirostat_eta, low=0.0, high=offset, open_low=True)
+    _real("dry_multiplier", s.dry_multiplier, low=0.0, high=offset)
+    _real("dry_base", s.dry_base, low=1.0, high=offset)
+    _integer("dry_allowed_length", s.dry_allowed_length, low=1, high=limits.max_int32)
+    if s.dry_sequence_breakers is not None:
+        _strings("dry_sequence_breakers", s.dry_sequence_breakers)
+    _integer("dry_range", s.dry_range, low=0, high=limits.max_int32)
+    _integer("dry_max_ngram", s.dry_max_ngram, low=1, high=limits.max_int32)
+    _real("xtc_threshold", s.xtc_threshold, low=0.0, high=1.0)
+    _real("xtc_probability", s.xtc_probability, low=0.0, high=1.0)
+    _real("cfg_scale", s.cfg_scale, low=0.0, high=MAX_CFG_SCALE)
     return s.engine_kwargs()
 
 
@@ -128,13 +253,13 @@ def _token_ids(name: str, ids: Sequence[int] | None, vocab_size: int) -> list[in
     return out
 
 
-def _stop_strings(strings: Sequence[str]) -> list[str]:
-    if isinstance(strings, (str, bytes)):
-        raise InvalidRequest("stop_strings", "must be a list of strings")
+def _strings(name: str, strings: Sequence[str]) -> list[str]:
+    if isinstance(strings, (str, bytes)) or not isinstance(strings, Sequence):
+        raise InvalidRequest(name, "must be a list of strings")
     out = list(strings)
     for i, s in enumerate(out):
         if not isinstance(s, str) or not s:
-            raise InvalidRequest("stop_strings", f"[{i}] must be a non-empty string, got {s!r}")
+            raise InvalidRequest(name, f"[{i}] must be a non-empty string, got {s!r}")
     return out
 
 
@@ -147,13 +272,19 @@ def _check_bool(name: str, value: Any) -> None:
         raise InvalidRequest(name, f"must be true or false, got {value!r}")
 
 
-def _real(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
+def _optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        _check_bool(name, value)
+
+
+def _real(name: str, value: Any, low: float | None = None, high: float | None = None, open_low: bool = False) -> None:
     if value is None:
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise InvalidRequest(name, f"must be a finite number, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    below = low is not None and (value <= low if open_low else value < low)
+    if below or (high is not None and value > high):
+        bounds = f"in {'(' if open_low else '['}{low}, {high}]" if high is not None else f">= {low}"
         raise InvalidRequest(name, f"must be {bounds}, got {value!r}")
 
 
