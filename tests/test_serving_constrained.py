@@ -216,6 +216,8 @@ def test_each_new_sampler_field_arrives_in_sampler_settings(tokenizer, name, val
     _proto_sampler(message, name, value)
     if name == "cfg_scale":
         message.negative_text = "Twice"
+    if name == "min_temp":  # dynamic temperature needs max_temp >= min_temp
+        _proto_sampler(message, "max_temp", 1.5)
     engine_request = to_engine_request(grpc_convert.request_from_proto(message), tokenizer, INFO)
     job = DynamicJob(**job_kwargs_of(engine_request))
     assert getattr(job.gen_settings, name) == value
