@@ -263,7 +263,7 @@ class Scheduler:
         pages are all the job will ever need: a job that fills the whole cache exactly must still fit an empty
         one)."""
         size = self.page_size
-        final_len = seq.prompt_len + seq.job.max_sampled_tokens
+        final_len = seq.prompt_len + seq.job.max_new_tokens
         pages = min(-(-len(seq.token_ids) // size) + 1, max(-(-final_len // size), -(-len(seq.token_ids) // size)))
         pages_needed = pages - self.cache.num_held_prompt_pages(seq)
         reserve = self._admission_reserve_pages if self.active else 0
