@@ -158,6 +158,8 @@ class Emitter:
             del seq.token_ids[len(seq.token_ids) - num_tokens:]
             self.scheduler.cache.start(seq)
         seq.num_sampled -= num_tokens
+        if self.speculator is not None:
+            self.speculator.forget(seq)  # (such a job does not draft: nothing of it is worth keeping)
         self.stats.num_rolled_back += num_tokens
 
     def started_results(self, plan: StepPlan) -> list[Result]:

@@ -220,3 +220,35 @@ def test_bad_banned_strings():
         folio.DynamicJob(input_ids=[1, 2], max_new_tokens=3, banned_strings=[""])
     job = folio.DynamicJob(input_ids=[1, 2], max_new_tokens=3, banned_strings=["AbC", "abc"])
     assert job.banned_strings == ("abc",) and not job.takes_drafts
+
+
+class _Bytes:
+    """A tokenizer of raw byte strings (id -> bytes)."""
+
+    special_ids = frozenset()
+
+    def __init__(self, table):
+        self.table = table
+
+    def token_bytes(self, token_id):
+        return self.table[token_id]
+
+    def id_to_piece(self, token_id):
+        return self.table[token_id].decode("utf-8", "replace")
+
+
+def test_text_stream_holds_whole_tokens_and_rewinds_split_characters():
+    from folio.banned import BannedStrings, BannedTextStream
+
+    snow = "\u2603".encode()  # three bytes, split over two tokens
+    tok = _Bytes({1: b"ab", 2: b"xyF", 3: b"oO", 4: snow[:2], 5: snow[2:] + b"!", 6: b"c"})
+    stream = BannedTextStream(tok, BannedStrings(("foo", "\u2603!")), stop_strings=["zz"])
+    assert stream.push(1).text == "ab"
+    held = stream.push(2)  # "xyF" could start "foo": the whole token is held, "xy" with it
+    assert held.text == "" and held.token_ids == []
+    event = stream.push(3)
+    assert event.suppressed_text == "xyFoO" and event.suppressed_token_ids == [2, 3] and event.text == ""
+    assert stream.push(4).text == ""
+    event = stream.push(5)
+    assert event.suppressed_text == "\u2603!" and event.suppressed_token_ids == [4, 5]
+    assert stream.push(6).text == "c" and stream.flush().text == ""
