@@ -96,7 +96,9 @@ class Emitter:
         seq.num_sampled += 1
         observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu)
         self.stats.num_sampled += 1
-        if filter_ended or seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
+        # (a job that may roll back ends by length or filter at emission, right after: the token may be undone)
+        ends = filter_ended or seq.num_sampled >= job.max_sampled_tokens
+        if token_id in job.stop_tokens or (ends and not job.rolls_back):
             self.scheduler.remove(seq)
             seq.status = SeqStatus.FINISHED
         return StagedToken(seq, token_id, extras, filter_ended=filter_ended)
@@ -105,6 +107,10 @@ class Emitter:
         error = self.runner.mask_errors.pop(seq, None)
         if error is not None:
             return error
+        rejected = seq.job.rejected_at(seq.num_sampled)
+        if rejected:
+            return RuntimeError(f"every token the job may pick after its {seq.num_sampled} sampled tokens leads into "
+                                f"a banned string ({len(rejected)} tried there): generation cannot continue")
         if seq.job.active_filters():
             return FilterError("the job's filters allow no token here (with its blocked tokens, bias and "
                                 "vocabulary): generation cannot continue under its constraints")
@@ -129,7 +135,33 @@ class Emitter:
             results.append(result)
             if result.eos:
                 self.retire(seq, SeqStatus.FINISHED)
+            elif result.suppressed_tokens:
+                try:
+                    self.rollback(seq, len(result.suppressed_tokens))
+                except Exception as error:  # noqa: BLE001 - a filter that cannot roll back fails its job
+                    results.append(self.fail(seq, error))
         return results
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """The job undid its last num_tokens sampled tokens (a banned string): undo them in the sequence and its
+        pages (folio.cache.manager.KVCacheManager.rollback; the K/V before them stay, the new last token is fed
+        again), the sampled count (the penalty history on the device and the draws are indexed by it), the
+        filters and the sampler state. Only between steps, with no step launched ahead holding the sequence."""
+        job = seq.job
+        if self.runner.masks is not None:
+            self.runner.masks.discard(seq)  # a mask being computed reads the filters' state: wait for it
+        job.rollback_filters(seq.num_sampled, num_tokens)
+        if seq.sampler_state is not None:  # mirostat's mu (DRY's state is the token history, rolled back below)
+            seq.sampler_state.rollback(num_tokens)
+        if seq.status is SeqStatus.RUNNING:
+            self.scheduler.cache.rollback(seq, num_tokens)
+        else:  # (waiting: its tokens are all prompt, and pages it has none)
+            del seq.token_ids[len(seq.token_ids) - num_tokens:]
+            self.scheduler.cache.start(seq)
+        seq.num_sampled -= num_tokens
+        if self.speculator is not None:
+            self.speculator.forget(seq)  # (such a job does not draft: nothing of it is worth keeping)
+        self.stats.num_rolled_back += num_tokens
 
     def started_results(self, plan: StepPlan) -> list[Result]:
         results = []

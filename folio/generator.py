@@ -152,7 +152,7 @@ class DynamicGenerator:
         if self.max_queued_jobs is not None and self.num_pending_jobs() >= self.max_queued_jobs:
             raise QueueFull(f"the generator's queue is full ({self.max_queued_jobs} waiting jobs); "
                             f"raise max_queued_jobs or wait for jobs to start")
-        job.bind(next(self._serials), self.tokenizer)
+        job.bind(next(self._serials), self.tokenizer, self.vocab_size)
         job.sequence = Sequence(job=job, token_ids=list(job.input_ids))
         self.emitter.add(job.sequence)
         return job.serial
@@ -314,7 +314,9 @@ class DynamicGenerator:
             return emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks, logits,
                                                                                  error)
         tick = stats.lap("sample", tick)
-        if pipeline.decode_ahead and not (self.speculator is not None and self.speculator.any_drafting(
+        # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
+        now = any(c.seq.job.rolls_back for c in chunks)
+        if pipeline.decode_ahead and not now and not (self.speculator is not None and self.speculator.any_drafting(
                 [c.seq for c in chunks], self.num_steps + 1)):
             pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
             tick = stats.lap("launch_ahead", tick)
@@ -324,7 +326,7 @@ class DynamicGenerator:
         staged = emitter.stage_all(chunks, sampled.read())
         self.masks.prepare([c.seq for c in chunks])  # the next step's masks, while its forward runs
         tick = stats.lap("wait_tokens", tick)
-        if pipeline.overlap_emit:
+        if pipeline.overlap_emit and not now:
             pipeline.staged = staged
             return results
         results += emitter.emit(staged)
@@ -359,7 +361,7 @@ class DynamicGenerator:
         for chunk, tokens in zip(verify_chunks, verified.read()):
             staged += emitter.stage_verified(chunk, tokens)
         tick = stats.lap("wait_tokens", tick)
-        if self.pipeline.overlap_emit:
+        if self.pipeline.overlap_emit and not any(c.seq.job.rolls_back for c in plain_chunks):
             self.pipeline.staged = staged
             return results
         results += emitter.emit(staged)

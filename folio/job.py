@@ -14,7 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from folio.banned import BannedStrings, BannedTextStream, validate_banned_strings
 from folio.constrain.base import Filter
+from folio.constrain.healing import HealingFilter
 from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
@@ -88,6 +90,15 @@ class DynamicJob:
     `filters`: folio.constrain.Filter objects (each belongs to this job) that constrain every sampled token; the
     job ends with EOS reason "end_filter" when one's output is complete. `filter_prefer_eos`: when a filter
     allows an EOS token, pick it (end as early as the filter allows).
+    `banned_strings`: strings the output never contains, matched case-insensitively (folio.banned): text that could
+    start one is held back; when one matches, the job rolls back to the token where it began and picks another
+    token there (each result reports what was dropped in `suppressed_text` / `suppressed_tokens`). Such a job does
+    not draft, and a step in which it samples is not launched ahead nor emitted a step late. When every token at a
+    position leads into a banned string, the job fails.
+    `token_healing`: the last prompt token is taken off `input_ids` (kept as `healing_token_id`) and generated
+    again as a token whose bytes start with its bytes (folio.constrain.healing); only the bytes it adds are output
+    as text. The healed token is not counted in max_new_tokens, min_new_tokens nor the final `new_tokens`; the
+    job's filters start at the token after it. A prompt of one token cannot heal: ValueError.
     """
 
     def __init__(
@@ -106,8 +117,16 @@ class DynamicJob:
         max_skips: int | None = 4,
         filters: Sequence[Filter] = (),
         filter_prefer_eos: bool = False,
+        banned_strings: Sequence[str] | None = None,
+        token_healing: bool = False,
     ):
         self.input_ids = _as_token_list(input_ids)
+        self.healing_token_id: int | None = None
+        if token_healing:
+            if len(self.input_ids) < 2:
+                raise ValueError("token_healing needs a prompt of at least 2 tokens (the last one is generated "
+                                 "again, and something must come before it)")
+            self.healing_token_id = self.input_ids.pop()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
@@ -130,6 +149,9 @@ class DynamicJob:
         self.max_skips = max_skips
         self.filters = _as_filters(filters)
         self.filter_prefer_eos = bool(filter_prefer_eos)
+        self.banned_strings = validate_banned_strings(banned_strings)
+        self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
+        self._healing = HealingFilter(self.healing_token_id) if self.healing_token_id is not None else None
         self.stop_tokens, self.stop_strings = self._split_stop_conditions(stop_conditions)
         self._stop_on_eos = stop_conditions is None
 
@@ -175,17 +197,58 @@ class DynamicJob:
     # --- constraints ---
 
     def active_filters(self) -> tuple[Filter, ...]:
-        """The filters that constrain this job's next token (their bitmasks are intersected)."""
+        """The filters that constrain this job's next token (their bitmasks are intersected): with token healing,
+        the healing filter alone for the first sampled token, then the job's own."""
+        if self._healing is not None and self.sequence is not None and self.sequence.num_sampled == 0:
+            return (self._healing,)
         return self.filters
+
+    @property
+    def heals(self) -> bool:
+        return self._healing is not None
+
+    @property
+    def max_sampled_tokens(self) -> int:
+        """Tokens the engine samples for this job at most: max_new_tokens, plus the healed token."""
+        return self.max_new_tokens + self.heals
+
+    @property
+    def rolls_back(self) -> bool:
+        """Emitting a token may undo tokens already sampled (banned strings): the engine hands this job's tokens
+        over as soon as they are sampled and plans its next step after that."""
+        return self._banned is not None
 
     @property
     def takes_drafts(self) -> bool:
         """Speculative decoding may draft for this job: not when it reports per-token probabilities, top tokens
         or logits (those are reported for the sampled token of a one-token row), nor when filters constrain it
-        (a mask is computed per sampled position, from the filter's state after the previous token), nor when its
+        (a mask is computed per sampled position, from the filter's state after the previous token), nor when it
+        bans strings (a rollback must come before anything is computed past the tokens it undoes), nor when its
         sampling keeps state from token to token (mirostat, DRY, skew: verify rows do not apply them)."""
         return not (self.return_probs or self.return_top_tokens or self.return_logits or self.filters
-                    or not self.gen_settings.speculation_safe)
+                    or self.rolls_back or not self.gen_settings.speculation_safe)
+
+    def blocked_ids_at(self, token_idx: int) -> tuple[int, ...]:
+        """Tokens the sampler must not pick as this job's token_idx-th sampled token (the healed one counts):
+        stop tokens below min_new_tokens, and tokens that began a banned string there."""
+        stops = token_idx - self.heals < self.min_new_tokens
+        explored = self._banned.blocked_at(token_idx) if self._banned is not None else ()
+        if not explored:
+            return tuple(self.stop_tokens) if stops else ()
+        return tuple(sorted(set(explored) | self.stop_tokens)) if stops else tuple(sorted(explored))
+
+    def rejected_at(self, token_idx: int) -> frozenset[int]:
+        """Tokens that began a banned string as the token_idx-th sampled token (blocked there)."""
+        return frozenset(self._banned.blocked_at(token_idx)) if self._banned is not None else frozenset()
+
+    def rollback_filters(self, num_sampled: int, num_tokens: int) -> None:
+        """The engine undid the last num_tokens of the num_sampled tokens it had sampled: undo them in the
+        filters (which were not fed the healed token)."""
+        first_filtered = int(self.heals)
+        num_fed = max(0, num_sampled - max(num_sampled - num_tokens, first_filtered))
+        if num_fed:
+            for f in self.filters:
+                f.rollback(num_fed)
 
     def feed_filters(self, token_id: int) -> bool:
         """The engine sampled token_id for this job: advance its filters. True when a filter's output is complete
@@ -198,12 +261,17 @@ class DynamicJob:
 
     # --- lifecycle, driven by the generator ---
 
-    def bind(self, serial: int, tokenizer: Tokenizer) -> None:
+    def bind(self, serial: int, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
         self.serial = serial
         self._tokenizer = tokenizer
         if self._stop_on_eos:
             self.stop_tokens = frozenset(tokenizer.eos_token_ids)
-        self._text = TextStream(tokenizer, self.stop_strings, self.decode_special_tokens)
+        if self._banned is not None:
+            self._text = BannedTextStream(tokenizer, self._banned, self.stop_strings, self.decode_special_tokens)
+        else:
+            self._text = TextStream(tokenizer, self.stop_strings, self.decode_special_tokens)
+        if self._healing is not None:
+            self._healing.bind(tokenizer, vocab_size if vocab_size is not None else tokenizer.vocab_size)
         self.state = JobState.PENDING
         self.time_enqueue = time.monotonic()
 
@@ -223,7 +291,7 @@ class DynamicJob:
     @property
     def blocked_tokens(self) -> frozenset[int]:
         """Tokens the sampler must not pick for this job's next token."""
-        return self.stop_tokens if self.new_tokens < self.min_new_tokens else frozenset()
+        return frozenset(self.blocked_ids_at(self.new_tokens))
 
     def started_result(self) -> StartedResult:
         return StartedResult(job=self, serial=self.serial, identifier=self.identifier)
@@ -256,12 +324,17 @@ class DynamicJob:
             return self._finish(result, reason, token_id=token_id)
 
         self._held.append(extras)
-        event = self._text.push(token_id)
+        healed = self.heals and self.new_tokens == 1
+        event = self._text.push(token_id, self._healing.num_skipped_bytes() if healed else 0)
+        if event.suppressed_token_ids:
+            return self._banned_rollback(event)
         result = self._released(event.text, event.token_ids)
+        if self._banned is not None:
+            self._banned.forget_before(self.new_tokens - len(self._held))
         if event.stop_string is not None:
             result.held_text = event.held_text
             return self._finish(result, EosReason.STOP_STRING, string=event.stop_string)
-        if filter_ended or self.new_tokens >= self.max_new_tokens:
+        if filter_ended or self.new_tokens >= self.max_sampled_tokens:
             tail = self._text.flush()
             self._merge(result, self._released(tail.text, tail.token_ids))
             return self._finish(result, EosReason.END_FILTER if filter_ended else EosReason.MAX_NEW_TOKENS)
@@ -273,6 +346,24 @@ class DynamicJob:
         return self._finish(result, EosReason.ERROR)
 
     # --- helpers ---
+
+    def _banned_rollback(self, event) -> StreamingResult:
+        """A banned string matched: the text stream has undone the tokens from the one where it began; undo them
+        here (the engine undoes them in the sequence when it sees suppressed_tokens) and reject that token there."""
+        num_tokens = len(event.suppressed_token_ids)
+        for _ in range(num_tokens):
+            self._held.pop()
+        del self.generated_ids[len(self.generated_ids) - num_tokens:]
+        self.new_tokens -= num_tokens
+        self._banned.reject(self.new_tokens, event.suppressed_token_ids[0])
+        result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier)
+        result.suppressed_text = event.suppressed_text
+        result.suppressed_tokens = list(event.suppressed_token_ids)
+        if self.return_probs:
+            result.token_probs = []
+        if self.return_top_tokens:
+            result.top_k_tokens, result.top_k_probs = [], []
+        return result
 
     def _released(self, text: str, token_ids: list[int]) -> StreamingResult:
         extras = [self._held.popleft() for _ in token_ids]
@@ -315,7 +406,7 @@ class DynamicJob:
             result.eos_triggering_token_str = self._tokenizer.id_to_piece(token_id)
         result.eos_triggering_string = string
         result.full_completion = self.full_completion
-        result.new_tokens = self.new_tokens
+        result.new_tokens = self.new_tokens - (self.heals and self.new_tokens > 0)
         result.prompt_tokens = self.prompt_tokens
         result.cached_tokens = self.cached_tokens
         result.cached_pages = self.cached_pages

@@ -72,6 +72,10 @@ class StreamingResult(Result):
     top_k_probs: list[list[float]] | None = None
     logits: torch.Tensor | None = None  # [n, vocab] fp32, one row per released token
     eos: bool = False
+    # Banned strings (DynamicJob(banned_strings=)): a banned string matched, and the job rolled back to the token
+    # where it began. These tokens were undone (never released) and this text, held until now, dropped.
+    suppressed_text: str = ""
+    suppressed_tokens: list[int] = field(default_factory=list)
 
     # Set on the final result of a job only (eos=True).
     eos_reason: EosReason | None = None

@@ -139,7 +139,7 @@ class ModelRunner:
     def add_sequence(self, seq: Sequence) -> None:
         job = seq.job
         if job.gen_settings.penalty_window != 0:
-            self._histories.add(seq, job.input_ids, job.prompt_tokens + job.max_new_tokens)
+            self._histories.add(seq, job.input_ids, job.prompt_tokens + job.max_sampled_tokens)
 
     def remove_sequence(self, seq: Sequence) -> None:
         self._histories.remove(seq)
@@ -238,7 +238,7 @@ class ModelRunner:
             settings=job.gen_settings, u=u,
             # the penalties read the device histories (see _penalty_windows); DRY reads the host's
             history_ids=seq.token_ids if job.gen_settings.dry_active else (),
-            blocked_ids=tuple(job.stop_tokens) if token_idx < job.min_new_tokens else (),
+            blocked_ids=job.blocked_ids_at(token_idx),
             vocab_size=self.vocab_size, return_top_tokens=job.return_top_tokens, return_logits=job.return_logits,
             state=seq.sampler_state, dry_breakers=breakers_for(job))
 

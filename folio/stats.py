@@ -23,6 +23,7 @@ class StepStats:
     num_decode_rows: int = 0  # rows feeding one sampled token
     num_verify_rows: int = 0  # rows feeding drafted tokens, every one with logits
     num_sampled: int = 0  # tokens sampled (a verify row's accepted drafts included)
+    num_rolled_back: int = 0  # sampled tokens undone (banned strings)
     num_drafted: int = 0  # tokens drafted into verify rows
     num_accepted_drafts: int = 0
     num_started: int = 0  # jobs admitted for the first time

@@ -39,6 +39,9 @@ class TextEvent:
     token_ids: list[int] = field(default_factory=list)
     stop_string: str | None = None
     held_text: str = ""
+    # a banned string matched (folio.banned): these last pushed tokens were undone, and their (held) text dropped
+    suppressed_text: str = ""
+    suppressed_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +51,10 @@ class _HeldToken:
     # stream char offset at which all text this token produced has been decoded; None while some of its bytes still
     # sit in the decoder's incomplete-sequence buffer
     char_end: int | None
+    # the stream before this token (what `rewind` restores): byte and char offsets, the decoder's state
+    byte_start: int = 0
+    char_start: int = 0
+    decoder_state: tuple[bytes, int] = (b"", 0)
 
 
 def _validate_stop_strings(stop_strings: Iterable[str]) -> tuple[str, ...]:
@@ -89,25 +96,35 @@ class TextStream:
         """True once a stop string has matched; the stream accepts nothing after that."""
         return self._matched is not None
 
-    def push(self, token_id: int) -> TextEvent:
-        """Add one sampled token; return what it releases."""
+    def push(self, token_id: int, skip_bytes: int = 0) -> TextEvent:
+        """Add one sampled token; return what it releases. skip_bytes: leading bytes of the token that are not
+        output (token healing: the part of the healed token that the prompt already had)."""
         self._check_open("push")
-        data = self._bytes_of(token_id)
-        new_text = self._decoder.decode(data)
-        self._num_bytes += len(data)
-        self._num_chars += len(new_text)
-        self._held_text += new_text
-        self._held_tokens.append(_HeldToken(token_id, self._num_bytes, None))
-        self._resolve_decoded_tokens()
+        self._append(token_id, skip_bytes)
+        return self._settle()
 
-        if self.stop_strings:
-            match = self._find_stop_string()
-            if match is not None:
-                return self._end_at(*match)
-            keep_from = self._start_of_held_suffix()
-        else:
-            keep_from = len(self._held_text)
-        return self._release(keep_from)
+    def rewind(self, num_tokens: int) -> tuple[str, list[int]]:
+        """Undo the last num_tokens pushes, as if they had never come; none of their text may have been released.
+        Returns the text they produced (held until now) and their ids."""
+        self._check_open("rewind")
+        if num_tokens == 0:
+            return "", []
+        if not 0 < num_tokens <= len(self._held_tokens):
+            raise ValueError(f"rewind of {num_tokens} tokens: {len(self._held_tokens)} are held")
+        first = self._held_tokens[-num_tokens]
+        cut = first.char_start - self._num_released_chars
+        if cut < 0:
+            raise ValueError("rewind: part of the text of those tokens was released already")
+        token_ids = [self._held_tokens.pop().token_id for _ in range(num_tokens)][::-1]
+        text = self._held_text[cut:]
+        self._held_text = self._held_text[:cut]
+        self._decoder.setstate(first.decoder_state)
+        self._num_bytes, self._num_chars = first.byte_start, first.char_start
+        decoded_bytes = first.byte_start - len(first.decoder_state[0])
+        for held in self._held_tokens:  # tokens whose bytes wait in the restored decoder buffer again
+            if held.byte_end > decoded_bytes:
+                held.char_end = None
+        return text, token_ids
 
     def flush(self) -> TextEvent:
         """Release everything held: a partial stop string, and an incomplete UTF-8 sequence as U+FFFD."""
@@ -126,6 +143,32 @@ class TextStream:
     def _check_open(self, what: str) -> None:
         if self._matched is not None:
             raise RuntimeError(f"TextStream.{what}() after stop string {self._matched!r} ended the stream")
+
+    def _append(self, token_id: int, skip_bytes: int = 0) -> None:
+        """Decode one token's bytes into the held text and hold the token."""
+        data = self._bytes_of(token_id)[skip_bytes:]
+        held = _HeldToken(token_id, self._num_bytes + len(data), None, self._num_bytes, self._num_chars,
+                          self._decoder.getstate())
+        new_text = self._decoder.decode(data)
+        self._num_bytes += len(data)
+        self._num_chars += len(new_text)
+        self._held_text += new_text
+        self._held_tokens.append(held)
+        self._resolve_decoded_tokens()
+
+    def _settle(self, keep_at_most: int | None = None) -> TextEvent:
+        """After a push: end at a stop string, or release the held text that can no longer start one (and at most
+        keep_at_most chars of it: a subclass holds more)."""
+        if self.stop_strings:
+            match = self._find_stop_string()
+            if match is not None:
+                return self._end_at(*match)
+            keep_from = self._start_of_held_suffix()
+        else:
+            keep_from = len(self._held_text)
+        if keep_at_most is not None:
+            keep_from = min(keep_from, keep_at_most)
+        return self._release(keep_from)
 
     def _bytes_of(self, token_id: int) -> bytes:
         if token_id in self._special_ids:

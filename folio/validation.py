@@ -45,7 +45,7 @@ def _check_new(job: DynamicJob) -> None:
 
 
 def _check_length(job: DynamicJob, max_seq_len: int, num_pages: int, page_size: int) -> None:
-    total = job.prompt_tokens + job.max_new_tokens
+    total = job.prompt_tokens + job.max_sampled_tokens  # (with token healing: the prompt's last token is sampled)
     if total > max_seq_len:
         raise ValueError(f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) = "
                          f"{total} exceeds max_seq_len {max_seq_len}")
@@ -60,7 +60,8 @@ def _pages_for_tokens(num_tokens: int, page_size: int) -> int:
 
 
 def _check_vocabulary(job: DynamicJob, vocab_size: int) -> None:
-    bad = next((t for t in job.input_ids if t >= vocab_size), None)  # DynamicJob has checked they are >= 0
+    prompt = job.input_ids if job.healing_token_id is None else [*job.input_ids, job.healing_token_id]
+    bad = next((t for t in prompt if t >= vocab_size), None)  # DynamicJob has checked they are >= 0
     if bad is not None:
         raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab_size}")
     if job.return_top_tokens > vocab_size:

@@ -102,6 +102,15 @@ class MaskWorker:
     def forget(self, seq: Sequence) -> None:
         self._pending.pop(seq, None)
 
+    def discard(self, seq: Sequence) -> None:
+        """Drop seq's pending mask, waiting for it to finish (its filters are about to change: a rollback)."""
+        pending = self._pending.pop(seq, None)
+        if pending is not None:
+            try:
+                pending[1].result()
+            except Exception:  # noqa: BLE001, S110 - the mask is dropped either way; collect recomputes it
+                pass
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -5,7 +5,7 @@ never change. (DRY's state is the token history itself, `Sequence.token_ids`.) T
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,9 +15,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class SamplerState:
-    """mirostat_mu: the current target surprise bound in bits (None: not started, 2 * mirostat_tau)."""
+    """mirostat_mu: the current target surprise bound in bits (None: not started, 2 * mirostat_tau).
+    mu_before: mu before each token observed so far (None: the start), so a rollback (banned strings) can undo
+    tokens."""
 
     mirostat_mu: float | None = None
+    mu_before: list[float | None] = field(default_factory=list)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens observed tokens."""
+        if num_tokens <= 0:
+            return
+        if num_tokens > len(self.mu_before):
+            raise ValueError(f"cannot roll back {num_tokens} tokens of {len(self.mu_before)} observed")
+        self.mirostat_mu = self.mu_before[-num_tokens]
+        del self.mu_before[-num_tokens:]
 
 
 def mirostat_mu(settings: SamplerSettings, state: SamplerState | None) -> float:
@@ -41,4 +53,5 @@ def observe_sampled(seq: Sequence, prob: float | None) -> None:
     state = seq.sampler_state
     if state is None:
         state = seq.sampler_state = SamplerState()
+    state.mu_before.append(state.mirostat_mu)
     state.mirostat_mu = mirostat_update(settings, mirostat_mu(settings, state), prob)
