@@ -11,9 +11,17 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from folio import SAMPLER_LIMITS, Tokenizer
+from folio import SAMPLER_LIMITS, SamplerSettings, Tokenizer
 from folio.serve.errors import InvalidRequest
-from folio.serve.schema import RESPONSE_FORMATS, EngineRequest, GenerationRequest, ModelInfo, ResponseFormat, Sampling
+from folio.serve.schema import (
+    RESPONSE_FORMATS,
+    SAMPLER_FIELDS,
+    EngineRequest,
+    GenerationRequest,
+    ModelInfo,
+    ResponseFormat,
+    Sampling,
+)
 
 MAX_RETURN_TOP_TOKENS = 64
 MAX_SEED = (1 << 64) - 1
@@ -190,6 +198,10 @@ def _check_lengths(request: GenerationRequest, num_prompt_tokens: int, info: Mod
                                                f"{limit - num_prompt_tokens}")
 
 
+# engine field name -> the API's (they differ only for the older penalty fields)
+ENGINE_TO_API = {engine: name for name, engine in SAMPLER_FIELDS.items()}
+
+
 def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
     """folio.SamplerSettings keyword arguments, every range checked here under the API's field names."""
     if not isinstance(sampling, Sampling):
@@ -215,29 +227,17 @@ def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
             raise InvalidRequest("token_bias", f"bias of token {token_id} must be a number in [-{offset:g}, "
                                                f"{offset:g}] or -inf, got {bias!r}")
     _optional_bool("temperature_last", s.temperature_last)
-    _real("min_temp", s.min_temp, low=0.0, high=limits.max_temperature)
-    _real("max_temp", s.max_temp, low=0.0, high=limits.max_temperature)
-    if s.min_temp is not None and s.max_temp is not None and s.min_temp > s.max_temp:
-        raise InvalidRequest("min_temp", f"{s.min_temp!r} exceeds max_temp ({s.max_temp!r})")
-    _real("temp_exponent", s.temp_exponent, low=0.0, high=offset, open_low=True)
-    _real("smoothing_factor", s.smoothing_factor, low=0.0, high=offset)
-    _real("top_a", s.top_a, low=0.0, high=1.0)
-    _real("tfs", s.tfs, low=0.0, high=1.0)
-    _real("typical", s.typical, low=0.0, high=1.0)
-    _real("skew", s.skew, low=-offset, high=offset)
-    _integer("mirostat", s.mirostat, low=0, high=2)
-    _real("mirostat_tau", s.mirostat_tau, low=0.0, high=offset, open_low=True)
-    _real("mirostat_eta", s.mirostat_eta, low=0.0, high=offset, open_low=True)
-    _real("dry_multiplier", s.dry_multiplier, low=0.0, high=offset)
-    _real("dry_base", s.dry_base, low=1.0, high=offset)
-    _integer("dry_allowed_length", s.dry_allowed_length, low=1, high=limits.max_int32)
     if s.dry_sequence_breakers is not None:
         _strings("dry_sequence_breakers", s.dry_sequence_breakers)
-    _integer("dry_range", s.dry_range, low=0, high=limits.max_int32)
-    _integer("dry_max_ngram", s.dry_max_ngram, low=1, high=limits.max_int32)
-    _real("xtc_threshold", s.xtc_threshold, low=0.0, high=1.0)
-    _real("xtc_probability", s.xtc_probability, low=0.0, high=1.0)
-    _real("cfg_scale", s.cfg_scale, low=0.0, high=MAX_CFG_SCALE)
+    kwargs = s.engine_kwargs()
+    # The samplers' own ranges (and how fields relate, e.g. max_temp >= min_temp) are the engine's: build its
+    # settings here, so a request the engine would refuse is refused now, naming the field.
+    try:
+        SamplerSettings(**kwargs)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        engine_name = message.split(" ", 1)[0].removeprefix("SamplerSettings.").split("[", 1)[0].rstrip(":")
+        raise InvalidRequest(ENGINE_TO_API.get(engine_name, engine_name), message) from None
     return s.engine_kwargs()
 
 
