@@ -68,6 +68,8 @@ class SamplerSettings:
     token_frequency_penalty: subtracted once per occurrence in the window.
     token_presence_penalty: subtracted once per distinct token in the window.
     token_bias: id -> value added to that logit (-inf bans the token); stored as a sorted tuple of (id, bias).
+    cfg_scale: classifier-free guidance (folio.cfg): a job of two prompts samples from
+        cfg_scale * log_softmax(positive) + (1 - cfg_scale) * log_softmax(negative); None: no guidance.
 
     Values that would overflow the sampler's fp32 logits are rejected: presence, frequency and bias beyond
     +-MAX_LOGIT_OFFSET (a bias of -inf stays allowed), repetition penalties outside [MIN_REPETITION_PENALTY,
@@ -84,6 +86,7 @@ class SamplerSettings:
     token_frequency_penalty: float = 0.0
     token_presence_penalty: float = 0.0
     token_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    cfg_scale: float | None = None
 
     def __post_init__(self) -> None:
         # The bounds and the reasons for them: the constants at the top of this module.
@@ -103,6 +106,8 @@ class SamplerSettings:
         self._check_real("token_frequency_penalty", low=-MAX_LOGIT_OFFSET, high=MAX_LOGIT_OFFSET)
         self._check_real("token_presence_penalty", low=-MAX_LOGIT_OFFSET, high=MAX_LOGIT_OFFSET)
         object.__setattr__(self, "token_bias", _freeze_bias(self.token_bias))
+        if self.cfg_scale is not None:
+            self._check_real("cfg_scale")
 
     def _check_real(self, name: str, low: float | None = None, high: float | None = None) -> None:
         value = getattr(self, name)
