@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio import cfg
 from folio.job import DynamicJob, JobState, TokenExtras
 from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
@@ -86,6 +87,7 @@ class Emitter:
                 "every token was masked for this job (blocked tokens, bias and vocabulary leave nothing)")))
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
+        cfg.follow(seq, token_id)  # a CFG job's negative sequence takes the token too
         self.stats.num_sampled += 1
         if seq.num_sampled >= job.max_new_tokens or token_id in job.stop_tokens:
             self.scheduler.remove(seq)
@@ -129,7 +131,7 @@ class Emitter:
         progressed = [c.seq for c in plan.chunks if c.is_prompt] + [s for s in self.scheduler.active
                                                                     if s in plan.progressed]
         for seq in progressed:
-            if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING:
+            if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING or seq.cfg_negative:
                 continue
             seen.add(seq)
             target = seq.num_prefill_target
@@ -142,7 +144,8 @@ class Emitter:
         return seq.job.error_result(error)
 
     def retire(self, seq: Sequence, status: SeqStatus) -> None:
-        """The job ended or was cancelled: forget it and release its pages."""
+        """The job ended or was cancelled: forget it and release its pages (a CFG job's two sequences)."""
+        seq = cfg.positive(seq)
         if self.live.pop(seq.job, None) is not None:
             self.stats.num_finished += status is not SeqStatus.CANCELLED
         self.runner.remove_sequence(seq)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from folio import cfg
 from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
@@ -87,7 +88,8 @@ class DynamicJob:
         return_logits: bool = False,
         max_skips: int | None = 4,
     ):
-        self.input_ids = _as_token_list(input_ids)
+        # two prompts (positive, negative): classifier-free guidance (folio.cfg)
+        self.input_ids, self.cfg_negative_ids = cfg.split_prompts(input_ids, _as_token_list)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
@@ -101,6 +103,7 @@ class DynamicJob:
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.gen_settings = gen_settings if gen_settings is not None else SamplerSettings()
+        cfg.check_job(self.cfg_negative_ids, self.gen_settings.cfg_scale)
         self.seed = seed if seed is not None else random.getrandbits(63)
         self.identifier = identifier
         self.decode_special_tokens = decode_special_tokens

@@ -120,8 +120,10 @@ class Speculator:
 
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
+        """Jobs that report per-token probabilities, top tokens or logits, and classifier-free guidance jobs
+        (folio.cfg: their two sequences sample one mixed row), decode without drafts."""
         job = seq.job
-        return not (job.return_probs or job.return_top_tokens or job.return_logits)
+        return not (job.return_probs or job.return_top_tokens or job.return_logits or seq.cfg_partner is not None)
 
     def forget(self, seq: Sequence) -> None:
         self._ngrams.pop(seq, None)
