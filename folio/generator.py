@@ -303,9 +303,10 @@ class DynamicGenerator:
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
                          tick: float) -> list[Result]:
         emitter, pipeline = self.emitter, self.pipeline
-        chunks, logits = cfg.mix(chunks, logits, self.vocab_size)  # a CFG job's two rows become one
-        if not chunks:
-            return emitter.emit(pipeline.take_staged())
+        if self.scheduler.num_cfg_jobs:
+            chunks, logits = cfg.mix(chunks, logits, self.vocab_size)  # a CFG job's two rows become one
+            if not chunks:
+                return emitter.emit(pipeline.take_staged())
         try:
             sampled = self.runner.sample(chunks, logits)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
@@ -342,7 +343,7 @@ class DynamicGenerator:
         device = logits.device
         plain_chunks, verify_chunks = [chunks[i] for i in plain], [chunks[i] for i in verify]
         plain_logits = logits[to_device([rows[i] for i in plain], torch.int64, device)] if plain else None
-        if plain:
+        if plain and self.scheduler.num_cfg_jobs:
             plain_chunks, plain_logits = cfg.mix(plain_chunks, plain_logits, self.vocab_size)
             plain = plain if plain_chunks else []
         verify_rows = [[rows[i] + j for j in range(chunks[i].num_logits)] for i in verify]

@@ -128,6 +128,11 @@ class Scheduler:
             self._cfg.discard(cfg.positive(seq))
 
     @property
+    def num_cfg_jobs(self) -> int:
+        """CFG jobs queued or running (folio.cfg)."""
+        return len(self._cfg)
+
+    @property
     def num_sequences(self) -> int:
         return len(self.pending) + len(self.active)
 

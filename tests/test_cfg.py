@@ -265,6 +265,28 @@ def test_sampled_with_penalties_and_drafting_neighbours(peaked):
     assert_no_pages_held(gen)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_speculative_neighbours_leave_cfg_jobs_undrafted_and_unchanged(peaked, drafter):
+    pairs = pair_prompts(peaked.tokenizer, 2)
+    loop = peaked.tokenizer.encode("one two three one two three one two three one two")
+
+    def make():
+        return [cfg_job(p, n, 1.5, max_new_tokens=24) for p, n in pairs] + [plain_job(loop, max_new_tokens=24)]
+
+    want = make()
+    run_to_end(peaked.generator(), want)
+    kwargs = dict(use_ngram_draft=True) if drafter == "ngram" else dict(draft_model=peaked.model, adaptive_draft=False)
+    gen = peaked.generator(**kwargs)
+    got = make()
+    run_to_end(gen, got)
+    assert [j.generated_ids for j in got] == [j.generated_ids for j in want]
+    assert all(j.accepted_draft_tokens == j.rejected_draft_tokens == 0 for j in got[:2])
+    assert got[2].accepted_draft_tokens + got[2].rejected_draft_tokens > 0  # the plain job drafted
+    if gen.speculator.draft_runner is not None:
+        assert not gen.speculator.draft_runner._num_cached  # both sequences of each CFG job forgotten
+    assert_no_pages_held(gen)
+
+
 def test_decode_ahead_with_cfg_equals_plain_steps(peaked):
     pairs = pair_prompts(peaked.tokenizer, 2)
 

@@ -132,3 +132,5 @@ class Speculator:
         self.lengths.forget(seq)
         if self.draft_runner is not None:
             self.draft_runner.forget(seq)
+            if seq.cfg_partner is not None:  # a CFG job's other sequence: its chunks were mirrored too
+                self.draft_runner.forget(seq.cfg_partner)
