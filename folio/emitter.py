@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio import cfg
 from folio.constrain.base import FilterError
 from folio.job import DynamicJob, JobState, TokenExtras
 from folio.results import Result
@@ -95,6 +96,7 @@ class Emitter:
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
         observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu)
+        cfg.follow(seq, token_id)  # a CFG job's negative sequence takes the token too
         self.stats.num_sampled += 1
         # (a job that may roll back ends by length or filter at emission, right after: the token may be undone)
         ends = filter_ended or seq.num_sampled >= job.max_sampled_tokens
@@ -153,12 +155,13 @@ class Emitter:
         job.rollback_filters(seq.num_sampled, num_tokens)
         if seq.sampler_state is not None:  # mirostat's mu (DRY's state is the token history, rolled back below)
             seq.sampler_state.rollback(num_tokens)
-        if seq.status is SeqStatus.RUNNING:
-            self.scheduler.cache.rollback(seq, num_tokens)
-        else:  # (waiting: its tokens are all prompt, and pages it has none)
-            del seq.token_ids[len(seq.token_ids) - num_tokens:]
-            self.scheduler.cache.start(seq)
-        seq.num_sampled -= num_tokens
+        for undone in (seq, seq.cfg_partner) if seq.cfg_partner is not None else (seq,):  # a CFG pair: both
+            if undone.status is SeqStatus.RUNNING:
+                self.scheduler.cache.rollback(undone, num_tokens)
+            else:  # (waiting: its tokens are all prompt, and pages it has none)
+                del undone.token_ids[len(undone.token_ids) - num_tokens:]
+                self.scheduler.cache.start(undone)
+            undone.num_sampled -= num_tokens
         if self.speculator is not None:
             self.speculator.forget(seq)  # (such a job does not draft: nothing of it is worth keeping)
         self.stats.num_rolled_back += num_tokens
@@ -180,7 +183,7 @@ class Emitter:
         progressed = [c.seq for c in plan.chunks if c.is_prompt] + [s for s in self.scheduler.active
                                                                     if s in plan.progressed]
         for seq in progressed:
-            if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING:
+            if seq in seen or seq.num_sampled > 0 or seq.status is not SeqStatus.RUNNING or seq.cfg_negative:
                 continue
             seen.add(seq)
             target = seq.num_prefill_target
@@ -193,7 +196,8 @@ class Emitter:
         return seq.job.error_result(error)
 
     def retire(self, seq: Sequence, status: SeqStatus) -> None:
-        """The job ended or was cancelled: forget it and release its pages."""
+        """The job ended or was cancelled: forget it and release its pages (a CFG job's two sequences)."""
+        seq = cfg.positive(seq)
         if self.live.pop(seq.job, None) is not None:
             self.stats.num_finished += status is not SeqStatus.CANCELLED
         self.runner.remove_sequence(seq)

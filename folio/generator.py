@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from folio import convenience, isolation
+from folio import cfg, convenience, isolation
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
@@ -29,7 +29,7 @@ from folio.results import Result
 from folio.runner import ModelRunner
 from folio.sampling.host import to_device
 from folio.scheduler import Chunk, Scheduler
-from folio.sequence import SeqStatus, Sequence
+from folio.sequence import SeqStatus
 from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk_size, resolve_max_seq_len
 from folio.speculative.build import build_speculator, target_graph_rows
 from folio.stats import StepStats
@@ -139,6 +139,8 @@ class DynamicGenerator:
         """Raise ValueError, naming the field, if `job` can never run here."""
         validate_job(job, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, num_pages=self.cache.num_pages,
                      page_size=self.page_size)
+        cfg.validate(job, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, num_pages=self.cache.num_pages,
+                     page_size=self.page_size, max_batch_size=self.max_batch_size)
 
     def enqueue(self, job: DynamicJob | Iterable[DynamicJob]) -> int | list[int]:
         if isinstance(job, DynamicJob):
@@ -153,7 +155,7 @@ class DynamicGenerator:
             raise QueueFull(f"the generator's queue is full ({self.max_queued_jobs} waiting jobs); "
                             f"raise max_queued_jobs or wait for jobs to start")
         job.bind(next(self._serials), self.tokenizer, self.vocab_size)
-        job.sequence = Sequence(job=job, token_ids=list(job.input_ids))
+        job.sequence = cfg.sequences(job)  # (with a CFG job's negative sequence as its cfg_partner)
         self.emitter.add(job.sequence)
         return job.serial
 
@@ -308,6 +310,10 @@ class DynamicGenerator:
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
                          tick: float) -> list[Result]:
         emitter, pipeline = self.emitter, self.pipeline
+        if self.scheduler.num_cfg_jobs:
+            chunks, logits = cfg.mix(chunks, logits, self.vocab_size)  # a CFG job's two rows become one
+            if not chunks:
+                return emitter.emit(pipeline.take_staged())
         try:
             sampled = self.runner.sample(chunks, logits)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
@@ -347,6 +353,9 @@ class DynamicGenerator:
         device = logits.device
         plain_chunks, verify_chunks = [chunks[i] for i in plain], [chunks[i] for i in verify]
         plain_logits = logits[to_device([rows[i] for i in plain], torch.int64, device)] if plain else None
+        if plain and self.scheduler.num_cfg_jobs:
+            plain_chunks, plain_logits = cfg.mix(plain_chunks, plain_logits, self.vocab_size)
+            plain = plain if plain_chunks else []
         verify_rows = [[rows[i] + j for j in range(chunks[i].num_logits)] for i in verify]
         verify_logits = logits[to_device([r for row in verify_rows for r in row], torch.int64, device)]
         try:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from folio import cfg
 from folio.banned import BannedStrings, BannedTextStream, validate_banned_strings
 from folio.constrain.base import Filter
 from folio.constrain.healing import HealingFilter
@@ -120,7 +121,8 @@ class DynamicJob:
         banned_strings: Sequence[str] | None = None,
         token_healing: bool = False,
     ):
-        self.input_ids = _as_token_list(input_ids)
+        # two prompts (positive, negative): classifier-free guidance (folio.cfg)
+        self.input_ids, self.cfg_negative_ids = cfg.split_prompts(input_ids, _as_token_list)
         self.healing_token_id: int | None = None
         if token_healing:
             if len(self.input_ids) < 2:
@@ -140,6 +142,10 @@ class DynamicJob:
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.gen_settings = gen_settings if gen_settings is not None else SamplerSettings()
+        cfg.check_job(self.cfg_negative_ids, self.gen_settings.cfg_scale)
+        if token_healing and self.cfg_negative_ids is not None:
+            raise ValueError("token_healing with classifier-free guidance: the healed token would be appended to "
+                             "the negative prompt too, which was not cut; use one or the other")
         self.seed = seed if seed is not None else random.getrandbits(63)
         self.identifier = identifier
         self.decode_special_tokens = decode_special_tokens

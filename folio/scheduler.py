@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from folio import cfg
 from folio.cache.manager import KVCacheManager, PageCopy
 from folio.sequence import SeqStatus, Sequence
 
@@ -98,22 +99,38 @@ class Scheduler:
         self.pending: deque[Sequence] = deque()
         self.active: list[Sequence] = []  # in admission order
         self._admit_counter = 0
+        self._cfg: set[Sequence] = set()  # CFG jobs' positive sequences, queued or running (folio.cfg)
         # Keep a few pages free at admission so running sequences can grow without immediate preemption.
         self._admission_reserve_pages = max(1, cache.num_pages // 64)
 
     # --- queue ---
 
     def add(self, seq: Sequence) -> None:
-        self.cache.start(seq)
-        self.pending.append(seq)
+        """Queue a sequence (with a CFG job's negative sequence right behind it)."""
+        for s in cfg.group(seq):
+            self.cache.start(s)
+            self.pending.append(s)
+        if seq.cfg_partner is not None:
+            self._cfg.add(cfg.positive(seq))
 
     def remove(self, seq: Sequence) -> None:
-        """Cancel or finish: drop the sequence wherever it is and release its pages."""
-        if seq in self.active:
-            self.active.remove(seq)
-            self.cache.free(seq)
-        elif seq in self.pending:
-            self.pending.remove(seq)
+        """Cancel or finish: drop the sequence wherever it is and release its pages. A CFG job's two sequences
+        leave together; the one not passed is marked FINISHED (what the job's end was, the caller's says)."""
+        for s in cfg.group(seq):
+            if s in self.active:
+                self.active.remove(s)
+                self.cache.free(s)
+            elif s in self.pending:
+                self.pending.remove(s)
+            if s is not seq and s.is_live:
+                s.status = SeqStatus.FINISHED
+        if seq.cfg_partner is not None:
+            self._cfg.discard(cfg.positive(seq))
+
+    @property
+    def num_cfg_jobs(self) -> int:
+        """CFG jobs queued or running (folio.cfg)."""
+        return len(self._cfg)
 
     @property
     def num_sequences(self) -> int:
@@ -167,6 +184,8 @@ class Scheduler:
             if chunk.is_prompt and seq not in sampling:
                 budget -= chunk.num_tokens  # prompt tokens; a decode row costs no budget
             plan.chunks.append(chunk)
+        if self._cfg:
+            plan.chunks = cfg.sync_pair_chunks(plan.chunks)  # a CFG pair samples in one step or not at all
         return plan
 
     def commit(self, plan: StepPlan) -> None:
@@ -187,7 +206,10 @@ class Scheduler:
         their chunks [len, len + 1) come first, in the order of `seqs`, and become whole once that token is
         appended. The rest of the step is what plan() would make of it then: admission, prefix reuse, prompt
         chunks. None, with nothing changed, when the pool might run short of pages for the step, since planning
-        ahead must never preempt."""
+        ahead must never preempt, or while a CFG job is queued or running (its two rows are planned after its
+        token is known: the simple way to keep the pair in step)."""
+        if self._cfg:
+            return None
         size = self.page_size
         crossing = sum(1 for seq in seqs if len(seq.token_ids) // size + 1 > len(seq.block_table))
         admissible = min(len(self.pending), max(0, self.max_batch_size - len(self.active)))
@@ -237,9 +259,12 @@ class Scheduler:
     def _admit(self, plan: StepPlan) -> None:
         skipped: list[Sequence] = []
         for seq in list(self.pending):
-            if len(self.active) >= self.max_batch_size:
+            if seq.cfg_negative:
+                continue  # admitted with its positive
+            group = cfg.group(seq)  # a CFG job: both sequences, two batch rows
+            if len(self.active) + len(group) > self.max_batch_size:
                 break
-            if not self._fits(seq):
+            if not self._fits(group):
                 skipped.append(seq)
                 continue
             # Never overtake a job that has been skipped as often as it allows.
@@ -247,25 +272,30 @@ class Scheduler:
                 break
             for s in skipped:
                 s.num_skips += 1
-            self.pending.remove(seq)
-            seq.admit_order = self._admit_counter
-            self._admit_counter += 1
-            seq.status = SeqStatus.RUNNING
-            self.active.append(seq)
-            if not seq.started:
-                seq.started = True
-                seq.num_prefill_target = len(seq.token_ids)
-                self.cache.count_admission(seq)
-                plan.started.append(seq)
+            for s in group:
+                self.pending.remove(s)
+                s.admit_order = self._admit_counter
+                self._admit_counter += 1
+                s.status = SeqStatus.RUNNING
+                self.active.append(s)
+                if not s.started:
+                    s.started = True
+                    s.num_prefill_target = len(s.token_ids)
+                    self.cache.count_admission(s)
+                    if not s.cfg_negative:
+                        plan.started.append(s)
 
-    def _fits(self, seq: Sequence) -> bool:
-        """Room for the part of the prompt not already in the pool, plus one page to grow into (unless the prompt's
-        pages are all the job will ever need: a job that fills the whole cache exactly must still fit an empty
-        one)."""
+    def _fits(self, group: tuple[Sequence, ...]) -> bool:
+        """Room for the part of each prompt not already in the pool, plus one page to grow into (unless the
+        prompt's pages are all the job will ever need: a job that fills the whole cache exactly must still fit an
+        empty one)."""
         size = self.page_size
-        final_len = seq.prompt_len + seq.job.max_new_tokens
-        pages = min(-(-len(seq.token_ids) // size) + 1, max(-(-final_len // size), -(-len(seq.token_ids) // size)))
-        pages_needed = pages - self.cache.num_held_prompt_pages(seq)
+        pages_needed = 0
+        for seq in group:
+            final_len = seq.prompt_len + seq.job.max_new_tokens
+            pages = min(-(-len(seq.token_ids) // size) + 1,
+                        max(-(-final_len // size), -(-len(seq.token_ids) // size)))
+            pages_needed += pages - self.cache.num_held_prompt_pages(seq)
         reserve = self._admission_reserve_pages if self.active else 0
         return pages_needed + reserve <= self.cache.num_allocatable
 
@@ -291,19 +321,22 @@ class Scheduler:
         while not self.cache.allocate(seq, end):
             victim = max(self.active, key=lambda s: s.admit_order)
             self._preempt(victim, plan)
-            if victim is seq:
+            if seq.status is not SeqStatus.RUNNING:  # seq itself, or its CFG partner with it
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        if len(self.active) == 1:
+    def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
+        """Back to the front of the queue: the sequence, or both of a CFG job's (positive first)."""
+        group = cfg.group(victim)
+        if len(self.active) <= len(group):
             raise CacheTooSmall(
-                f"a single sequence of {len(seq.token_ids)} tokens does not fit the cache "
+                f"a single job of {' + '.join(str(len(s.token_ids)) for s in group)} tokens does not fit the cache "
                 f"({self.cache.num_pages} pages of {self.page_size})")
-        self.num_preemptions += 1
-        self.active.remove(seq)
-        seq.status = SeqStatus.WAITING
-        plan.chunks = [c for c in plan.chunks if c.seq is not seq]
-        plan.copies = self.cache.preempt(seq, plan.copies)
-        self.pending.appendleft(seq)
-        plan.preempted.append(seq)
+        for seq in reversed(group):
+            self.num_preemptions += 1
+            self.active.remove(seq)
+            seq.status = SeqStatus.WAITING
+            plan.chunks = [c for c in plan.chunks if c.seq is not seq]
+            plan.copies = self.cache.preempt(seq, plan.copies)
+            self.pending.appendleft(seq)
+            plan.preempted.append(seq)

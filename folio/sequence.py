@@ -58,9 +58,13 @@ class Sequence:
     num_sampled: int = 0  # tokens sampled so far; ahead of job.new_tokens while tokens wait to be emitted
     sampler_state: SamplerState | None = None  # per-job sampler state (mirostat's mu): kept across preemption
 
+    # --- classifier-free guidance (folio.cfg): a CFG job's two sequences name each other ---
+    cfg_partner: Sequence | None = None
+    cfg_negative: bool = False  # the negative prompt's: fed and cached like any other, it samples and emits nothing
+
     @property
     def prompt_len(self) -> int:
-        return self.job.prompt_tokens
+        return len(self.job.cfg_negative_ids) if self.cfg_negative else self.job.prompt_tokens
 
     @property
     def num_uncached_tokens(self) -> int:

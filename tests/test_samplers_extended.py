@@ -411,7 +411,7 @@ def test_speculator_skips_stateful_jobs():
 
     def takes(s):
         job = folio.DynamicJob(input_ids=[1, 2], max_new_tokens=4, gen_settings=s)
-        return Speculator._job_takes_drafts(SimpleNamespace(job=job))
+        return Speculator._job_takes_drafts(SimpleNamespace(job=job, cfg_partner=None))
 
     assert takes(PLAIN) and takes(settings(tfs=0.9, xtc_probability=0.5))
     assert not takes(settings(mirostat=2))

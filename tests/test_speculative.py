@@ -426,6 +426,7 @@ def test_ngram_observation_agrees_with_the_drafter():
 
     class Seq:
         job = Job()
+        cfg_partner = None
 
     rng = random.Random(0)
     for trial in range(20):

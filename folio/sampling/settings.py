@@ -81,6 +81,8 @@ class SamplerSettings:
     token_frequency_penalty: subtracted once per occurrence in the window.
     token_presence_penalty: subtracted once per distinct token in the window.
     token_bias: id -> value added to that logit (-inf bans the token); stored as a sorted tuple of (id, bias).
+    cfg_scale: classifier-free guidance (folio.cfg): a job of two prompts samples from
+        cfg_scale * log_softmax(positive) + (1 - cfg_scale) * log_softmax(negative); None: no guidance.
 
     The extended samplers (all off by default; the order they run in: folio.sampling.sampler's docstring):
     temperature_last: apply `temperature` after truncation, as p^(1/T) renormalised, instead of to the logits.

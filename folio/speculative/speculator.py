@@ -120,7 +120,7 @@ class Speculator:
 
     @staticmethod
     def _job_takes_drafts(seq: Sequence) -> bool:
-        return seq.job.takes_drafts
+        return seq.job.takes_drafts and seq.cfg_partner is None
 
     def forget(self, seq: Sequence) -> None:
         self._ngrams.pop(seq, None)
@@ -129,3 +129,5 @@ class Speculator:
         self.lengths.forget(seq)
         if self.draft_runner is not None:
             self.draft_runner.forget(seq)
+            if seq.cfg_partner is not None:  # a CFG job's other sequence: its chunks were mirrored too
+                self.draft_runner.forget(seq.cfg_partner)
