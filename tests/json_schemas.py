@@ -263,15 +263,17 @@ def random_walk(fill: Callable[[np.ndarray], None], feed: Callable[[int], None],
     """Drive a constrained decoder without a model: pick a token among the allowed ones, feed it, repeat.
 
     For the first `soft_cap` tokens the pick is uniform over the allowed set. After that the walk steers toward
-    the end of the document, so that recursive or unbounded grammars finish (with skip_whitespace, tokens of
-    only whitespace are left out of both picks while anything else is allowed, so that documents are not
-    mostly indentation): it takes an EOS id if one is
-    allowed, else a one-byte closer ('}' then ']' then '"'), else a uniformly chosen one-byte token (short tokens
-    end numbers and bounded strings soonest), else any allowed token. Returns (tokens, finished); finished
-    is False when the walk hit `hard_cap` tokens, or reached an empty mask.
+    the end of the document, so that recursive or unbounded grammars finish: it takes an EOS id if one is allowed,
+    else a one-byte closer ('}', ']' or '"', chosen at random), else a uniformly chosen one-byte token (short
+    tokens end numbers and bounded strings soonest), else any allowed token. With skip_whitespace, tokens of only
+    whitespace are left out of both picks while anything else is allowed (else documents are mostly indentation).
+    Returns (tokens, finished); finished is False when the walk hit `hard_cap` tokens or reached an empty mask.
     """
     vocab_size = len(token_bytes)
     row = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    space = np.fromiter((b.isspace() for b in token_bytes), dtype=bool, count=vocab_size)
+    one_byte = np.fromiter((len(b) == 1 for b in token_bytes), dtype=bool, count=vocab_size) & ~space
+    closer_ids = {c: [i for i, b in enumerate(token_bytes) if b == c] for c in CLOSERS}
     eos = set(eos_ids)
     tokens: list[int] = []
     while len(tokens) < hard_cap:
@@ -283,13 +285,13 @@ def random_walk(fill: Callable[[np.ndarray], None], feed: Callable[[int], None],
         if ids.size == 0:
             return tokens, False
         if skip_whitespace:
-            content = [t for t in ids.tolist() if not token_bytes[t].isspace()]
-            if content:
-                ids = np.asarray(content)
+            content = ids[~space[ids]]
+            if content.size:
+                ids = content
         if len(tokens) < soft_cap:
             token = int(ids[rng.randrange(ids.size)])
         else:
-            token = _closing_choice(ids, token_bytes, eos, rng)
+            token = _closing_choice(ids, one_byte, closer_ids, eos, rng)
         tokens.append(token)
         feed(token)
         if token in eos:
@@ -297,14 +299,15 @@ def random_walk(fill: Callable[[np.ndarray], None], feed: Callable[[int], None],
     return tokens, finished()
 
 
-def _closing_choice(ids: np.ndarray, token_bytes: Sequence[bytes], eos: set[int], rng: random.Random) -> int:
-    allowed = [int(t) for t in ids]
-    for t in allowed:
-        if t in eos:
+def _closing_choice(ids: np.ndarray, one_byte: np.ndarray, closer_ids: dict[bytes, list[int]], eos: set[int],
+                    rng: random.Random) -> int:
+    allowed = set(ids.tolist())
+    for t in eos:
+        if t in allowed:
             return t
-    by_bytes = {token_bytes[t]: t for t in allowed}
-    for closer in CLOSERS:
-        if closer in by_bytes:
-            return by_bytes[closer]
-    short = [t for t in allowed if len(token_bytes[t]) == 1 and not token_bytes[t].isspace()]
-    return rng.choice(short or allowed)
+    closers = [t for c in CLOSERS for t in closer_ids[c] if t in allowed]
+    if closers:  # a random one: inside a string '}' is text, and only '"' ends it
+        return rng.choice(closers)
+    short = ids[one_byte[ids]]
+    pool = short if short.size else ids
+    return int(pool[rng.randrange(pool.size)])
