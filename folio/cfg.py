@@ -9,8 +9,9 @@ become one:
 
     mixed = s * log_softmax(positive) + (1 - s) * log_softmax(negative)
 
-over the real vocabulary (s > 1 pushes away from the negative prompt, s < 0 towards it; s = 1 is the positive alone),
-and the ordinary sampler runs on the mixed row with the positive's settings and penalty history. The sampled token is
+over the real vocabulary (s > 1 pushes away from the negative prompt, s < 0 towards it; s = 1 is the positive
+alone), computed as positive + (1 - s) * (log_softmax(negative) - log_softmax(positive)), the same distribution, so
+that s = 1 is exactly the positive's logits. The ordinary sampler runs on the mixed row with the positive's settings and penalty history. The sampled token is
 appended to both sequences; only the positive emits results.
 
 Who does what:
@@ -191,7 +192,10 @@ def mix(chunks: list[Chunk], logits: torch.Tensor, vocab_size: int) -> tuple[lis
         lp = torch.log_softmax(logits[index, :width].float(), dim=1)
         n = len(pos_rows)
         s = to_device(scales, torch.float32, device)[:, None]
-        mixed = s * lp[:n] + (1.0 - s) * lp[n:]
+        # s * lp_pos + (1 - s) * lp_neg, shifted by the positive's log-sum-exp (a constant per row: the same
+        # distribution) to positive + (1 - s) * (lp_neg - lp_pos). At s = 1 the row is the positive's own logits,
+        # bit for bit, and the penalties after it act on logits of the positive's scale at every s.
+        mixed = logits[index[:n], :width].float() + (1.0 - s) * (lp[n:] - lp[:n])
         at = to_device(mixed_at, torch.int64, device)
         out[at, :width] = mixed.to(out.dtype)
         if width < out.shape[1]:

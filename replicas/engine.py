@@ -226,8 +226,9 @@ class Engine:
                 merged.extend(chunk)
             if chunk.finish is not None:
                 return merged, True
-        if merged is not None and not merged.token_ids and not merged.text and merged.finish is None:
-            merged = None  # text held back (UTF-8, a possible stop string): nothing to send yet
+        if (merged is not None and not merged.token_ids and not merged.text and not merged.suppressed_text
+                and merged.finish is None):
+            merged = None  # text held back (UTF-8, a possible stop or banned string): nothing to send yet
         return merged, False
 
     async def close(self, drain_timeout_s: float) -> None:
@@ -369,7 +370,7 @@ def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:
         top = [TopTokens(list(ids), list(probs)) for ids, probs in zip(result.top_k_tokens, result.top_k_probs)]
     chunk = Chunk(text=result.text, token_ids=list(result.token_ids),
                   token_probs=None if result.token_probs is None else list(result.token_probs), top_tokens=top,
-                  suppressed_text=getattr(result, "suppressed_text", "") or "")
+                  suppressed_text=result.suppressed_text)
     if result.eos:
         now = time.monotonic()
         job = result.job
