@@ -11,8 +11,8 @@ become one:
 
 over the real vocabulary (s > 1 pushes away from the negative prompt, s < 0 towards it; s = 1 is the positive
 alone), computed as positive + (1 - s) * (log_softmax(negative) - log_softmax(positive)), the same distribution, so
-that s = 1 is exactly the positive's logits. The ordinary sampler runs on the mixed row with the positive's settings and penalty history. The sampled token is
-appended to both sequences; only the positive emits results.
+that s = 1 is exactly the positive's logits. The ordinary sampler runs on the mixed row with the positive's settings
+and penalty history. The sampled token is appended to both sequences; only the positive emits results.
 
 Who does what:
 - Scheduler: the pair is one unit for admission (both fit, two batch rows), preemption (both go), removal (both

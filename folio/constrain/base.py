@@ -49,6 +49,9 @@ class Filter:
     - `is_finished()`: True once the output is complete (the job ends with "end_filter").
     - `rollback(num_tokens)`: undo the last fed tokens; the default resets and feeds the kept ones again, which
       needs `reset()`.
+    A class may also define a static `fill_many(filters, bitmask)` that fills the rows of a [B, W] int32 bitmask
+    for B of its instances at once (the grammar filters: the grammar engine's thread pool); the engine uses it for
+    jobs whose only filter is of that class.
     """
 
     def __init__(self) -> None:

@@ -190,7 +190,9 @@ class JsonSchemaFilter(GrammarFilterBase):
     """Output is one JSON value valid under `schema` (a dict, its JSON text, or True/False).
 
     options: llguidance's JSON compile options applied over the schema's own "x-guidance" (e.g.
-    {"whitespace_flexible": False} for compact output, {"lenient": True} to ignore unsupported keywords).
+    {"lenient": True} to ignore unsupported keywords). By default the output's whitespace is fixed (one space after
+    ":" and ","; {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}), so a model cannot
+    spend its tokens on whitespace between values; pass {"whitespace_flexible": True} to allow any.
     """
 
     def __init__(self, schema: dict[str, Any] | str | bool, *, options: dict[str, Any] | None = None):
@@ -207,7 +209,7 @@ class JsonSchemaFilter(GrammarFilterBase):
         if not isinstance(schema, dict):
             raise FilterError(f"JsonSchemaFilter: a schema is an object or a boolean, got {type(schema).__name__}")
         self.schema = schema
-        self.options = options
+        self.options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", **(options or {})}
 
     def llguidance_grammar(self) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(self.schema, overrides=self.options)
@@ -285,3 +287,7 @@ def fill_bitmasks(filters: Sequence[Filter | None], bitmask: np.ndarray) -> None
                 if _executor is None:
                     _executor = llguidance.LLExecutor()
         llnp.fill_next_token_bitmask_par(_executor, grammar_rows, bitmask)
+
+
+# the engine's MaskWorker fills the masks of many grammar filters in one call through this
+GrammarFilterBase.fill_many = staticmethod(fill_bitmasks)

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class MaskWorker:
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         workers = max_workers if max_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="folio-masks")
-        self._pending: dict[Sequence, tuple[int, Future]] = {}
+        self._pending: dict[Sequence, tuple[int, Future, int | None]] = {}  # (num_sampled, task, row in it)
         # totals since construction, for benchmarks: masks made, worker seconds making them, and seconds the step
         # waited for them in collect (the part not hidden behind the forward)
         self.num_masks = 0
@@ -43,14 +44,43 @@ class MaskWorker:
         return bool(seq.job.active_filters())
 
     def prepare(self, seqs: Seq[Sequence]) -> None:
-        """Start computing the next-token masks of the constrained, live sequences among seqs."""
+        """Start computing the next-token masks of the constrained, live sequences among seqs. Sequences whose one
+        filter's class fills many at once (`fill_many`: the grammar engine's own thread pool, GIL released) go
+        together as one task; the others one task each."""
+        todo = []
         for seq in seqs:
             if not seq.is_live or not self.constrained(seq):
                 continue
             pending = self._pending.get(seq)
             if pending is not None and pending[0] == seq.num_sampled:
                 continue
-            self._pending[seq] = (seq.num_sampled, self._pool.submit(self.mask_row, seq))
+            todo.append(seq)
+        groups: dict[Any, list[Sequence]] = {}
+        for seq in todo:
+            fill_many = self._fill_many(seq)
+            if fill_many is None:
+                self._pending[seq] = (seq.num_sampled, self._pool.submit(self.mask_row, seq), None)
+            else:
+                groups.setdefault(fill_many, []).append(seq)
+        for fill_many, group in groups.items():
+            future = self._pool.submit(self._mask_group, fill_many, group)
+            for i, seq in enumerate(group):
+                self._pending[seq] = (seq.num_sampled, future, i)
+
+    @staticmethod
+    def _fill_many(seq: Sequence) -> Any:
+        filters = seq.job.active_filters()
+        if len(filters) != 1 or seq.job.filter_prefer_eos:
+            return None
+        return getattr(type(filters[0]), "fill_many", None)
+
+    def _mask_group(self, fill_many: Any, seqs: list[Sequence]) -> np.ndarray:
+        start = time.perf_counter()
+        masks = np.zeros((len(seqs), self.num_words), dtype=np.int32)
+        fill_many([s.job.active_filters()[0] for s in seqs], masks)
+        self.num_masks += len(seqs)
+        self.mask_s += time.perf_counter() - start
+        return masks
 
     def collect(self, seqs: Seq[Sequence], device: torch.device
                 ) -> tuple[torch.Tensor | None, list[BaseException | None]]:
@@ -66,10 +96,8 @@ class MaskWorker:
                 continue
             pending = self._pending.pop(seq, None)
             try:
-                if pending is not None and pending[0] == seq.num_sampled:
-                    masks[i] = pending[1].result()
-                else:
-                    masks[i] = self.mask_row(seq)
+                row = self._pending_row(pending, seq.num_sampled)
+                masks[i] = row if row is not None else self.mask_row(seq)
             except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
                 errors[i] = error
                 masks[i] = 0
@@ -78,6 +106,19 @@ class MaskWorker:
         if device.type == "cuda":
             pinned = pinned.pin_memory()
         return pinned.to(device, non_blocking=True), errors
+
+    @staticmethod
+    def _pending_row(pending: tuple | None, num_sampled: int) -> np.ndarray | None:
+        """A pending task's row for a sequence at num_sampled tokens; None when stale, missing, or when its group
+        failed (the caller then computes the row alone, so the error, if any, is that row's own)."""
+        if pending is None or pending[0] != num_sampled:
+            return None
+        if pending[2] is None:
+            return pending[1].result()
+        try:
+            return pending[1].result()[pending[2]]
+        except Exception:  # noqa: BLE001 - recomputed alone by the caller
+            return None
 
     def mask_row(self, seq: Sequence) -> np.ndarray:
         """One sequence's next-token mask: the intersection of its filters' bitmasks (on a worker thread)."""
