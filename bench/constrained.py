@@ -157,9 +157,12 @@ def main() -> None:
     pair.tokenizer = tokenizer
     table = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = bench_engine.random_prompts(batch, [args.prompt_len], tokenizer.vocab_size - 1000, seed=batch)
+        prompts = bench_engine.random_prompts(batch, args.prompt_len, tokenizer.vocab_size - 1000, seed=batch)
         prompts = [[t + 1000 for t in p] for p in prompts]  # no special tokens in prompts
-        gen, cache = bench_engine.make_generator(pair, batch, args.prompt_len + args.new_tokens + 16, batch)
+        max_seq_len = args.prompt_len + args.new_tokens + 16
+        # on a GPU the cache takes the free memory; on the CPU (a smoke test) whole pages of 256 for every job
+        cache_tokens = None if device.type == "cuda" else batch * 256 * -(-max_seq_len // 256)
+        gen, cache = bench_engine.make_generator(pair, batch, max_seq_len, batch, cache_tokens=cache_tokens)
         run(gen, prompts, 8, constrained=True, batch=batch)  # warm-up: graphs, compile, the grammar cache
         run(gen, prompts, 8, constrained=False, batch=batch)
         plain, constrained = [], []

@@ -121,3 +121,12 @@ def test_filtered_jobs_beside_speculative_ones_are_not_drafted(demo):
         jsonschema.validate(json.loads(job.full_completion), SCHEMAS["tool_call"])
         assert final.accepted_draft_tokens == final.rejected_draft_tokens == 0
     assert sum(r.accepted_draft_tokens + r.rejected_draft_tokens for r in finals(results, plain)) > 0
+
+
+def test_everything_at_once_with_launch_ahead(demo_dir):
+    """JSON and regex filters, banned strings, CFG, token healing, the extended samplers and plain jobs in one
+    batch with decode-ahead and overlapped emission on (tests/test_constrained_gpu.py runs the same on CUDA with
+    graphs)."""
+    from test_constrained_gpu import run_everything_at_once
+
+    run_everything_at_once(demo_dir, "cpu")
