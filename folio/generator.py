@@ -260,8 +260,6 @@ class DynamicGenerator:
             plan, logits, error = self.scheduler.plan(drafts), None, None
         results = emitter.started_results(plan)
         tick = stats.lap("plan", tick)
-        # masks of filtered sequences sampling this step, computed while the forward runs
-        self.masks.prepare([c.seq for c in plan.chunks if c.wants_logits])
         if ahead is None:
             if plan.empty:
                 results += emitter.emit(self.pipeline.take_staged())
@@ -273,6 +271,8 @@ class DynamicGenerator:
                 logits, stats.used_graph = self.runner.forward(plan)
             except Exception as caught:  # noqa: BLE001 - retried chunk by chunk below
                 error = caught
+            else:  # masks of filtered sequences sampling this step, made while the device runs the forward
+                self.masks.prepare([c.seq for c in plan.chunks if c.wants_logits])
         if error is not None:
             results += emitter.emit(self.pipeline.take_staged())
             logits, failed = isolation.forward_each(self.runner, emitter, plan, error)
@@ -330,7 +330,8 @@ class DynamicGenerator:
         results = emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else []
         tick = stats.lap("emit", tick)
         staged = emitter.stage_all(chunks, sampled.read())
-        self.masks.prepare([c.seq for c in chunks])  # the next step's masks, while its forward runs
+        if pipeline.step is not None:  # the next step's forward runs now: make its masks meanwhile
+            self.masks.prepare([c.seq for c in chunks])
         tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit and not now:
             pipeline.staged = staged

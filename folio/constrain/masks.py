@@ -1,19 +1,22 @@
-"""MaskWorker: the token bitmasks of filtered jobs, computed on CPU threads while the device runs the forward.
+"""MaskWorker: the token bitmasks of filtered jobs, computed while the device runs the forward.
 
 A sequence's mask depends only on its filters' state, which changes when a token is fed (at staging). The
-generator asks for masks twice: right after staging (while the launched-ahead forward runs) and right after
-planning a step (for sequences about to sample their first token). Each request runs on the worker pool; `collect`
-waits for the ones the step samples and hands the sampler one [B, W] int32 bitmask on the device. A request made
-before the last feed is stale and is recomputed (each is tagged with the sequence's sampled-token count).
+generator asks for masks when the device is busy and the host would otherwise wait: right after staging a step's
+tokens when the next step's forward was launched ahead, and right after launching a forward otherwise. The masks
+of jobs whose one filter is a grammar filter are filled in one call that the grammar engine spreads over its own
+threads with the GIL released (`fill_many`); other filters fill theirs one by one. `collect` then hands the sampler
+one [B, W] int32 bitmask on the device, computing now any mask not ready (a sequence's first token after prefill
+in a launched-ahead step, or a mask made before the last feed: each is tagged with the sampled-token count).
+
+Why not a Python thread pool: a worker thread holding the GIL between the grammar engine's calls makes the step's
+own thread wait for every hand-back of the GIL (up to the interpreter's switch interval each time), which cost more
+than the masks themselves; here the host thread fills the masks while it has nothing else to do.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,19 +25,18 @@ import torch
 from folio.constrain.base import bitmask_words
 from folio.sequence import Sequence
 
-logger = logging.getLogger(__name__)
-
 
 class MaskWorker:
-    def __init__(self, vocab_size: int, eos_token_ids: Seq[int], max_workers: int | None = None):
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int]):
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(vocab_size)
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
-        workers = max_workers if max_workers is not None else max(1, min(8, (os.cpu_count() or 2) - 1))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="folio-masks")
-        self._pending: dict[Sequence, tuple[int, Future, int | None]] = {}  # (num_sampled, task, row in it)
-        # totals since construction, for benchmarks: masks made, worker seconds making them, and seconds the step
-        # waited for them in collect (the part not hidden behind the forward)
+        # seq -> (num_sampled when made, its mask row, or the error its filter raised)
+        self._ready: dict[Sequence, tuple[int, np.ndarray | BaseException]] = {}
+        self._pinned: torch.Tensor | None = None  # reused host staging buffer for the device copy
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy from it
+        # totals since construction, for benchmarks: masks made, seconds making them, and seconds the step spent
+        # in collect (waiting for, or making, masks not ready: what the forward did not hide)
         self.num_masks = 0
         self.mask_s = 0.0
         self.wait_s = 0.0
@@ -44,28 +46,45 @@ class MaskWorker:
         return bool(seq.job.active_filters())
 
     def prepare(self, seqs: Seq[Sequence]) -> None:
-        """Start computing the next-token masks of the constrained, live sequences among seqs. Sequences whose one
-        filter's class fills many at once (`fill_many`: the grammar engine's own thread pool, GIL released) go
-        together as one task; the others one task each."""
+        """Make the next-token masks of the constrained, live sequences among seqs whose mask is not ready."""
         todo = []
         for seq in seqs:
             if not seq.is_live or not self.constrained(seq):
                 continue
-            pending = self._pending.get(seq)
-            if pending is not None and pending[0] == seq.num_sampled:
-                continue
-            todo.append(seq)
+            ready = self._ready.get(seq)
+            if ready is None or ready[0] != seq.num_sampled:
+                todo.append(seq)
+        if todo:
+            self._make(todo)
+
+    def _make(self, seqs: list[Sequence]) -> None:
+        start = time.perf_counter()
         groups: dict[Any, list[Sequence]] = {}
-        for seq in todo:
+        for seq in seqs:
             fill_many = self._fill_many(seq)
             if fill_many is None:
-                self._pending[seq] = (seq.num_sampled, self._pool.submit(self.mask_row, seq), None)
+                self._ready[seq] = (seq.num_sampled, self._attempt(self.mask_row, seq))
             else:
                 groups.setdefault(fill_many, []).append(seq)
         for fill_many, group in groups.items():
-            future = self._pool.submit(self._mask_group, fill_many, group)
+            masks = np.zeros((len(group), self.num_words), dtype=np.int32)
+            try:
+                fill_many([s.job.active_filters()[0] for s in group], masks)
+            except Exception:  # noqa: BLE001 - made one by one below, so each error is its own sequence's
+                for seq in group:
+                    self._ready[seq] = (seq.num_sampled, self._attempt(self.mask_row, seq))
+                continue
             for i, seq in enumerate(group):
-                self._pending[seq] = (seq.num_sampled, future, i)
+                self._ready[seq] = (seq.num_sampled, masks[i])
+        self.num_masks += len(seqs)
+        self.mask_s += time.perf_counter() - start
+
+    @staticmethod
+    def _attempt(make: Any, seq: Sequence) -> np.ndarray | BaseException:
+        try:
+            return make(seq)
+        except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
+            return error
 
     @staticmethod
     def _fill_many(seq: Sequence) -> Any:
@@ -74,14 +93,6 @@ class MaskWorker:
             return None
         return getattr(type(filters[0]), "fill_many", None)
 
-    def _mask_group(self, fill_many: Any, seqs: list[Sequence]) -> np.ndarray:
-        start = time.perf_counter()
-        masks = np.zeros((len(seqs), self.num_words), dtype=np.int32)
-        fill_many([s.job.active_filters()[0] for s in seqs], masks)
-        self.num_masks += len(seqs)
-        self.mask_s += time.perf_counter() - start
-        return masks
-
     def collect(self, seqs: Seq[Sequence], device: torch.device
                 ) -> tuple[torch.Tensor | None, list[BaseException | None]]:
         """The rows' masks, [len(seqs), W] int32 on `device` (unconstrained rows: all bits set), or None when no row
@@ -89,40 +100,42 @@ class MaskWorker:
         if not any(self.constrained(s) for s in seqs):
             return None, [None] * len(seqs)
         start = time.perf_counter()
-        masks = np.full((len(seqs), self.num_words), -1, dtype=np.int32)
+        self.prepare(seqs)
+        host = self._host_buffer(len(seqs), device)
+        masks = host.numpy()
+        masks.fill(-1)
         errors: list[BaseException | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
-            if not self.constrained(seq):
+            ready = self._ready.pop(seq, None)
+            if ready is None:
                 continue
-            pending = self._pending.pop(seq, None)
-            try:
-                row = self._pending_row(pending, seq.num_sampled)
-                masks[i] = row if row is not None else self.mask_row(seq)
-            except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
-                errors[i] = error
+            if isinstance(ready[1], BaseException):
+                errors[i] = ready[1]
                 masks[i] = 0
+            else:
+                masks[i] = ready[1]
         self.wait_s += time.perf_counter() - start
-        pinned = torch.from_numpy(masks)
+        on_device = host.to(device, non_blocking=True)
         if device.type == "cuda":
-            pinned = pinned.pin_memory()
-        return pinned.to(device, non_blocking=True), errors
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return on_device, errors
 
-    @staticmethod
-    def _pending_row(pending: tuple | None, num_sampled: int) -> np.ndarray | None:
-        """A pending task's row for a sequence at num_sampled tokens; None when stale, missing, or when its group
-        failed (the caller then computes the row alone, so the error, if any, is that row's own)."""
-        if pending is None or pending[0] != num_sampled:
-            return None
-        if pending[2] is None:
-            return pending[1].result()
-        try:
-            return pending[1].result()[pending[2]]
-        except Exception:  # noqa: BLE001 - recomputed alone by the caller
-            return None
+    def _host_buffer(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """A [num_rows, W] int32 host tensor to copy to the device from: on CUDA, a view of one pinned buffer kept
+        between steps. The last copy from it has normally finished long before (the step read its tokens since,
+        after the sampler that used the mask); the event wait covers calls within one step (rows sampled one by
+        one after a failure)."""
+        if device.type != "cuda":
+            return torch.empty((num_rows, self.num_words), dtype=torch.int32)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._pinned is None or self._pinned.shape[0] < num_rows:
+            self._pinned = torch.empty((max(num_rows, 64), self.num_words), dtype=torch.int32).pin_memory()
+        return self._pinned[:num_rows]
 
     def mask_row(self, seq: Sequence) -> np.ndarray:
-        """One sequence's next-token mask: the intersection of its filters' bitmasks (on a worker thread)."""
-        start = time.perf_counter()
+        """One sequence's next-token mask: the intersection of its filters' bitmasks."""
         job = seq.job
         row = np.full(self.num_words, -1, dtype=np.int32)
         scratch = np.zeros(self.num_words, dtype=np.int32)
@@ -136,22 +149,11 @@ class MaskWorker:
                 row[:] = 0
                 for t in allowed_eos:
                     row[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(1 << 31))
-        self.num_masks += 1  # (+= from worker threads: a benchmark's counter, not exact under races)
-        self.mask_s += time.perf_counter() - start
         return row
 
     def forget(self, seq: Sequence) -> None:
-        self._pending.pop(seq, None)
+        self._ready.pop(seq, None)
 
     def discard(self, seq: Sequence) -> None:
-        """Drop seq's pending mask, waiting for it to finish (its filters are about to change: a rollback)."""
-        pending = self._pending.pop(seq, None)
-        if pending is not None:
-            try:
-                pending[1].result()
-            except Exception:  # noqa: BLE001, S110 - the mask is dropped either way; collect recomputes it
-                pass
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
+        """Drop seq's ready mask (its filters are about to change: a rollback)."""
+        self._ready.pop(seq, None)
