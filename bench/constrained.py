@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine as bench_engine  # noqa: E402  (bench/engine.py: models, prompts, logging)
 
 from folio import DynamicJob, SamplerSettings, Tokenizer  # noqa: E402
-from folio.constrain import JsonSchemaFilter  # noqa: E402
+from folio.constrain import Filter, JsonSchemaFilter  # noqa: E402
 
 log = bench_engine.log
 
@@ -105,10 +105,22 @@ def tekken_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(json.dumps(spec), bos_token_id=1, eos_token_ids=[2], pad_token_id=None)
 
 
-def run(gen, prompts, new_tokens: int, constrained: bool, batch: int) -> dict:
+class AllowAll(Filter):
+    """Allows every token: what applying a mask costs the engine, without a grammar."""
+
+    def fill_bitmask(self, row) -> None:
+        row[:] = -1
+
+
+def make_filters(kind: str | None) -> list:
+    return {None: [], "json": lambda: [JsonSchemaFilter(SCHEMA)], "all": lambda: [AllowAll()]}[kind]() \
+        if kind else []
+
+
+def run(gen, prompts, new_tokens: int, constrained: str | None, batch: int) -> dict:
     settings = SamplerSettings()
     jobs = [DynamicJob(input_ids=p, max_new_tokens=new_tokens, stop_conditions=[], gen_settings=settings, seed=i,
-                       filters=[JsonSchemaFilter(SCHEMA)] if constrained else [])
+                       filters=make_filters(constrained))
             for i, p in enumerate(prompts)]
     masks = gen.masks
     masks_before = (masks.num_masks, masks.mask_s, masks.wait_s)
@@ -123,7 +135,7 @@ def run(gen, prompts, new_tokens: int, constrained: bool, batch: int) -> dict:
         for r in results:
             if getattr(r, "error", None) is not None:
                 raise r.error
-            if getattr(r, "eos", False) and constrained and r.eos_reason.value != "max_new_tokens":
+            if getattr(r, "eos", False) and constrained == "json" and r.eos_reason.value != "max_new_tokens":
                 raise RuntimeError(f"a constrained job ended early ({r.eos_reason}): the schema must outlast "
                                    "--new-tokens so that both runs do the same work")
         if stats.num_prompt_tokens == 0 and stats.num_sampled == batch:
@@ -147,6 +159,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test of the script)")
+    parser.add_argument("--allow-all", action="store_true",
+                        help="also run a filter that allows every token (the engine's masking cost alone)")
     parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "scratch" / "tekken_240911.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -163,17 +177,20 @@ def main() -> None:
         # on a GPU the cache takes the free memory; on the CPU (a smoke test) whole pages of 256 for every job
         cache_tokens = None if device.type == "cuda" else batch * 256 * -(-max_seq_len // 256)
         gen, cache = bench_engine.make_generator(pair, batch, max_seq_len, batch, cache_tokens=cache_tokens)
-        run(gen, prompts, 8, constrained=True, batch=batch)  # warm-up: graphs, compile, the grammar cache
-        run(gen, prompts, 8, constrained=False, batch=batch)
-        plain, constrained = [], []
+        run(gen, prompts, 8, constrained="json", batch=batch)  # warm-up: graphs, compile, the grammar cache
+        run(gen, prompts, 8, constrained=None, batch=batch)
+        plain, constrained, allow_all = [], [], []
         for _ in range(2):
-            plain.append(run(gen, prompts, args.new_tokens, False, batch))
-            constrained.append(run(gen, prompts, args.new_tokens, True, batch))
+            plain.append(run(gen, prompts, args.new_tokens, None, batch))
+            constrained.append(run(gen, prompts, args.new_tokens, "json", batch))
+            if args.allow_all:
+                allow_all.append(run(gen, prompts, args.new_tokens, "all", batch))
         plain_tps = sum(r["tokens_per_s"] for r in plain) / len(plain)
-        for r in constrained:
+        for r in constrained + allow_all:
             r["ratio"] = r["tokens_per_s"] / plain_tps
         row = {"batch": batch, "plain_tokens_per_s": plain_tps, "plain": plain, "constrained": constrained,
                "ratio": sum(r["ratio"] for r in constrained) / len(constrained),
+               "allow_all_ratio": sum(r["ratio"] for r in allow_all) / len(allow_all) if allow_all else None,
                "target": 0.9 if batch > 1 else 0.95}
         log(f"batch {batch}: {json.dumps(row)[:600]}")
         table.append(row)
@@ -185,15 +202,17 @@ def main() -> None:
     (out / "constrained.json").write_text(json.dumps({"device": device_name, "rows": table}, indent=1))
     print(f"\nconstrained decoding, {shape} shape, vocabulary {tokenizer.vocab_size}, {device_name}, "
           f"{os.cpu_count()} CPUs")
-    print("| batch | plain tok/s | JSON-schema tok/s | ratio | target | mask us/token (worker) | mask wait ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | plain tok/s | JSON-schema tok/s | ratio | target | mask us/token | mask wait ms/step | "
+          "allow-all ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in table:
         c = row["constrained"]
         tps = sum(r["tokens_per_s"] for r in c) / len(c)
         mask_us = sum(r["mask_us_per_token"] or 0 for r in c) / len(c)
         wait = sum(r["mask_wait_ms_per_step"] or 0 for r in c) / len(c)
+        allow_all = f"{row['allow_all_ratio']:.3f}" if row["allow_all_ratio"] else "-"
         print(f"| {row['batch']} | {row['plain_tokens_per_s']:.1f} | {tps:.1f} | {row['ratio']:.3f} | "
-              f">= {row['target']} | {mask_us:.1f} | {wait:.3f} |")
+              f">= {row['target']} | {mask_us:.1f} | {wait:.3f} | {allow_all} |")
 
 
 if __name__ == "__main__":
