@@ -314,11 +314,14 @@ class DynamicGenerator:
             chunks, logits = cfg.mix(chunks, logits, self.vocab_size)  # a CFG job's two rows become one
             if not chunks:
                 return emitter.emit(pipeline.take_staged())
+        # While the grammar engine makes this step's masks on its worker thread, hand the previous step's tokens
+        # to their jobs (otherwise done after the next launch).
+        early = emitter.emit(pipeline.take_staged()) if self.masks.pending([c.seq for c in chunks]) else []
         try:
             sampled = self.runner.sample(chunks, logits)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
-            return emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks, logits,
-                                                                                 error)
+            return early + emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks,
+                                                                                         logits, error)
         tick = stats.lap("sample", tick)
         # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
         now = any(c.seq.job.rolls_back for c in chunks)
@@ -327,11 +330,11 @@ class DynamicGenerator:
             pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
             tick = stats.lap("launch_ahead", tick)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
-        results = emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else []
+        results = early + (emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else [])
         tick = stats.lap("emit", tick)
         staged = emitter.stage_all(chunks, sampled.read())
         if pipeline.step is not None:  # the next step's forward runs now: make its masks meanwhile
-            self.masks.prepare([c.seq for c in chunks])
+            self.masks.prepare([c.seq for c in chunks], background=pipeline.overlap_emit)
         tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit and not now:
             pipeline.staged = staged

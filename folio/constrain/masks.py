@@ -8,15 +8,18 @@ threads with the GIL released (`fill_many`); other filters fill theirs one by on
 one [B, W] int32 bitmask on the device, computing now any mask not ready (a sequence's first token after prefill
 in a launched-ahead step, or a mask made before the last feed: each is tagged with the sampled-token count).
 
-Why not a Python thread pool: a worker thread holding the GIL between the grammar engine's calls makes the step's
-own thread wait for every hand-back of the GIL (up to the interpreter's switch interval each time), which cost more
-than the masks themselves; here the host thread fills the masks while it has nothing else to do.
+With background=True (after staging, while the next forward runs) the grammar filters' one call runs on a worker
+thread: the grammar engine holds no GIL while it works, so the step's own thread meanwhile hands the previous step's
+tokens to their jobs (the generator emits before it samples when masks are pending). Filters of other classes are
+Python and hold the GIL: they are made on the step's thread (a worker thread per filter would make the step wait
+for every hand-back of the GIL, up to the interpreter's switch interval each time).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -31,8 +34,9 @@ class MaskWorker:
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(vocab_size)
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
-        # seq -> (num_sampled when made, its mask row, or the error its filter raised)
-        self._ready: dict[Sequence, tuple[int, np.ndarray | BaseException]] = {}
+        # seq -> (num_sampled when made, its mask row, the error its filter raised, or (a worker's task, its row))
+        self._ready: dict[Sequence, tuple[int, Any]] = {}
+        self._worker: ThreadPoolExecutor | None = None
         self._pinned: torch.Tensor | None = None  # reused host staging buffer for the device copy
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy from it
         # totals since construction, for benchmarks: masks made, seconds making them, and seconds the step spent
@@ -40,13 +44,15 @@ class MaskWorker:
         self.num_masks = 0
         self.mask_s = 0.0
         self.wait_s = 0.0
+        self.fill_s = 0.0  # of which the grammar engine's batched calls (on the worker thread or not)
 
     @staticmethod
     def constrained(seq: Sequence) -> bool:
         return bool(seq.job.active_filters())
 
-    def prepare(self, seqs: Seq[Sequence]) -> None:
-        """Make the next-token masks of the constrained, live sequences among seqs whose mask is not ready."""
+    def prepare(self, seqs: Seq[Sequence], background: bool = False) -> None:
+        """Make the next-token masks of the constrained, live sequences among seqs whose mask is not ready;
+        background: the grammar filters' on the worker thread (`collect` waits for them)."""
         todo = []
         for seq in seqs:
             if not seq.is_live or not self.constrained(seq):
@@ -55,9 +61,13 @@ class MaskWorker:
             if ready is None or ready[0] != seq.num_sampled:
                 todo.append(seq)
         if todo:
-            self._make(todo)
+            self._make(todo, background)
 
-    def _make(self, seqs: list[Sequence]) -> None:
+    def pending(self, seqs: Seq[Sequence]) -> bool:
+        """Some of seqs' masks are being made on the worker thread."""
+        return any(isinstance(self._ready.get(s, (0, None))[1], tuple) for s in seqs)
+
+    def _make(self, seqs: list[Sequence], background: bool = False) -> None:
         start = time.perf_counter()
         groups: dict[Any, list[Sequence]] = {}
         for seq in seqs:
@@ -67,17 +77,32 @@ class MaskWorker:
             else:
                 groups.setdefault(fill_many, []).append(seq)
         for fill_many, group in groups.items():
-            masks = np.zeros((len(group), self.num_words), dtype=np.int32)
-            try:
-                fill_many([s.job.active_filters()[0] for s in group], masks)
-            except Exception:  # noqa: BLE001 - made one by one below, so each error is its own sequence's
-                for seq in group:
-                    self._ready[seq] = (seq.num_sampled, self._attempt(self.mask_row, seq))
+            if background:
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-masks")
+                task = self._worker.submit(self._fill_group, fill_many, group)
+                for i, seq in enumerate(group):
+                    self._ready[seq] = (seq.num_sampled, (task, i))
                 continue
+            masks = self._fill_group(fill_many, group)
             for i, seq in enumerate(group):
-                self._ready[seq] = (seq.num_sampled, masks[i])
+                self._ready[seq] = (seq.num_sampled, masks[i] if masks is not None else
+                                    self._attempt(self.mask_row, seq))
         self.num_masks += len(seqs)
         self.mask_s += time.perf_counter() - start
+
+    def _fill_group(self, fill_many: Any, group: list[Sequence]) -> np.ndarray | None:
+        """The masks of a group of sequences in one call; None when it raised (each is then made alone, so that
+        each error is its own sequence's)."""
+        start = time.perf_counter()
+        masks = np.zeros((len(group), self.num_words), dtype=np.int32)
+        try:
+            fill_many([s.job.active_filters()[0] for s in group], masks)
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
+        finally:
+            self.fill_s += time.perf_counter() - start
+        return masks
 
     @staticmethod
     def _attempt(make: Any, seq: Sequence) -> np.ndarray | BaseException:
@@ -109,6 +134,10 @@ class MaskWorker:
             ready = self._ready.pop(seq, None)
             if ready is None:
                 continue
+            if isinstance(ready[1], tuple):  # made on the worker thread
+                task, row = ready[1]
+                group = task.result()
+                ready = (ready[0], group[row] if group is not None else self._attempt(self.mask_row, seq))
             if isinstance(ready[1], BaseException):
                 errors[i] = ready[1]
                 masks[i] = 0
@@ -152,8 +181,11 @@ class MaskWorker:
         return row
 
     def forget(self, seq: Sequence) -> None:
+        """seq left: drop its mask (a worker still making it finishes on its own; nothing reads the row)."""
         self._ready.pop(seq, None)
 
     def discard(self, seq: Sequence) -> None:
-        """Drop seq's ready mask (its filters are about to change: a rollback)."""
-        self._ready.pop(seq, None)
+        """Drop seq's ready mask (its filters are about to change: a rollback), waiting for a worker making it."""
+        ready = self._ready.pop(seq, None)
+        if ready is not None and isinstance(ready[1], tuple):
+            ready[1][0].result()
