@@ -191,3 +191,24 @@ def test_bitmask_is_honoured_on_cuda(variant):
     if variant == "greedy":  # the argmax over the allowed tokens
         expected = [max(allowed[b], key=lambda t: logits[b, t].item()) for b in range(num_rows)]
         assert out == expected
+
+
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_masked_rows_pick_on_cuda_what_they_pick_on_the_cpu(top_k):
+    """Rows a bitmask leaves fewer tokens than their top-k (or with top-k off) take the native kernel's short list
+    with top-k = the allowed count: the same candidates, so the same picks as the CPU's torch code (up to fp32
+    sums at a CDF boundary)."""
+    from folio.constrain.base import bitmask_words, set_bits
+
+    num_rows, num_columns = 256, 32000
+    logits = torch.randn(num_rows, num_columns, generator=torch.Generator().manual_seed(9)) * 3
+    rng = random.Random(2)
+    masks = torch.zeros(num_rows, bitmask_words(num_columns), dtype=torch.int32)
+    for b in range(num_rows):
+        set_bits(masks[b].numpy(), rng.sample(range(num_columns), rng.choice([1, 2, 7, 40, 49, 300, 2000])))
+    settings = SamplerSettings(temperature=0.9, top_k=top_k, top_p=0.95)
+    u = uniform_tensor(torch.tensor(4), torch.arange(num_rows)).tolist()
+    rows = [RowParams(settings, u[b]) for b in range(num_rows)]
+    cpu = sample(logits, rows, allowed=masks).token_ids
+    cuda = sample(logits.cuda(), rows, allowed=masks.cuda()).token_ids.cpu()
+    assert (cpu == cuda).float().mean().item() >= 0.98

@@ -8,9 +8,9 @@ import math
 import torch
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set logits [B, V] to -inf, in place, where bitmask [B, W] int32 (same device) has a clear bit; columns past
-    W * 32 are masked too."""
+    W * 32 are masked too. Returns each row's number of allowed columns, [B] int64 on the device (no sync)."""
     if bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows")
     num_columns = logits.shape[1]
@@ -20,3 +20,4 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits[:, :width].masked_fill_(~bits[:, :width], -math.inf)
     if width < num_columns:
         logits[:, width:] = -math.inf
+    return bits[:, :width].sum(dim=1)

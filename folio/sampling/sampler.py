@@ -163,11 +163,12 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
     allowed: [B, W] int32 token bitmask on the logits' device (folio.sampling.bitmask; filters): tokens whose bit
     is clear are never picked. Applied first, so the penalties and bias of masked tokens do not matter."""
     _check_call(logits, rows)
+    allowed_counts = None
     if allowed is not None:
         if not in_place:
             logits, in_place = logits.clone(), True
         with torch.inference_mode(logits.is_inference()):  # a forward's output may be an inference tensor
-            apply_bitmask(logits, allowed)
+            allowed_counts = apply_bitmask(logits, allowed)
     num_columns = logits.shape[1]
     width = _plain_greedy_width(rows, num_columns)
     if width is not None:
@@ -182,7 +183,8 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
         if any(extended) and not all(extended) and not any(row.return_logits for row in rows):
             return _sample_split(logits, rows, extended, penalty_windows, ops)
         ops = ops if ops is not None else DEFAULT_OPS
-        native = None if any(extended) else _sample_native(ops, logits, rows, penalty_windows, in_place)
+        native = None if any(extended) else _sample_native(ops, logits, rows, penalty_windows, in_place,
+                                                             allowed_counts)
         if native is not None:
             return native
     # Working copy with one extra column: scatters aim the entries they must skip at it.
@@ -207,7 +209,8 @@ def sample(logits: torch.Tensor, rows: Sequence[RowParams], penalty_windows: tor
 
 
 def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
-                   penalty_windows: torch.Tensor | None, in_place: bool = False) -> SampleOutput | None:
+                   penalty_windows: torch.Tensor | None, in_place: bool = False,
+                   allowed_counts: torch.Tensor | None = None) -> SampleOutput | None:
     """The same steps with the native kernels: one for the penalties, one for truncation and the draw (a radix
     select instead of a sort). On CUDA a step's sampling is then a handful of launches instead of ~90, which is
     what bounds large-batch decode on the host. None when the kernels are not available (the caller runs the torch
@@ -241,7 +244,14 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
         work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
-    token_ids, token_probs = ops.sample_rows(work, floats[:, 0].contiguous(), ints[:, 3].contiguous(),
+    top_k = ints[:, 3].contiguous()
+    if allowed_counts is not None:
+        # A row a filter leaves n <= top_k tokens (or with top-k off) keeps all n under top-k = n: the same
+        # candidates, and the kernel's short-list path instead of radix passes that tie over the masked -inf.
+        n = allowed_counts.to(torch.int32)
+        shorter = (n <= _NATIVE_SHORT_LIST) & ((top_k == 0) | (n < top_k))
+        top_k = torch.where(shorter, n, top_k)
+    token_ids, token_probs = ops.sample_rows(work, floats[:, 0].contiguous(), top_k,
                                          floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
     return SampleOutput(token_ids, token_probs, None, None, work if return_logits else None)
 
@@ -260,6 +270,9 @@ def _sample_split(logits: torch.Tensor, rows: Sequence[RowParams], extended: lis
         token_probs.index_copy_(0, index, part.token_probs)
     return SampleOutput(token_ids, token_probs)
 
+
+# The native sampling kernel finishes a row with top-k up to this many in shared memory (kCompactCap).
+_NATIVE_SHORT_LIST = 1024
 
 # The native penalty kernel reads at most this many ids per row (its shared-memory bound).
 _MAX_NATIVE_PENALTY_WINDOW = 16384
