@@ -421,17 +421,6 @@ def _status(served, message):
     return info.value.code(), info.value.details()
 
 
-def _no_whitespace_bias(message, model_dir):
-    """Bans every token with whitespace in it: JSON never needs any, and a random model could pad forever."""
-    from folio import Tokenizer
-
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    for token_id in range(tokenizer.vocab_size):
-        text = tokenizer.decode([token_id])
-        if text and any(c.isspace() for c in text):
-            message.sampler.token_bias[token_id] = -math.inf
-
-
 @pytest.mark.ray
 def test_server_json_schema(served):
     import jsonschema
@@ -440,8 +429,7 @@ def test_server_json_schema(served):
 
     message = _greedy_message(max_new_tokens=64, filter_prefer_eos=True)
     message.stop_on_eos = True
-    message.response_format.json_schema = json.dumps(SCHEMA)
-    _no_whitespace_bias(message, served["model_dir"])
+    message.response_format.json_schema = json.dumps(SCHEMA)  # (fixed whitespace: a model cannot pad forever)
     result = _call(served, message)
     jsonschema.validate(json.loads(result.text), SCHEMA)
     assert result.finish.reason in (pb.FINISH_REASON_END_FILTER, pb.FINISH_REASON_STOP_TOKEN)
