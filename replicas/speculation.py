@@ -13,6 +13,12 @@ from folio.kv_cache import page_bytes
 from folio.serve.config import ServeConfig
 from folio.speculative.build import draft_graph_rows, target_graph_rows
 
+# Device memory that speculative decoding's first verify and acceptance steps take outside torch's allocator, beside
+# folio.sizing.LIBRARY_RESERVE_BYTES: the code of the kernels they launch first (loaded lazily, after the cache took
+# the free memory). On an H200 a replica with n-gram drafting and a cache of all free memory ran out of memory in its
+# first full-chunk forward without it.
+SPECULATION_LIBRARY_BYTES = 256 << 20
+
 
 def load_draft_model(config: ServeConfig, model: Model) -> Model | None:
     """The draft model of config.draft_model_path on the target's device, in its dtype, with its engine options
@@ -52,6 +58,8 @@ def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None)
     memory fraction is split in proportion to their page sizes, and a token count's draft pages are reserved."""
     size = config.cache_size()
     reserve = activation_reserve_bytes(model, target_rows_per_step(config), config.max_chunk_size, config.page_size)
+    if config.speculative and model.device.type == "cuda":
+        reserve += SPECULATION_LIBRARY_BYTES
     if draft_model is None:
         return {**size, "reserve_bytes": reserve}
     reserve += draft_reserve_bytes(config, draft_model)
