@@ -20,13 +20,19 @@ def generate(generator: DynamicGenerator, prompt: str | Seq[str], max_new_tokens
              encode_special_tokens: bool = False, decode_special_tokens: bool = False,
              stop_conditions: Seq[int | str] | None = None, add_bos: bool = False, abort_event: Any = None,
              completion_only: bool = False, return_last_results: bool = False,
-             defer: Callable[[Result], None] | None = None) -> Any:
+             defer: Callable[[Result], None] | None = None, filters: Seq[Any] | None = None,
+             filter_prefer_eos: bool = False, banned_strings: Seq[str] | None = None,
+             token_healing: bool = False) -> Any:
     """Generate completions for one prompt (returns str) or a list (returns list[str]), running alongside any
     other jobs of this generator (their results are held for the next iterate()). Prompt i gets seed + i. With
     `abort_event` (a threading.Event) set, this call's jobs are cancelled and None is returned. Completions include
-    text held when a stop token ended the job. `defer` takes the other jobs' results (dropped if None)."""
+    text held when a stop token ended the job. `defer` takes the other jobs' results (dropped if None).
+    filters: for one prompt a list of folio.constrain.Filter, for a list of prompts one such list per prompt (a
+    filter keeps one job's state). banned_strings, token_healing, filter_prefer_eos: as DynamicJob's, for every
+    prompt."""
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
+    per_prompt_filters = _filters_per_prompt(filters, single, len(prompts))
     if isinstance(gen_settings, SamplerSettings) or gen_settings is None:
         settings = [gen_settings] * len(prompts)
     else:
@@ -38,7 +44,8 @@ def generate(generator: DynamicGenerator, prompt: str | Seq[str], max_new_tokens
         input_ids=tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens),
         max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_conditions=stop_conditions,
         gen_settings=s, seed=None if seed is None else seed + i, decode_special_tokens=decode_special_tokens,
-        identifier=i) for i, (p, s) in enumerate(zip(prompts, settings))]
+        identifier=i, filters=per_prompt_filters[i], filter_prefer_eos=filter_prefer_eos,
+        banned_strings=banned_strings, token_healing=token_healing) for i, (p, s) in enumerate(zip(prompts, settings))]
     for job in jobs:
         generator.validate_job(job)
     last: dict[int, Result] = {}
@@ -67,6 +74,18 @@ def generate(generator: DynamicGenerator, prompt: str | Seq[str], max_new_tokens
     if return_last_results:
         return out, ([last[0]] if single else [last[i] for i in range(len(jobs))])
     return out
+
+
+def _filters_per_prompt(filters: Seq[Any] | None, single: bool, num_prompts: int) -> list[list[Any]]:
+    if not filters:
+        return [[] for _ in range(num_prompts)]
+    if single:
+        return [list(filters)]
+    per_prompt = [list(f) if isinstance(f, (list, tuple)) else None for f in filters]
+    if len(per_prompt) != num_prompts or any(f is None for f in per_prompt):
+        raise ValueError(f"filters: with {num_prompts} prompts, give one list of filters per prompt (a filter keeps "
+                         "one job's state)")
+    return per_prompt
 
 
 def warmup(generator: DynamicGenerator) -> None:

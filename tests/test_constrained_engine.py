@@ -130,3 +130,23 @@ def test_everything_at_once_with_launch_ahead(demo_dir):
     from test_constrained_gpu import run_everything_at_once
 
     run_everything_at_once(demo_dir, "cpu")
+
+
+def test_generate_takes_filters_banned_strings_and_healing(demo):
+    gen = demo.generator()
+    text = gen.generate("The answer:", max_new_tokens=60, filters=[ChoiceFilter(["north", "south"])],
+                        completion_only=True, seed=1)
+    assert text in ("north", "south")
+    texts = gen.generate(["A", "B"], max_new_tokens=400, completion_only=True, seed=2,
+                         filters=[[RegexFilter(r"[0-9]{3}")], [JsonSchemaFilter(SCHEMAS["tool_call"])]])
+    assert re.fullmatch(r"[0-9]{3}", texts[0])
+    jsonschema.validate(json.loads(texts[1]), SCHEMAS["tool_call"])
+    with pytest.raises(ValueError, match="one list of filters per prompt"):
+        gen.generate(["A", "B"], max_new_tokens=4, filters=[RegexFilter("a")])
+    free = gen.generate("Once upon a time", max_new_tokens=24, completion_only=True, seed=3,
+                        gen_settings=SAMPLED)
+    banned = free.strip().split()[0][:3] if free.strip() else "the"
+    text = gen.generate("Once upon a time", max_new_tokens=24, completion_only=True, seed=3, gen_settings=SAMPLED,
+                        banned_strings=[banned])
+    assert banned.lower() not in text.lower()
+    assert gen.generate("Once upon a ti", max_new_tokens=4, token_healing=True, completion_only=True, seed=4)
