@@ -10,7 +10,7 @@ import enum
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from folio import cfg
 from folio.banned import BannedStrings, BannedTextStream, validate_banned_strings
 from folio.constrain.base import Filter
 from folio.constrain.healing import HealingFilter
+from folio.job_inputs import as_filters, as_token_list, split_stop_conditions
 from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
@@ -47,38 +48,6 @@ class TokenExtras:
     top_k_tokens: list[int] | None
     top_k_probs: list[float] | None
     logits: torch.Tensor | None
-
-
-def _as_token_list(input_ids: Any) -> list[int]:
-    if hasattr(input_ids, "tolist"):  # torch tensor or numpy array, shape (n,) or (1, n)
-        if getattr(input_ids, "ndim", 1) == 2:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"input_ids must have shape (n,) or (1, n), got {tuple(input_ids.shape)}")
-            input_ids = input_ids[0]
-        input_ids = input_ids.tolist()
-    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Iterable):
-        raise TypeError("input_ids must be a sequence of token ids (list of int or a (1, n) tensor)")
-    ids = list(input_ids)
-    if not ids:
-        raise ValueError("input_ids is empty: a job needs at least one prompt token")
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(f"input_ids must hold non-negative integer token ids, found {t!r}")
-    return ids
-
-
-def _as_filters(filters: Any) -> tuple[Filter, ...]:
-    if isinstance(filters, Filter):
-        filters = (filters,)
-    if filters is None or isinstance(filters, (str, bytes)) or not isinstance(filters, Iterable):
-        raise TypeError("filters must be a list of folio.constrain.Filter objects")
-    filters = tuple(filters)
-    for f in filters:
-        if not isinstance(f, Filter):
-            raise TypeError(f"filters must hold folio.constrain.Filter objects, got {type(f).__name__}")
-    if len({id(f) for f in filters}) < len(filters):
-        raise ValueError("filters: the same Filter object appears twice (a filter keeps one job's state)")
-    return filters
 
 
 class DynamicJob:
@@ -122,7 +91,7 @@ class DynamicJob:
         token_healing: bool = False,
     ):
         # two prompts (positive, negative): classifier-free guidance (folio.cfg)
-        self.input_ids, self.cfg_negative_ids = cfg.split_prompts(input_ids, _as_token_list)
+        self.input_ids, self.cfg_negative_ids = cfg.split_prompts(input_ids, as_token_list)
         self.healing_token_id: int | None = None
         if token_healing:
             if len(self.input_ids) < 2:
@@ -153,12 +122,12 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_logits = return_logits
         self.max_skips = max_skips
-        self.filters = _as_filters(filters)
+        self.filters = as_filters(filters)
         self.filter_prefer_eos = bool(filter_prefer_eos)
         self.banned_strings = validate_banned_strings(banned_strings)
         self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
         self._healing = HealingFilter(self.healing_token_id) if self.healing_token_id is not None else None
-        self.stop_tokens, self.stop_strings = self._split_stop_conditions(stop_conditions)
+        self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
         self._stop_on_eos = stop_conditions is None
 
         # Set when the job is enqueued.
@@ -178,27 +147,6 @@ class DynamicJob:
         # speculative decoding: drafted tokens the target accepted, and those it rejected
         self.accepted_draft_tokens = 0
         self.rejected_draft_tokens = 0
-
-    @staticmethod
-    def _split_stop_conditions(conditions: Sequence[int | str] | None) -> tuple[frozenset[int], tuple[str, ...]]:
-        if conditions is None:
-            return frozenset(), ()
-        if isinstance(conditions, (str, int)) or not isinstance(conditions, Iterable):
-            raise ValueError("stop_conditions must be a list of token ids (int) and/or stop strings (str)")
-        tokens: set[int] = set()
-        strings: list[str] = []
-        for c in conditions:
-            if isinstance(c, bool):
-                raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
-            if isinstance(c, int):
-                tokens.add(c)
-            elif isinstance(c, str):
-                if not c:
-                    raise ValueError("stop strings must not be empty")
-                strings.append(c)
-            else:
-                raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
-        return frozenset(tokens), tuple(strings)
 
     # --- constraints ---
 

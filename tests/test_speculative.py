@@ -10,6 +10,7 @@ from test_generator import GREEDY, make_jobs, prompts, run_to_end
 from tiny_models import hf_logits, load_hf_model, make_hf_model
 
 import folio
+from folio.job_inputs import split_stop_conditions
 from folio.speculative.acceptance import verdicts
 
 # chi-square tests reject at this p-value: with fixed seeds each test is deterministic, and a correct sampler
@@ -114,7 +115,7 @@ def test_stop_strings_tokens_and_lengths_as_without_drafts(peaked, drafters, dra
     def finals(generator, max_new_tokens):
         jobs = make_jobs(token_lists, max_new_tokens=max_new_tokens)
         for job in jobs:
-            job.stop_tokens, job.stop_strings = job._split_stop_conditions(conditions)
+            job.stop_tokens, job.stop_strings = split_stop_conditions(conditions)
         results = run_to_end(generator, jobs)
         return [(r[-1].eos_reason, r[-1].full_completion, job.generated_ids) for job, r in
                 zip(jobs, (results[j.serial] for j in jobs))]

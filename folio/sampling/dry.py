@@ -25,7 +25,7 @@ from folio.sampling.host import to_device
 from folio.sampling.settings import DRY_DEFAULT_BREAKERS, SamplerSettings
 
 if TYPE_CHECKING:
-    from folio.sampling.sampler import RowParams
+    from folio.sampling.rows import RowParams
     from folio.tokenizer import Tokenizer
 
 # A penalty this large removes a token as surely as -inf, and keeps every logit finite.

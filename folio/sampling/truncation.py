@@ -26,7 +26,7 @@ from folio.sampling.settings import SamplerSettings
 from folio.sampling.state import mirostat_mu
 
 if TYPE_CHECKING:
-    from folio.sampling.sampler import RowParams
+    from folio.sampling.rows import RowParams
 
 # As in top-p: mass within this distance of the target counts as reaching it.
 _MASS_SLACK = 1e-6

@@ -31,7 +31,7 @@ from folio.model.model import Model
 from folio.sampling.distribution import draw, probabilities
 from folio.sampling.host import to_device
 from folio.sampling.rng import uniforms
-from folio.sampling.sampler import RowParams
+from folio.sampling.rows import RowParams
 from folio.scheduler import Chunk, StepPlan
 from folio.sequence import Sequence
 from folio.speculative.streams import draft_counter
