@@ -20,16 +20,21 @@ class RequestError(Exception):
         return self.message
 
 
-class InvalidRequest(RequestError):
-    """A request field is invalid; `field` names it (the gRPC / Python field name) and the message starts with it."""
-
-    status = "INVALID_ARGUMENT"
+class FieldError(RequestError):
+    """An error about one request field: `field` names it (the gRPC / Python field name) and the message starts
+    with it."""
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.args = (field, problem)
         self.field = field
         self.problem = problem
+
+
+class InvalidRequest(FieldError):
+    """A request field is invalid."""
+
+    status = "INVALID_ARGUMENT"
 
 
 class Overloaded(RequestError):
@@ -54,13 +59,7 @@ class InternalError(RequestError):
     status = "INTERNAL"
 
 
-class Unimplemented(RequestError):
-    """The request uses a feature this server's engine lacks; `field` names it (like InvalidRequest's)."""
+class Unimplemented(FieldError):
+    """The request uses a feature this server's engine lacks."""
 
     status = "UNIMPLEMENTED"
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}")
-        self.args = (field, problem)
-        self.field = field
-        self.problem = problem

@@ -90,20 +90,30 @@ def prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo
         if request.add_bos is not None or request.encode_special_tokens:
             raise InvalidRequest("add_bos" if request.add_bos is not None else "encode_special_tokens",
                                  "applies to text prompts only")
-        ids = _token_ids("token_ids", request.token_ids, info.vocab_size)
-        if not ids:
-            raise InvalidRequest("token_ids", "the prompt is empty")
-        return ids
-    if not isinstance(request.text, str):
-        raise InvalidRequest("text", f"must be a string, got {type(request.text).__name__}")
-    if not request.text:
-        raise InvalidRequest("text", "the prompt is empty")
+        return _nonempty_ids("token_ids", request.token_ids, "the prompt", info)
     add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
     _check_bool("add_bos", add_bos)
     if add_bos and tokenizer.bos_token_id is None:
         raise InvalidRequest("add_bos", "the model's tokenizer has no BOS token")
     _check_bool("encode_special_tokens", request.encode_special_tokens)
-    return tokenizer.encode(request.text, add_bos=add_bos, encode_special_tokens=request.encode_special_tokens)
+    return _encoded("text", request.text, "the prompt", request, tokenizer)
+
+
+def _nonempty_ids(field: str, ids: Sequence[int] | None, what: str, info: ModelInfo) -> list[int]:
+    checked = _token_ids(field, ids, info.vocab_size)
+    if not checked:
+        raise InvalidRequest(field, f"{what} is empty")
+    return checked
+
+
+def _encoded(field: str, text: Any, what: str, request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    """A text prompt's ids, encoded as the request says (add_bos, encode_special_tokens, checked by the caller)."""
+    if not isinstance(text, str):
+        raise InvalidRequest(field, f"must be a string, got {type(text).__name__}")
+    if not text:
+        raise InvalidRequest(field, f"{what} is empty")
+    add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
+    return tokenizer.encode(text, add_bos=add_bos, encode_special_tokens=request.encode_special_tokens)
 
 
 def negative_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int] | None:
@@ -120,17 +130,8 @@ def negative_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: 
                              "the negative prompt takes the prompt's form: negative_text with a text prompt, "
                              "negative_token_ids with token_ids")
     if has_ids:
-        ids = _token_ids("negative_token_ids", request.negative_token_ids, info.vocab_size)
-        if not ids:
-            raise InvalidRequest("negative_token_ids", "the negative prompt is empty")
-        return ids
-    if not isinstance(request.negative_text, str):
-        raise InvalidRequest("negative_text", f"must be a string, got {type(request.negative_text).__name__}")
-    if not request.negative_text:
-        raise InvalidRequest("negative_text", "the negative prompt is empty")
-    add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
-    return tokenizer.encode(request.negative_text, add_bos=add_bos,
-                            encode_special_tokens=request.encode_special_tokens)
+        return _nonempty_ids("negative_token_ids", request.negative_token_ids, "the negative prompt", info)
+    return _encoded("negative_text", request.negative_text, "the negative prompt", request, tokenizer)
 
 
 def response_format_spec(fmt: ResponseFormat | None, max_chars: int) -> tuple[str, Any] | None:
