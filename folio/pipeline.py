@@ -72,7 +72,10 @@ class LaunchAhead:
         next step must be planned after this one's tokens are known: jobs are queued and this token ends one by
         length, some job prefills or is admitted and prefill_ahead is off, or the pages for it might run short
         (planning ahead never preempts)."""
-        rows = [i for i, c in enumerate(chunks) if c.seq.num_sampled + 1 < c.seq.job.max_sampled_tokens]
+        # (a sequence that ended since it was sampled, by a stop string found when earlier tokens were handed over
+        # this step, has released its pages: it feeds nothing)
+        rows = [i for i, c in enumerate(chunks) if c.seq.status is SeqStatus.RUNNING
+                and c.seq.num_sampled + 1 < c.seq.job.max_sampled_tokens]
         # A job that this token ends by length frees its batch slot and pages only at staging: with jobs queued,
         # plan after it so that they get them at once. (One that a stop token ends is replaced a step later.)
         if scheduler.pending and len(rows) < len(chunks):

@@ -150,3 +150,28 @@ def test_generate_takes_filters_banned_strings_and_healing(demo):
                         banned_strings=[banned])
     assert banned.lower() not in text.lower()
     assert gen.generate("Once upon a ti", max_new_tokens=4, token_healing=True, completion_only=True, seed=4)
+
+
+def test_stop_strings_found_while_masks_are_made_release_nothing_twice(demo):
+    """With launch-ahead and overlapped emission, a step whose grammar masks are being made hands the previous
+    step's tokens to their jobs first: a job a stop string ends there is not planned into the step launched next
+    (its pages are gone). JSON-filtered jobs beside plain ones with stop strings; the pool's invariants hold after
+    every step and no page is held at the end."""
+    tok = demo.tokenizer
+    prompt = tok.encode("Once upon a time, in a harbour town,")
+    free = [folio.DynamicJob(input_ids=prompt, max_new_tokens=40, gen_settings=SAMPLED, seed=s, stop_conditions=[])
+            for s in range(6)]
+    run_to_end(demo.generator(), free)
+    stops = [[f.full_completion[10:13]] if len(f.full_completion) > 13 else ["e"] for f in free]
+    gen = demo.generator(max_batch_size=16, decode_ahead=True, overlap_emit=True)
+    plain = [folio.DynamicJob(input_ids=prompt, max_new_tokens=40, gen_settings=SAMPLED, seed=s,
+                              stop_conditions=stops[s]) for s in range(6)]
+    filtered = [folio.DynamicJob(input_ids=prompt, max_new_tokens=300, gen_settings=SAMPLED, seed=s,
+                                 filters=[JsonSchemaFilter(SCHEMAS["tool_call"])]) for s in range(6)]
+    steps = []
+    results = run_to_end(gen, plain + filtered, stats=steps)
+    assert sum(s.launched_ahead for s in steps) > 0
+    assert sum(r[-1].eos_reason == EosReason.STOP_STRING for r in results.values()) >= 3
+    for job in filtered:
+        jsonschema.validate(json.loads(job.full_completion), SCHEMAS["tool_call"])
+    assert gen.cache_manager.num_in_use == 0
