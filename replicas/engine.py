@@ -7,8 +7,6 @@ Imports torch (through folio's engine): import it only where a model runs.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,13 +20,11 @@ from folio import (
     Cache,
     DynamicGenerator,
     DynamicGeneratorAsync,
-    DynamicJob,
     DynamicJobAsync,
     GeneratorClosed,
     JobState,
     Model,
     QueueFull,
-    SamplerSettings,
     Stage,
     StepStats,
     StreamingResult,
@@ -39,17 +35,12 @@ from folio.router.digest import build_digest
 from folio.serve import speculation
 from folio.serve.config import ServeConfig
 from folio.serve.errors import (
-    InternalError,
     InvalidRequest,
     Overloaded,
     ReplicaUnavailable,
-    RequestError,
-    Unimplemented,
 )
+from folio.serve.job_request import constraint_field, job_kwargs_of, request_error
 from folio.serve.schema import (
-    RESPONSE_FORMATS,
-    SAMPLER_FIELDS,
-    SAMPLER_LIST_FIELDS,
     Chunk,
     EngineRequest,
     Finish,
@@ -181,10 +172,10 @@ class Engine:
         except GeneratorClosed as e:
             raise ReplicaUnavailable("the replica is shutting down; retry") from e
         except FilterError as e:
-            raise InvalidRequest(_constraint_field(request), str(e)) from None
+            raise InvalidRequest(constraint_field(request), str(e)) from None
         except (TypeError, ValueError) as e:
             raise InvalidRequest("request", str(e)) from None
-        ajob.constraint_field = _constraint_field(request)  # names the request's constraint in its errors
+        ajob.constraint_field = constraint_field(request)  # names the request's constraint in its errors
         return ajob
 
     async def stream(self, job: DynamicJobAsync, arrival_s: float) -> AsyncIterator[Chunk]:
@@ -216,7 +207,7 @@ class Engine:
                     raise ReplicaUnavailable("the replica stopped before the request finished; retry")
                 return merged, True
             if isinstance(item, BaseException):
-                raise _request_error(item, job)
+                raise request_error(item, job)
             if item.stage != Stage.STREAMING:
                 continue
             chunk = chunk_of(item, arrival_s)
@@ -241,81 +232,6 @@ class Engine:
         await self.runner.close()
 
 
-# --- EngineRequest -> folio.DynamicJob ---
-
-def job_kwargs_of(request: EngineRequest) -> dict[str, Any]:
-    """folio.DynamicJob's keyword arguments for a validated request (checked against the API by the ingress).
-    Features are passed only when the request uses them, and one this engine lacks raises Unimplemented naming the
-    field: a request's setting is never accepted and dropped."""
-    kwargs: dict[str, Any] = dict(
-        input_ids=list(request.input_ids), max_new_tokens=request.max_new_tokens,
-        min_new_tokens=request.min_new_tokens, gen_settings=sampler_settings(request.sampler),
-        stop_conditions=None if request.stop_conditions is None else list(request.stop_conditions),
-        seed=request.seed, decode_special_tokens=request.decode_special_tokens, return_probs=request.return_probs,
-        return_top_tokens=request.return_top_tokens, identifier=request.request_id)
-    if request.response_format is not None:
-        _require_job_option("filters", "response_format")
-        kwargs["filters"] = [build_filter(*request.response_format)]
-        if request.filter_prefer_eos:
-            _require_job_option("filter_prefer_eos", "filter_prefer_eos")
-            kwargs["filter_prefer_eos"] = True
-    if request.banned_strings:
-        _require_job_option("banned_strings", "banned_strings")
-        kwargs["banned_strings"] = list(request.banned_strings)
-    if request.token_healing:
-        _require_job_option("token_healing", "token_healing")
-        kwargs["token_healing"] = True
-    if request.negative_input_ids is not None:
-        # classifier-free guidance: the positive and the negative prompt, one batch row each
-        kwargs["input_ids"] = [list(request.input_ids), list(request.negative_input_ids)]
-    return kwargs
-
-
-_ENGINE_TO_API = {**{engine: name for name, engine in SAMPLER_FIELDS.items()},
-                  **{engine: name for name, engine in SAMPLER_LIST_FIELDS.items()}, "token_bias": "token_bias"}
-
-
-def sampler_settings(kwargs: dict[str, Any]) -> SamplerSettings:
-    known = {f.name for f in dataclasses.fields(SamplerSettings)}
-    for engine_name in kwargs:
-        if engine_name not in known:
-            raise Unimplemented(_ENGINE_TO_API.get(engine_name, engine_name),
-                                "this server's engine does not support this sampler setting")
-    try:
-        return SamplerSettings(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest("sampler", str(e)) from None
-
-
-def build_filter(kind: str, value: Any) -> Any:
-    """The folio.constrain filter of a response_format (not compiled yet: the engine binds it at enqueue)."""
-    import folio.constrain as constrain
-
-    name = RESPONSE_FORMATS[kind]
-    cls = getattr(constrain, name, None)
-    if cls is None:
-        raise Unimplemented(f"response_format.{kind}", f"this server's engine has no folio.constrain.{name}")
-    try:
-        return cls(list(value) if kind == "choice" else value)
-    except FilterError as e:  # a constructor that checks (or compiles) eagerly
-        raise InvalidRequest(f"response_format.{kind}", str(e)) from None
-
-
-def _require_job_option(option: str, field: str) -> None:
-    if option not in inspect.signature(DynamicJob).parameters:
-        raise Unimplemented(field, f"this server's engine does not support it (folio.DynamicJob has no {option})")
-
-
-def _constraint_field(request: EngineRequest) -> str | None:
-    if request.response_format is not None:
-        return f"response_format.{request.response_format[0]}"
-    if request.banned_strings:
-        return "banned_strings"
-    if request.token_healing:
-        return "token_healing"
-    return None
-
-
 async def _pump(job: DynamicJobAsync, queue: asyncio.Queue) -> None:
     try:
         async for result in job:
@@ -335,28 +251,6 @@ async def _cancel(job: DynamicJobAsync) -> None:
         await asyncio.shield(job.cancel())
     except (asyncio.CancelledError, GeneratorClosed):
         pass
-
-
-def _request_error(error: BaseException, job: DynamicJobAsync) -> RequestError:
-    if isinstance(error, RequestError):
-        return error
-    constraint = getattr(job, "constraint_field", None)
-    if constraint is not None and (isinstance(error, FilterError) or type(error) is RuntimeError):
-        # FilterError: the request's filter did not compile (raised by bind, at enqueue), or allows no token. A
-        # RuntimeError of the engine's own: every token was masked for a filtered job (its filter, with its stop
-        # tokens and bias, left nothing). Either way the request's constraints, not the server, failed it.
-        generated = job.job.new_tokens
-        if generated == 0 and isinstance(error, FilterError):
-            return InvalidRequest(constraint, str(error))
-        return InvalidRequest(constraint, f"no token satisfies the constraint after {generated} generated tokens "
-                                          f"({error})")
-    if isinstance(error, GeneratorClosed):
-        return ReplicaUnavailable("the replica shut down before the request finished; retry")
-    if isinstance(error, QueueFull):
-        return Overloaded(str(error))
-    logger.error("request %r failed in the engine", job.job.identifier, exc_info=error)
-    return InternalError(f"the engine failed this request ({type(error).__name__}); "
-                         f"request id {job.job.identifier!r}")
 
 
 def num_prefill_tokens(generator: DynamicGenerator) -> int:

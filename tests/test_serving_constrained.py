@@ -210,7 +210,7 @@ def test_each_new_sampler_field_arrives_in_sampler_settings(tokenizer, name, val
     from folio import DynamicJob
     from folio.proto.folio.v1 import generation_pb2 as pb
     from folio.serve import grpc_convert
-    from folio.serve.engine import job_kwargs_of
+    from folio.serve.job_request import job_kwargs_of
 
     message = pb.GenerateRequest(text="Once upon a time")
     _proto_sampler(message, name, value)
@@ -231,7 +231,7 @@ def test_response_format_becomes_the_jobs_filter(fmt, cls):
     """Needs folio.constrain's filter classes: UNIMPLEMENTED naming response_format.<kind> until merged."""
     import folio.constrain
     from folio import DynamicJob
-    from folio.serve.engine import job_kwargs_of
+    from folio.serve.job_request import job_kwargs_of
 
     kwargs = job_kwargs_of(_engine_request(response_format=fmt, filter_prefer_eos=True))
     job = DynamicJob(**kwargs)
@@ -242,7 +242,7 @@ def test_response_format_becomes_the_jobs_filter(fmt, cls):
 def test_banned_strings_and_token_healing_reach_the_job():
     """Needs DynamicJob(banned_strings=, token_healing=): UNIMPLEMENTED until merged."""
     from folio import DynamicJob
-    from folio.serve.engine import job_kwargs_of
+    from folio.serve.job_request import job_kwargs_of
 
     kwargs = job_kwargs_of(_engine_request(banned_strings=("dragon",), token_healing=True))
     assert kwargs["banned_strings"] == ["dragon"] and kwargs["token_healing"] is True
@@ -252,7 +252,7 @@ def test_banned_strings_and_token_healing_reach_the_job():
 def test_cfg_builds_a_two_prompt_job():
     """Needs SamplerSettings.cfg_scale and DynamicJob's [positive, negative] input: fails until merged."""
     from folio import DynamicJob
-    from folio.serve.engine import job_kwargs_of
+    from folio.serve.job_request import job_kwargs_of
 
     kwargs = job_kwargs_of(_engine_request(negative_input_ids=(0, 9), sampler={"cfg_scale": 2.0}))
     assert kwargs["input_ids"] == [[0, 42, 71], [0, 9]]
@@ -262,7 +262,7 @@ def test_cfg_builds_a_two_prompt_job():
 
 def test_plain_requests_pass_no_new_job_options():
     """A request that uses none of the new features builds the same job as before (and works on any engine)."""
-    from folio.serve.engine import job_kwargs_of
+    from folio.serve.job_request import job_kwargs_of
 
     kwargs = job_kwargs_of(_engine_request(sampler={"temperature": 0.5}))
     assert not {"filters", "filter_prefer_eos", "banned_strings", "token_healing"} & set(kwargs)
@@ -272,7 +272,7 @@ def test_plain_requests_pass_no_new_job_options():
 def test_missing_engine_features_are_unimplemented_not_dropped(monkeypatch):
     """Simulates an engine without the features: the request fails naming the field."""
     import folio.constrain
-    import folio.serve.engine as engine_module
+    import folio.serve.job_request as engine_module
 
     monkeypatch.delattr(folio.constrain, "RegexFilter", raising=False)
     with pytest.raises(Unimplemented, match="^response_format.regex: "):
