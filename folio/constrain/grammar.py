@@ -36,6 +36,7 @@ Each filter compiles to an llguidance grammar and drives one `LLMatcher`:
 
 from __future__ import annotations
 
+import abc
 import json
 import threading
 import weakref
@@ -125,15 +126,16 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> _Vocabulary:
     return vocab
 
 
-class GrammarFilterBase(Filter):
+class GrammarFilterBase(Filter, abc.ABC):
     """A filter that follows one llguidance grammar; subclasses say how their input becomes that grammar."""
 
     def __init__(self) -> None:
         super().__init__()
         self._matcher: llguidance.LLMatcher | None = None
 
+    @abc.abstractmethod
     def llguidance_grammar(self) -> str:
-        raise NotImplementedError
+        """The llguidance grammar (its JSON text) this filter follows."""
 
     def bind(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         super().bind(tokenizer, vocab_size)

@@ -85,10 +85,11 @@ class HealingFilter(Filter):
         row[:] = self._row
 
     def feed(self, token_id: int) -> None:
-        pass
+        """Nothing to record: the filter constrains the first sampled token only, and the job stops asking it after
+        that (DynamicJob.active_filters)."""
 
     def rollback(self, num_tokens: int) -> None:
-        pass
+        """Nothing to undo: feeding changed no state (a rollback to the healed token asks the same mask again)."""
 
     def num_skipped_bytes(self) -> int:
         """Leading bytes of the healed token that the prompt already had (not output again)."""
