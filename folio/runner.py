@@ -138,6 +138,8 @@ class ModelRunner:
 
     def add_sequence(self, seq: Sequence) -> None:
         job = seq.job
+        if self.masks is not None:
+            self.masks.add(seq)
         if job.gen_settings.penalty_window != 0:
             self._histories.add(seq, job.input_ids, job.prompt_tokens + job.max_sampled_tokens)
 

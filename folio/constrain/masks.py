@@ -37,6 +37,9 @@ class MaskWorker:
         # seq -> (num_sampled when made, its mask row, the error its filter raised, or (a worker's task, its row))
         self._ready: dict[Sequence, tuple[int, Any]] = {}
         self._worker: ThreadPoolExecutor | None = None
+        # the live sequences whose jobs have filters (or heal their first token): with none, every call returns at
+        # once, so that unconstrained batches pay no per-row check
+        self._members: set[Sequence] = set()
         self._pinned: torch.Tensor | None = None  # reused host staging buffer for the device copy
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy from it
         # totals since construction, for benchmarks: masks made, seconds making them, and seconds the step spent
@@ -46,13 +49,19 @@ class MaskWorker:
         self.wait_s = 0.0
         self.fill_s = 0.0  # of which the grammar engine's batched calls (on the worker thread or not)
 
-    @staticmethod
-    def constrained(seq: Sequence) -> bool:
-        return bool(seq.job.active_filters())
+    def add(self, seq: Sequence) -> None:
+        """A sequence entered the engine: track it if its job may ever be constrained."""
+        if seq.job.filters or seq.job.heals:
+            self._members.add(seq)
+
+    def constrained(self, seq: Sequence) -> bool:
+        return seq in self._members and bool(seq.job.active_filters())
 
     def prepare(self, seqs: Seq[Sequence], background: bool = False) -> None:
         """Make the next-token masks of the constrained, live sequences among seqs whose mask is not ready;
         background: the grammar filters' on the worker thread (`collect` waits for them)."""
+        if not self._members:
+            return
         todo = []
         for seq in seqs:
             if not seq.is_live or not self.constrained(seq):
@@ -65,6 +74,8 @@ class MaskWorker:
 
     def pending(self, seqs: Seq[Sequence]) -> bool:
         """Some of seqs' masks are being made on the worker thread."""
+        if not self._members:
+            return False
         return any(isinstance(self._ready.get(s, (0, None))[1], tuple) for s in seqs)
 
     def _make(self, seqs: list[Sequence], background: bool = False) -> None:
@@ -122,7 +133,7 @@ class MaskWorker:
                 ) -> tuple[torch.Tensor | None, list[BaseException | None]]:
         """The rows' masks, [len(seqs), W] int32 on `device` (unconstrained rows: all bits set), or None when no row
         is constrained; and per row the error its filter raised (its row is then all clear: nothing to pick)."""
-        if not any(self.constrained(s) for s in seqs):
+        if not self._members or not any(self.constrained(s) for s in seqs):
             return None, [None] * len(seqs)
         start = time.perf_counter()
         self.prepare(seqs)
@@ -183,6 +194,7 @@ class MaskWorker:
     def forget(self, seq: Sequence) -> None:
         """seq left: drop its mask (a worker still making it finishes on its own; nothing reads the row)."""
         self._ready.pop(seq, None)
+        self._members.discard(seq)
 
     def discard(self, seq: Sequence) -> None:
         """Drop seq's ready mask (its filters are about to change: a rollback), waiting for a worker making it."""
