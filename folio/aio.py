@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class DynamicGeneratorAsync:
         self._wake = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
+        # enqueue commands submitted and not yet applied (under self._wake): jobs the engine has not seen yet
+        self._num_unapplied_enqueues = 0
+        self._last_command_time = time.monotonic()  # set by the engine thread after each batch of commands
         self._thread = threading.Thread(target=self._engine_loop, name="folio-engine", daemon=True)
         self._thread.start()
 
@@ -63,6 +67,7 @@ class DynamicGeneratorAsync:
             if self._closed:
                 raise GeneratorClosed("the generator is closed")
             self._inbox.append(command)
+            self._num_unapplied_enqueues += command.kind == "enqueue"
             self._wake.notify()
 
     def enqueue(self, job: DynamicJobAsync) -> None:
@@ -105,7 +110,17 @@ class DynamicGeneratorAsync:
 
     @property
     def num_remaining_jobs(self) -> int:
-        return len(self._inbox) + self.generator.num_remaining_jobs()
+        """Jobs enqueued and not ended (those the engine thread has not taken in yet included); commands that are
+        not jobs (run_in_engine calls, cancels) do not count."""
+        with self._wake:
+            return self._num_unapplied_enqueues + self.generator.num_remaining_jobs()
+
+    @property
+    def last_progress_time(self) -> float:
+        """time.monotonic() when the engine thread last showed progress: the end of its last step, or of the last
+        commands it applied (enqueues, cancels, run_in_engine calls). A thread blocked inside a step or a call shows
+        none."""
+        return max(self._last_command_time, self.generator.last_step_time)
 
     # --- engine thread ---
 
@@ -120,6 +135,11 @@ class DynamicGeneratorAsync:
                 self._inbox.clear()
             for command in commands:
                 self._apply(command)
+                if command.kind == "enqueue":
+                    with self._wake:  # taken in (or dropped): the generator counts it from here on
+                        self._num_unapplied_enqueues -= 1
+            if commands:
+                self._last_command_time = time.monotonic()
             if self.generator.num_remaining_jobs() == 0:
                 continue
             try:
@@ -183,7 +203,9 @@ class DynamicGeneratorAsync:
                     command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
             if command.job is not None:
                 command.job._push(_END)
-        self._inbox.clear()
+        with self._wake:
+            self._inbox.clear()
+            self._num_unapplied_enqueues = 0
         for ajob in self._jobs.values():
             ajob._push(GeneratorClosed("the generator was closed before the job finished"))
         self._jobs.clear()

@@ -250,9 +250,15 @@ class DynamicJob:
     def started_result(self) -> StartedResult:
         return StartedResult(job=self, serial=self.serial, identifier=self.identifier)
 
-    def prefill_result(self, curr_progress: int, max_progress: int) -> PrefillResult:
+    def _note_first_prefill(self, now: float) -> None:
+        """The job's wait in the queue ended when its first chunk was planned (its sequence knows when), not when
+        that chunk's forward ended: prefill time counts from there."""
         if self.time_first_prefill is None:
-            self.time_first_prefill = time.monotonic()
+            planned = self.sequence.time_first_chunk if self.sequence is not None else None
+            self.time_first_prefill = planned if planned is not None else now
+
+    def prefill_result(self, curr_progress: int, max_progress: int) -> PrefillResult:
+        self._note_first_prefill(time.monotonic())
         return PrefillResult(job=self, serial=self.serial, identifier=self.identifier,
                              curr_progress=curr_progress, max_progress=max_progress)
 
@@ -264,8 +270,7 @@ class DynamicJob:
         now = time.monotonic()
         if self.time_first_token is None:
             self.time_first_token = now
-            if self.time_first_prefill is None:
-                self.time_first_prefill = now
+            self._note_first_prefill(now)
         self.time_last_token = now
         self.new_tokens += 1
         self.generated_ids.append(token_id)

@@ -16,6 +16,7 @@ After the forward pass, `commit()` advances each sequence's cached length throug
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -155,6 +156,7 @@ class Scheduler:
         plan = StepPlan(copies=self.cache.take_copies())
         self._admit(plan)
         budget = self.max_chunk_size
+        now = time.monotonic()
         for seq in list(self.active):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted while planning an earlier sequence
@@ -186,6 +188,9 @@ class Scheduler:
             plan.chunks.append(chunk)
         if self._cfg:
             plan.chunks = cfg.sync_pair_chunks(plan.chunks)  # a CFG pair samples in one step or not at all
+        for chunk in plan.chunks:  # (a plan made ahead is launched at once: its chunks start now too)
+            if chunk.seq.time_first_chunk is None:
+                chunk.seq.time_first_chunk = now
         return plan
 
     def commit(self, plan: StepPlan) -> None:

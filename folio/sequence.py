@@ -53,6 +53,8 @@ class Sequence:
     num_skips: int = 0  # times a later job was admitted ahead of this one
     started: bool = False
     num_prefill_target: int = 0  # prompt length at the first admission: the part reported as prefill progress
+    # time.monotonic() when the first chunk of this sequence was planned: its wait in the queue ends there
+    time_first_chunk: float | None = None
 
     # --- sampling (DynamicGenerator) ---
     num_sampled: int = 0  # tokens sampled so far; ahead of job.new_tokens while tokens wait to be emitted
