@@ -17,13 +17,28 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# Bump when anything below changes the written files (sizes, corpus, tokenizer settings, weight init).
-DEMO_VERSION = 1
+# Bump when anything below changes the written files (sizes, corpus, tokenizer settings, weight init, chat
+# template): a directory written by an older version is then rewritten (is_demo_model_current reads it).
+DEMO_VERSION = 2
 MARKER_FILE = "folio_demo.json"
 CORPUS_FILES = ("stories.txt", "places.txt")
 DATA_DIR = Path(__file__).parent / "data"
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
+# The demo's chat template (tokenizer_config.json's chat_template, rendered by folio.serve.chat_template and by
+# transformers' apply_chat_template). Role markers like "<|user|>" are not special tokens: the byte-level tokenizer
+# encodes them as plain text. Each turn ends with the EOS token, so a reply's natural end is EOS. Whitespace is
+# written as string literals: renderers strip a template's trailing newline and trim newlines after block tags.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('the demo model knows the roles system, user and assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,7 @@ def _tokenizer_config() -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": SIZES.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 
