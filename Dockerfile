@@ -71,5 +71,14 @@ RUN folio demo-model /opt/folio/demo-model && mkdir -p /models
 # Ray's and Serve's ports: GCS 6379, dashboard 8265, client 10001, Serve HTTP 8000 (health), Serve gRPC 50051.
 EXPOSE 6379 8265 10001 8000 50051
 WORKDIR /opt/folio
+
+# Docker's view of a node's health (`ray up` runs this image under docker; Kubernetes ignores HEALTHCHECK and runs
+# the Helm chart's gRPC probes instead): the standard gRPC health service on this node's Serve gRPC proxy, SERVING
+# while a generator replica of the application passes its health check (folio.serve.health). It asks without
+# `application` metadata, which Serve routes to the only application deployed. A node without a Serve proxy (or
+# the plain `bash` of CMD) reports unhealthy. FOLIO_GRPC_PORT: grpc_options.port, where that is not 50051.
+ENV FOLIO_GRPC_PORT=50051
+HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
+    CMD python -c "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:' + os.environ['FOLIO_GRPC_PORT'])).Check(h.HealthCheckRequest(service='folio.v1.Generation'), timeout=8); sys.exit(r.status != h.HealthCheckResponse.SERVING)"
 # No ENTRYPOINT: `ray up` and KubeRay run their own `ray start` commands in the container.
 CMD ["bash"]

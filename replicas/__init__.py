@@ -8,6 +8,16 @@
     folio.serve.grpc_client  a small gRPC client (the `folio generate` command uses it)
     folio.serve.cli        the `folio` command (serve, generate; everything else is folio.cli's)
 
+    folio.serve.connect()  a Client of the `folio serve` running on this machine (folio.serve.client.connect)
+
 Protobuf types stop at the ingress: below it requests and results are the dataclasses of folio.serve.schema.
 Submodules are not imported here, so `import folio.serve.config` never loads Ray or torch.
 """
+
+
+def connect(app_name=None):
+    """folio.serve.client.connect: a Client of the `folio serve` running on this machine (imports Ray when called,
+    not when folio.serve is)."""
+    from folio.serve.client import connect as _connect
+
+    return _connect(app_name)

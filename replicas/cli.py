@@ -1,8 +1,9 @@
 """The `folio` command: `serve` and `generate` here (they need Ray / gRPC, which folio/ must not import); every
 other command (demo-model, run, ...) is folio.cli's.
 
-    folio serve                          a local Ray cluster on 127.0.0.1: the ingress and 2 generator replicas
-                                         on the demo model (CPU), gRPC on port 50051; Ctrl-C stops it
+    folio serve                          a local Ray cluster (its services on 127.0.0.1): the ingress and 2
+                                         generator replicas on the demo model (CPU), gRPC on port 50051 of every
+                                         interface (Serve's gRPC proxy cannot be restricted); Ctrl-C stops it
     folio serve --config serve.yaml      any ServeConfig option, from a YAML file and/or flags (folio serve -h)
     folio generate "Once upon a time"    stream a completion from a running server over gRPC
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 OWN_COMMANDS = ("serve", "generate")
 ENGINE_COMMANDS = "demo-model, run"
 DEFAULT_DEMO_DIR = Path("demo-model")
+DASHBOARD_PORT = 8265  # Ray's default, where `serve status` looks
 
 # `folio serve` without options: the demo model on the CPU, two replicas sharing two cores.
 DEMO_DEFAULTS = {
@@ -55,11 +58,21 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_cmd = commands.add_parser(
-        "serve", help="serve a model on a local Ray cluster (loopback) over gRPC",
-        description="Start a local Ray cluster bound to 127.0.0.1 and serve a model over gRPC until Ctrl-C. "
-                    "Without options: the demo model (written to ./demo-model if missing) on the CPU, "
-                    "2 generator replicas, gRPC on port 50051.")
+        "serve", help="serve a model on a local Ray cluster over gRPC",
+        description="Start a local Ray cluster and serve a model over gRPC until Ctrl-C. Without options: the demo "
+                    "model (written to ./demo-model if missing; random weights, so its text is gibberish) on the "
+                    "CPU, 2 generator replicas, gRPC on port 50051. Where it listens: Ray's own services on "
+                    "127.0.0.1; Serve's HTTP proxy (the OpenAI-compatible API) and gRPC proxy on --http-host "
+                    "(127.0.0.1; 0.0.0.0 for every interface). A port already in use is refused before anything "
+                    "starts.")
     ServeConfig.add_arguments(serve_cmd, DEMO_DEFAULTS)
+    local_group = serve_cmd.add_argument_group("local cluster")
+    local_group.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                             help="Ray's metrics agent: Prometheus text (Ray's and folio's metrics) at "
+                                  "http://127.0.0.1:PORT/metrics (default: a free port, printed when ready)")
+    local_group.add_argument("--dashboard", action="store_true",
+                             help=f"also start Ray's dashboard on 127.0.0.1:{DASHBOARD_PORT}, which `serve status` "
+                                  "and `ray list actors` need (several seconds more to start)")
     serve_cmd.set_defaults(handler=_cmd_serve)
 
     gen = commands.add_parser("generate", help="stream a completion from a running server over gRPC")
@@ -103,6 +116,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"folio serve: {e}", file=sys.stderr)
         return 2
+    # Before anything starts (a bind test, not Ray): Serve's proxies would otherwise share a taken port with its
+    # owner through SO_REUSEPORT, or fail in a log nobody reads, while this command said it was serving.
+    taken = _taken_ports(config, args)
+    if taken:
+        for option, port in taken:
+            print(f"folio serve: port {port} ({option}) is already in use on this machine -- another `folio serve` "
+                  f"or another program listens on it. Stop it, or choose a free port with {option}.",
+                  file=sys.stderr)
+        return 2
     if not _prepare_model(config):
         return 2
 
@@ -115,15 +137,46 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"{config.model_path} ...", file=sys.stderr)
     start_s = time.monotonic()
     try:
-        local.start_cluster(config)
+        context = local.start_cluster(config, metrics_export_port=args.metrics_port, include_dashboard=args.dashboard)
         local.deploy(config)
         if not stop.is_set():
-            _print_ready(config, time.monotonic() - start_s)
+            local.record_server(config, context)  # what folio.serve.connect() reads
+            _print_ready(config, time.monotonic() - start_s, context.address_info.get("metrics_export_port"))
             stop.wait()
     finally:
         print("\nshutting down ...", file=sys.stderr)
+        local.forget_server()
         local.shutdown()
     return 0
+
+
+def _taken_ports(config, args: argparse.Namespace) -> list[tuple[str, int]]:
+    """[(option, port)] of the ports this command would listen on that a server could not bind now. The gRPC port
+    is tested where both proxies bind (--http-host), the others where they listen. Without SO_REUSEPORT (which
+    would let a second server share the port), with SO_REUSEADDR as servers set it (connections of a server that
+    just stopped do not count)."""
+    wanted = [("--grpc-port", config.http_host, config.grpc_port),
+              ("--http-port", config.http_host, config.http_port)]
+    if args.metrics_port:
+        wanted.append(("--metrics-port", "127.0.0.1", args.metrics_port))
+    if args.dashboard:
+        wanted.append(("--dashboard", "127.0.0.1", DASHBOARD_PORT))
+    return [(option, port) for option, host, port in wanted if not _can_bind(host, port)]
+
+
+def _can_bind(host: str, port: int) -> bool:
+    if host in ("", "::") and not socket.has_dualstack_ipv6():
+        host = "0.0.0.0"  # no IPv6 here: gRPC binds IPv4's any-address instead
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if host == "::":
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # [::] covers IPv4 too, as gRPC's does
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _prepare_model(config) -> bool:
@@ -141,15 +194,30 @@ def _prepare_model(config) -> bool:
     return True
 
 
-def _print_ready(config, elapsed_s: float) -> None:
+def _print_ready(config, elapsed_s: float, metrics_port: int | None = None) -> None:
     port = config.grpc_port
+    demo = ("\n  the demo model has random weights by design: its text is gibberish"
+            if Path(config.model_path) == DEFAULT_DEMO_DIR else "")
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "none (no metrics agent port)"
+    openai_url = f"http://{config.http_host}:{config.http_port}/{config.app_name}/v1"  # folio.serve.openai_api
+    model_name = Path(config.model_path).resolve().name  # the id /v1/models lists
     print(f"""
 folio is serving {config.model_path} on gRPC port {port} (application {config.app_name!r}; ready in {elapsed_s:.0f} s)
+  gRPC endpoint: {config.http_host}:{port}{demo}
 
   folio generate "Once upon a time" --port {port} --max-new-tokens 32
   grpcurl -plaintext -d '{{"text": "Once upon a time", "max_new_tokens": 32}}' \\
       127.0.0.1:{port} folio.v1.Generation/Generate
   python:  folio.serve.grpc_client.GrpcClient("127.0.0.1:{port}").stream("Once upon a time", max_new_tokens=32)
+  python, Ray handles (any process on this machine): import folio.serve; client = folio.serve.connect()
+           print(client.complete_sync("Once upon a time", max_new_tokens=32).text)
+  OpenAI-compatible HTTP API: {openai_url}
+           from openai import OpenAI
+           client = OpenAI(base_url="{openai_url}", api_key="unused")
+           print(client.completions.create(model="{model_name}", prompt="Once upon", max_tokens=32).choices[0].text)
+  health:  grpc.health.v1.Health/Check, service "" or "folio.v1.Generation": SERVING / NOT_SERVING, e.g.
+           grpc_health_probe -addr=127.0.0.1:{port} -service=folio.v1.Generation
+  metrics: {metrics}
 
 The API: protos/folio/v1/generation.proto. Press Ctrl-C to stop.""", flush=True)
 

@@ -1,8 +1,15 @@
 """Client: folio from Python code inside the Ray cluster, over Ray Serve handles (no gRPC).
 
-Anything connected to the cluster can use it: a driver (`ray.init(address="auto")`), a task, an actor, another
-deployment. It calls the application's ingress (`serve.get_app_handle`), so requests are validated, tokenized and
-routed exactly as gRPC requests are.
+Anything connected to the cluster can use it: a task, an actor, another deployment, a driver. It calls the
+application's ingress (`serve.get_app_handle`), so requests are validated, tokenized and routed exactly as gRPC
+requests are. Another process on the machine where `folio serve` runs joins its cluster with connect():
+
+    import folio.serve
+
+    client = folio.serve.connect()                             # a Client of the running `folio serve`
+    print(client.complete_sync("Once upon a time", max_new_tokens=32).text)
+
+Inside a cluster (a task, a deployment, a driver that called ray.init itself):
 
     from folio.serve.client import Client
 
@@ -97,6 +104,20 @@ class Client:
             raise _unwrap(error) from None
 
 
+def connect(app_name: str | None = None) -> Client:
+    """A Client of the `folio serve` running on this machine: joins its Ray cluster (unless this process is in
+    one already) from the record the server wrote (folio.serve.local.server_record_path()). `app_name`: default
+    the server's application. Raises LookupError, saying what to do, when no `folio serve` runs."""
+    import ray
+
+    from folio.serve import local
+
+    server = local.running_server()
+    if not ray.is_initialized():
+        local.join(server)
+    return Client(app_name or server["app_name"])
+
+
 def generator_replicas(app_name: str = "folio", deployment: str = "Generator") -> dict[str, Any]:
     """Actor handles of a running application's generator replicas, by replica id. Diagnostics (stats, tests that
     kill a replica): Serve has no public listing, so this relies on its replica actor names,
@@ -138,5 +159,5 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = ["Client", "replica_stats", "generator_replicas", "Chunk", "Completion", "GenerationRequest",
+__all__ = ["Client", "connect", "replica_stats", "generator_replicas", "Chunk", "Completion", "GenerationRequest",
            "InvalidRequest", "ModelInfo", "Sampling"]
