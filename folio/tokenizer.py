@@ -210,6 +210,13 @@ class Tokenizer:
             raise ValueError(f"{self._source}: token id {token_id} is not in [0, {self.vocab_size})")
         return table[token_id]
 
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for, special tokens' own text included: a text of more than
+        n x this many bytes encodes to more than n tokens."""
+        table = self._token_bytes if self._token_bytes is not None else self._build_token_bytes()
+        special = (len((self._hf.id_to_token(i) or "").encode("utf-8")) for i in self.special_ids)
+        return max(max(map(len, table), default=0), max(special, default=0))
+
     # ------------------------------------------------------------------------------------------ byte table
 
     def _build_token_bytes(self) -> list[bytes]:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig, gRPCOptions
+from ray.serve.config import BackpressureConfig, RequestRouterConfig, gRPCOptions
 
 from folio.serve.config import ServeConfig
 from folio.serve.generator import Generator
@@ -30,6 +30,8 @@ ROUTER_CLASSES = {
     "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
 }
 DEFAULT_RAY_PREFIX_IMBALANCED_THRESHOLD = 10
+INGRESS_REFUSAL_HEADROOM = 16
+PROXY_RETRY_AFTER_S = 1.0  # = grpc_servicer.DEFAULT_RETRY_AFTER_S: a refusal by Serve's queue carries no estimate
 
 # Registers folio.v1.Generation (and works around a proxy cancellation bug: see folio.serve.grpc_servicer).
 SERVICER_FUNCTION = "folio.serve.grpc_servicer.add_GenerationServicer_to_server"
@@ -51,18 +53,26 @@ def build_application(config: ServeConfig) -> serve.Application:
         request_router_config=request_router_config(config),
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
+        # The ingress admits no more than the replicas take plus a bounded queue (folio.serve.admission). Serve's
+        # own bound applies per caller (each ingress replica) and counts requests still being routed as queued: a
+        # burst of admitted requests would trip a tighter one, so it is the ingress's share, a second line only.
+        max_queued_requests=config.ingress_admission_limit,
         ray_actor_options={"num_gpus": config.num_gpus, "num_cpus": config.num_cpus},
         health_check_period_s=config.health_check_period_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
     ).bind(config)
-    ingress_capacity = config.num_replicas * config.max_ongoing_requests
+    admitted = config.ingress_admission_limit + config.ingress_queue_limit
     return Ingress.options(
         num_replicas=config.ingress_replicas,
-        # The ingress only waits on generator streams: let it hold every request the generators can take, plus
-        # the callers' queue, so that limits are enforced (and reported) at the generators.
-        max_ongoing_requests=ingress_capacity + max(config.max_queued_requests, 0) + config.ingress_replicas,
+        # Room for every request the ingress runs or queues and a few that it refuses (with a retry hint, counted in
+        # folio's metrics); beyond, requests wait at the proxy, and past a bounded queue the proxy refuses them
+        # itself (RESOURCE_EXHAUSTED with a retry hint, folio.serve.grpc_servicer). A refusal at the proxy costs no
+        # call to the ingress: in a burst, the CPU goes to admitted work.
+        max_ongoing_requests=admitted + INGRESS_REFUSAL_HEADROOM,
+        max_queued_requests=admitted,
+        # HTTP clients refused by that queue get what OpenAI's clients retry on (gRPC ones: RESOURCE_EXHAUSTED).
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=PROXY_RETRY_AFTER_S),
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
@@ -93,8 +103,8 @@ def grpc_options(config: ServeConfig) -> gRPCOptions:
 
 
 def route_prefix(config: ServeConfig) -> str:
-    """Serve's gRPC proxy only routes to applications with a route prefix (ray 2.60), so the application has one
-    although its ingress serves no HTTP."""
+    """The application's HTTP path (the OpenAI-compatible API is under {route_prefix}/v1); Serve's gRPC proxy also
+    routes only to applications that have one (ray 2.60)."""
     return f"/{config.app_name}"
 
 

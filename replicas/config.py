@@ -55,12 +55,23 @@ class ServeConfig:
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
     max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
-    max_queued_requests: requests waiting at callers for a free replica slot (-1: no limit) before
-        RESOURCE_EXHAUSTED. A replica takes max_batch_size + max_queue_size requests at once.
+    admission_limit: requests the application sends to its generator replicas at once, over all its ingress
+        replicas (each sends its share). None: what the replicas take, num_replicas x (max_batch_size +
+        max_queue_size). Set it when the generator deployment autoscales (its capacity at the most replicas).
+    max_queued_requests: requests waiting at the ingress (a FIFO queue, each ingress replica its share) for one of
+        those slots; one more is refused at once with RESOURCE_EXHAUSTED and a retry hint, before it is tokenized.
+        None: one replica's worth (max_batch_size + max_queue_size); 0: refuse whatever finds no slot.
+    max_prompt_bytes: the longest text prompt (or negative prompt) in UTF-8 bytes, checked before tokenizing; None:
+        what could still fit the context (its tokens x the vocabulary's longest token).
+    max_stop_strings / max_stop_string_chars: most stop strings a request may give, and the longest one. Each
+        stop string costs the replica's engine time per generated token (held text is matched against them).
+    max_list_items: most entries of every other list field of a request (stop token ids, token_bias, banned
+        strings, choices, DRY sequence breakers).
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
         num_gpus 0 runs on the CPU).
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
-    grpc_port / http_port / http_host: Ray Serve's proxies (the gRPC proxy binds every interface).
+    grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
+        elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
     stall_timeout_s: a replica whose engine made no progress for this long while it had work fails its health check.
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
@@ -93,7 +104,12 @@ class ServeConfig:
     max_chunk_size: int | None = None
     max_seq_len: int | None = None
     max_queue_size: int = 64
-    max_queued_requests: int = -1
+    max_queued_requests: int | None = None
+    admission_limit: int | None = None
+    max_prompt_bytes: int | None = None
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_list_items: int = 1024
     num_replicas: int = 1
     num_gpus: float = 1.0
     num_cpus: float = 1.0
@@ -164,8 +180,14 @@ class ServeConfig:
         if self.max_seq_len is not None:
             _positive("max_seq_len", self.max_seq_len)
         _positive("max_queue_size", self.max_queue_size)
-        if self.max_queued_requests != -1 and self.max_queued_requests < 1:
-            raise ConfigError(f"max_queued_requests: must be -1 (no limit) or >= 1, got {self.max_queued_requests}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests: must be >= 0 (or unset: one replica's worth), got "
+                              f"{self.max_queued_requests}; there is no unbounded queue")
+        for name in ("admission_limit", "max_prompt_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items"):
+            _positive(name, getattr(self, name))
         _positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
         if self.router not in ROUTERS:
             raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
@@ -212,6 +234,28 @@ class ServeConfig:
     def max_ongoing_requests(self) -> int:
         """Requests one generator replica takes at once: a full batch plus a full engine queue."""
         return self.max_batch_size + self.max_queue_size
+
+    @property
+    def queued_requests(self) -> int:
+        """max_queued_requests, resolved."""
+        return self.max_ongoing_requests if self.max_queued_requests is None else self.max_queued_requests
+
+    @property
+    def resolved_admission_limit(self) -> int:
+        """Requests the application sends to its generator replicas at once (over all ingress replicas)."""
+        if self.admission_limit is not None:
+            return self.admission_limit
+        return self.num_replicas * self.max_ongoing_requests
+
+    @property
+    def ingress_admission_limit(self) -> int:
+        """One ingress replica's share of the admission limit."""
+        return max(1, math.ceil(self.resolved_admission_limit / self.ingress_replicas))
+
+    @property
+    def ingress_queue_limit(self) -> int:
+        """One ingress replica's share of max_queued_requests."""
+        return math.ceil(self.queued_requests / self.ingress_replicas)
 
     def cache_size(self) -> dict[str, Any]:
         """folio.Cache's sizing keyword: num_tokens or max_memory_fraction."""

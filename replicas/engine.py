@@ -39,7 +39,7 @@ from folio.serve.errors import (
     Overloaded,
     ReplicaUnavailable,
 )
-from folio.serve.job_request import constraint_field, job_kwargs_of, request_error
+from folio.serve.job_request import constraint_field, job_kwargs_of, refused_job, request_error
 from folio.serve.schema import (
     Chunk,
     EngineRequest,
@@ -116,7 +116,11 @@ class Engine:
         cache = Cache(model, page_size=config.page_size, **cache_size)
         generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                     max_chunk_size=config.max_chunk_size, max_queued_jobs=config.max_queue_size,
+                                     max_chunk_size=config.max_chunk_size,
+                                     # Serve sends a replica at most max_batch_size + max_queue_size requests; jobs
+                                     # wait in the engine's queue until a step takes them in, even with free rows,
+                                     # so the queue holds them all: the engine never refuses what was admitted.
+                                     max_queued_jobs=config.max_ongoing_requests,
                                      **speculation.generator_kwargs(config, draft_model))
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
@@ -139,6 +143,12 @@ class Engine:
     def last_step_time(self) -> float:
         """time.monotonic() at the end of the engine's last step."""
         return self.generator.last_step_time
+
+    @property
+    def last_progress_time(self) -> float:
+        """time.monotonic() when the engine thread last made progress: the end of a step, or of commands it applied
+        (enqueues, cancels, run_in_engine calls such as routing_digest's)."""
+        return self.runner.last_progress_time
 
     async def routing_digest(self, epoch: int, instance_id: str, max_hashes: int) -> dict[str, Any]:
         """The replica's routing digest (folio.router.digest's format), built on the engine thread between two steps:
@@ -167,14 +177,14 @@ class Engine:
         try:
             ajob = DynamicJobAsync(self.runner, **job_kwargs)
         except QueueFull as e:
-            raise Overloaded(f"the replica's queue is full ({self.config.max_queue_size} waiting requests); "
+            raise Overloaded(f"the replica's queue is full ({self.config.max_ongoing_requests} requests); "
                              "retry later") from e
         except GeneratorClosed as e:
             raise ReplicaUnavailable("the replica is shutting down; retry") from e
         except FilterError as e:
             raise InvalidRequest(constraint_field(request), str(e)) from None
         except (TypeError, ValueError) as e:
-            raise InvalidRequest("request", str(e)) from None
+            raise refused_job(e) from None
         ajob.constraint_field = constraint_field(request)  # names the request's constraint in its errors
         return ajob
 

@@ -38,9 +38,15 @@ class InvalidRequest(FieldError):
 
 
 class Overloaded(RequestError):
-    """Queues are full; retry later."""
+    """Queues are full; retry later. `retry_after_s`: the server's estimate of when a retry may be admitted (sent
+    as gRPC trailing metadata "retry-after" and HTTP's Retry-After), None when it has none."""
 
     status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.args = (message, retry_after_s)
+        self.retry_after_s = retry_after_s
 
 
 class ReplicaUnavailable(RequestError):

@@ -49,10 +49,18 @@ class Generator:
         job = self.engine.start_job(request)
         self._last_enqueue_s = time.monotonic()
         try:
+            whole: Chunk | None = None
             async for chunk in self.engine.stream(job, arrival_s):
                 if chunk.finish is not None:
                     chunk.finish.replica_id = self.replica_tag
-                yield chunk
+                if request.stream:
+                    yield chunk
+                elif whole is None:
+                    whole = chunk
+                else:
+                    whole.extend(chunk)
+            if whole is not None:
+                yield whole
         finally:
             self.metrics.record_job(prompt_tokens=len(request.input_ids) if job.job.new_tokens else 0,
                                     cached_tokens=job.job.cached_tokens if job.job.new_tokens else 0,
@@ -78,18 +86,22 @@ class Generator:
         self.metrics.record_pages(num_in_use=num_pages - num_allocatable,
                                   num_cached=num_allocatable - digest["num_free_pages"], num_pages=num_pages)
         self.metrics.record_steps(self.engine.totals)
+        self.metrics.refresh()  # every gauge, those set only when a request ends included: none goes stale
         return digest
 
     def check_health(self) -> None:
+        """Raises when the engine thread died, or made no progress (no step, no command applied) for
+        stall_timeout_s while it had jobs to run. Only jobs count: an idle engine with routing-stats calls waiting
+        (they queue on the engine thread) is healthy however long ago its last step was."""
         engine = self.engine
         if not engine.is_alive:
             raise RuntimeError("the engine thread is dead")
-        if engine.num_remaining:
-            last_progress_s = max(engine.last_step_time, self._last_enqueue_s)
+        num_jobs = engine.num_remaining
+        if num_jobs:
+            last_progress_s = max(engine.last_progress_time, self._last_enqueue_s)
             stalled_s = time.monotonic() - last_progress_s
             if stalled_s > self.config.stall_timeout_s:
-                raise RuntimeError(f"the engine made no progress for {stalled_s:.0f} s with "
-                                   f"{engine.num_remaining} jobs to run")
+                raise RuntimeError(f"the engine made no progress for {stalled_s:.0f} s with {num_jobs} jobs to run")
 
     async def __del__(self) -> None:
         # Serve calls this after draining ongoing requests (up to graceful_shutdown_timeout_s); whatever the

@@ -1,7 +1,10 @@
 """The servicer function Ray Serve's gRPC proxy is started with (gRPCOptions.grpc_servicer_functions).
 
-It registers folio.v1.Generation like the generated `add_GenerationServicer_to_server`, and works around a Ray Serve
-(2.60) proxy bug that would otherwise leak the job of a client that disconnects mid-stream:
+It registers folio.v1.Generation like the generated `add_GenerationServicer_to_server`, and the standard health
+service grpc.health.v1.Health (answered by the ingress: folio.serve.health) -- in the one function, so that every
+config that names it (deploy/serve.yaml, the Helm chart's, users' own) serves health checks too. It works around a
+Ray Serve (2.60) proxy bug that would otherwise leak the job of a client that disconnects mid-stream (and a health
+Watch stream on the ingress):
 
 The proxy's server-streaming handler is an async generator that yields each message to grpc, which then awaits
 the network write. A client cancellation arriving during that write cancels grpc's task, not the handler, and the
@@ -20,15 +23,25 @@ released call in peer() / peer_identities() / peer_identity_key() / auth_context
 context that answers those from a snapshot taken while the call was alive, and forwards everything else (plain
 attribute reads and writes in grpc's RPC state).
 
-This module runs inside the proxy process: it imports only asyncio, grpc's generated code and nothing of the engine.
+Malformed requests: grpc parses each request with the method's deserializer before any handler runs, and bytes that
+do not parse made it end the call with UNKNOWN and a Python class name in the details. The proxy's methods get a
+deserializer that returns a MalformedRequest instead, which their handler refuses with INVALID_ARGUMENT
+("malformed request: ...") without calling the proxy (TolerantRegistration, refusing_malformed).
+
+This module runs inside the proxy process: it imports only asyncio, grpc and its generated code, nothing of the
+engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from folio.proto.folio.v1 import generation_pb2_grpc
 
@@ -36,13 +49,17 @@ _DONE = object()
 
 
 def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: N802 — grpc's naming
-    """Register folio.v1.Generation on `server` (Serve's gRPCGenericServer, or any grpc server)."""
+    """Register folio.v1.Generation and grpc.health.v1.Health on `server` (Serve's gRPCGenericServer, or any grpc
+    server)."""
     factory = getattr(server, "service_handler_factory", None)
+    target = server
     if callable(factory):
         # gRPCGenericServer builds every method's handler with this factory while the service registers.
         server.service_handler_factory = cancellation_safe(factory)
+        target = TolerantRegistration(server)  # (its handlers, made by the factory, refuse malformed requests)
     try:
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, target)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, target)
     finally:
         if callable(factory):
             server.service_handler_factory = factory
@@ -50,7 +67,7 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noq
 
 def cancellation_safe(factory: Callable[..., Any]) -> Callable[..., Any]:
     def make_handler(*args: Any, **kwargs: Any) -> Any:
-        handler = factory(*args, **kwargs)
+        handler = with_retry_hint(refusing_malformed(factory(*args, **kwargs)))
         return decoupled(handler) if inspect.isasyncgenfunction(handler) else handler
 
     return make_handler
@@ -114,3 +131,129 @@ class SnapshotContext:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
+
+
+class MalformedRequest:
+    """What a method's request deserializer returns for bytes that do not parse as its message."""
+
+    def __init__(self, error: Exception):
+        self.details = f"malformed request: {str(error) or type(error).__name__}"
+
+    def refuse(self, context: Any) -> None:
+        context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+        context.set_details(self.details)
+
+
+def tolerant_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # noqa: BLE001 — refused by the handler (refusing_malformed)
+            return MalformedRequest(error)
+
+    return parse
+
+
+def _tolerant(method_handler: Any) -> Any:
+    """A grpc.RpcMethodHandler whose (single) request is parsed by tolerant_deserializer."""
+    deserialize = getattr(method_handler, "request_deserializer", None)
+    if deserialize is None or method_handler.request_streaming:
+        return method_handler
+    return method_handler._replace(request_deserializer=tolerant_deserializer(deserialize))
+
+
+class TolerantRegistration:
+    """`server` as a generated add_*Servicer_to_server function sees it: each method it registers parses its
+    request with tolerant_deserializer. For servers whose handlers refuse MalformedRequest (Serve's, with
+    cancellation_safe's factory)."""
+
+    def __init__(self, server: Any):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, generic_handlers: Any) -> None:
+        for generic in generic_handlers:
+            methods = getattr(generic, "_method_handlers", None)  # grpc's DictionaryGenericHandler (Serve reads it)
+            if isinstance(methods, dict):
+                generic._method_handlers = {name: _tolerant(h) for name, h in methods.items()}
+        self._server.add_generic_rpc_handlers(generic_handlers)
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        self._server.add_registered_method_handlers(
+            service_name, {name: _tolerant(h) for name, h in method_handlers.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+def refusing_malformed(handler: Any) -> Any:
+    """`handler` (a proxy method), refusing a MalformedRequest with INVALID_ARGUMENT instead of sending it on."""
+    if inspect.isasyncgenfunction(handler):
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            if isinstance(request, MalformedRequest):
+                request.refuse(context)
+                return
+            async for message in handler(request, context):
+                yield message
+
+        return stream
+    if inspect.iscoroutinefunction(handler):
+        async def unary(request: Any, context: Any) -> Any:
+            if isinstance(request, MalformedRequest):
+                request.refuse(context)
+                return b""  # (the proxy's methods return serialized bytes; the status set above is sent)
+            return await handler(request, context)
+
+        return unary
+    return handler
+
+
+# Retry hints: the ingress refuses a request it cannot admit with RESOURCE_EXHAUSTED and "retry after N s" in the
+# details. Serve carries only the code and details of a failed request from the ingress to the proxy (not its
+# trailing metadata), so the hint is put back into trailing metadata here, where the proxy answers the client:
+# "retry-after" (seconds), which clients read without parsing messages. Serve's own refusals (its bounded queues)
+# get the default hint.
+RETRY_AFTER_KEY = "retry-after"
+DEFAULT_RETRY_AFTER_S = 1.0
+_RETRY_AFTER = re.compile(r"retry after ([0-9]+(?:\.[0-9]+)?) s")
+
+
+def retry_after_s(details: str | None) -> float:
+    match = _RETRY_AFTER.search(details or "")
+    return float(match.group(1)) if match else DEFAULT_RETRY_AFTER_S
+
+
+def _add_retry_hint(context: Any) -> None:
+    try:
+        if context.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return
+        details = context.details()
+        if isinstance(details, bytes):
+            details = details.decode("utf-8", errors="replace")
+        seconds = retry_after_s(details)
+        if not _RETRY_AFTER.search(details or ""):  # Serve's own refusal: say it as folio's do
+            context.set_details(f"{details or 'the server is at capacity'}; retry after {seconds:g} s")
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{seconds:g}"),))
+    except Exception:  # noqa: BLE001 — a hint only; the call may already be gone
+        pass
+
+
+def with_retry_hint(handler: Any) -> Any:
+    """`handler` (a proxy method), adding the "retry-after" trailing metadata to RESOURCE_EXHAUSTED answers."""
+    if inspect.isasyncgenfunction(handler):
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for message in handler(request, context):
+                    yield message
+            finally:
+                _add_retry_hint(context)
+
+        return stream
+    if inspect.iscoroutinefunction(handler):
+        async def unary(request: Any, context: Any) -> Any:
+            try:
+                return await handler(request, context)
+            finally:
+                _add_retry_hint(context)
+
+        return unary
+    return handler

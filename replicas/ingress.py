@@ -1,14 +1,17 @@
-"""The ingress deployment (CPU): folio.v1.Generation behind Ray Serve's gRPC proxy, and the same API for Python
-callers through the application's handle (folio.serve.client).
+"""The ingress deployment (CPU): folio.v1.Generation behind Ray Serve's gRPC proxy, grpc.health.v1.Health
+(folio.serve.health), the OpenAI-compatible HTTP API behind Serve's HTTP proxy (folio.serve.openai_api), and the
+same API for Python callers through the application's handle (folio.serve.client).
 
-Each request is validated and tokenized here, then streamed from a generator replica through
-`DeploymentHandle.options(stream=True)`. Errors become gRPC statuses that name the problem, never a traceback:
-INVALID_ARGUMENT (the field first), RESOURCE_EXHAUSTED, UNAVAILABLE, CANCELLED, INTERNAL. When the client goes
-away, Serve cancels this method; closing the generator stream here cancels the job on the replica, which releases
-its pages.
+Every request is admitted first (folio.serve.admission: refused at once with RESOURCE_EXHAUSTED and a retry hint
+when the application is full), then validated and tokenized on worker threads, then streamed from a generator
+replica through `DeploymentHandle.options(stream=True)` (a unary call's completion comes whole). Errors become gRPC
+statuses that name the problem, never a traceback: INVALID_ARGUMENT (the field first), RESOURCE_EXHAUSTED,
+UNAVAILABLE, CANCELLED, INTERNAL. When the client goes away, Serve cancels this method; closing the generator stream
+here cancels the job on the replica, which releases its pages.
 
 Ray Serve's gRPC proxy calls the method named like the RPC with the request message and `grpc_context`; a status
-set on the context travels back when the method raises (replica.py wraps the exception in gRPCStatusError).
+set on the context travels back when the method raises (replica.py wraps the exception in gRPCStatusError) or, with
+the context's trailing metadata, when a unary method returns normally (_answer_failure).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray import serve
@@ -31,21 +36,28 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from folio import Tokenizer
+from folio.serve.admission import Admission
 from folio.serve.config import ServeConfig
 from folio.serve.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
+from folio.serve.health import HealthMixin
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
-from folio.serve.validation import to_engine_request
+from folio.serve.validation import RequestLimits, check_prompt_bytes, request_limits, to_engine_request
 
 logger = logging.getLogger(__name__)
 
 # Routers that match prompt text (EngineRequest.prompt) rather than token ids.
 TEXT_ROUTERS = ("ray_prefix",)
+VALIDATION_THREADS = 2
+RETRY_AFTER_KEY = "retry-after"  # gRPC trailing metadata: seconds until a retry may be admitted
+# Serve's own bound on the generator's callers refused the request (folio's admission lets few through to it).
+BACKPRESSURE_RETRY_AFTER_S = 1.0
 _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
                 ReplicaUnavailableError)
 
 
 @serve.deployment(name="Ingress")
-class Ingress:
+@serve.ingress()  # HTTP: the OpenAI-compatible API, built per replica by __serve_build_asgi_app__
+class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
     def __init__(self, generator: DeploymentHandle, config: ServeConfig):
         from folio.serve.metrics import IngressMetrics
 
@@ -55,6 +67,11 @@ class Ingress:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._metrics = IngressMetrics(config.app_name)
+        self._admission = Admission(config.ingress_admission_limit, config.ingress_queue_limit)
+        self._limits: RequestLimits | None = None  # once the replicas' model info is known (its context)
+        # Tokenizing and validating a request takes up to milliseconds per kilobyte of prompt: done off the event
+        # loop, so that one large request never stalls the others' streams.
+        self._validation_pool = ThreadPoolExecutor(max_workers=VALIDATION_THREADS, thread_name_prefix="validate")
 
     # --- gRPC (folio.v1.Generation) ---
 
@@ -62,7 +79,7 @@ class Ingress:
         from folio.serve import grpc_convert
 
         try:
-            generation = grpc_convert.request_from_proto(request)
+            generation = self._from_proto(request, "Generate")
             async for chunk in self._observed_stream(generation, "Generate"):
                 yield grpc_convert.chunk_to_proto(chunk)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
@@ -72,11 +89,11 @@ class Ingress:
         from folio.serve import grpc_convert
 
         try:
-            generation = grpc_convert.request_from_proto(request)
-            chunks = [chunk async for chunk in self._observed_stream(generation, "GenerateUnary")]
+            generation = self._from_proto(request, "GenerateUnary")
+            chunks = [chunk async for chunk in self._observed_stream(generation, "GenerateUnary", stream=False)]
             return grpc_convert.completion_to_proto(Completion.from_chunks(chunks))
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            _fail(grpc_context, error)
+            return _answer_failure(grpc_context, error, "GenerateUnaryResponse")
 
     async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.proto.folio.v1 import generation_pb2 as pb
@@ -86,7 +103,7 @@ class Ingress:
                                       request.encode_special_tokens)
             return pb.TokenizeResponse(token_ids=ids)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            _fail(grpc_context, error)
+            return _answer_failure(grpc_context, error, "TokenizeResponse")
 
     async def ModelInfo(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.serve import grpc_convert
@@ -94,7 +111,18 @@ class Ingress:
         try:
             return grpc_convert.model_info_to_proto(await self.model_info())
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            _fail(grpc_context, error)
+            return _answer_failure(grpc_context, error, "ModelInfoResponse")
+
+    # --- HTTP (the OpenAI-compatible API, folio.serve.openai_api; Serve calls this once the replica is built) ---
+
+    def __serve_build_asgi_app__(self) -> Any:  # noqa: N807 — Serve's name
+        from folio.serve import openai_api
+        from folio.serve.chat_template import ChatTemplate
+
+        return openai_api.build_app(openai_api.Backend(
+            stream=self._observed_stream, model_info=self.model_info, tokenizer=self._tokenizer,
+            tokenize=self.tokenize, chat_template=ChatTemplate.from_model_dir(self._config.model_path),
+            request_id=_request_id, health=lambda: self.serving_status("")))
 
     # --- Python (through serve.get_app_handle; see folio.serve.client) ---
 
@@ -103,7 +131,8 @@ class Ingress:
             yield chunk
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        return Completion.from_chunks([chunk async for chunk in self._observed_stream(request, "generate")])
+        return Completion.from_chunks([chunk async for chunk in self._observed_stream(request, "generate",
+                                                                                    stream=False)])
 
     async def tokenize(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
@@ -112,7 +141,22 @@ class Ingress:
         add_bos = tokenizer.add_bos_token if add_bos is None else add_bos
         if add_bos and tokenizer.bos_token_id is None:
             raise InvalidRequest("add_bos", "the model's tokenizer has no BOS token")
-        return tokenizer.encode(text, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+        if self._limits is None:
+            self._limits = request_limits(self._config, tokenizer, await self.model_info())
+        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        if num_bytes > self._limits.max_prompt_bytes:
+            raise InvalidRequest("text", f"{num_bytes} bytes exceed the server's limit of "
+                                         f"{self._limits.max_prompt_bytes}")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._validation_pool, lambda: tokenizer.encode(text, add_bos=add_bos,
+                                                            encode_special_tokens=encode_special_tokens))
+
+    def admission_stats(self) -> dict[str, int]:
+        """This ingress replica's admission state (folio.serve.admission): requests sent to the generators, waiting
+        for a slot, refused so far; and the two limits."""
+        a = self._admission
+        return {"in_flight": a.in_flight, "waiting": a.num_waiting, "refused": a.num_refused, "limit": a.limit,
+                "max_waiting": a.max_waiting}
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -126,19 +170,34 @@ class Ingress:
 
     # --- the request path ---
 
-    async def _observed_stream(self, request: GenerationRequest, method: str) -> AsyncIterator[Chunk]:
-        """Stream one request and record its metrics, whatever its outcome."""
+    def _from_proto(self, request: Any, method: str) -> GenerationRequest:
+        """The message as a GenerationRequest; one refused here is counted in the metrics like any other."""
+        from folio.serve import grpc_convert
+
+        try:
+            return grpc_convert.request_from_proto(request)
+        except Exception as error:
+            self._metrics.record(method, error.status if isinstance(error, RequestError) else "INTERNAL")
+            raise
+
+    async def _observed_stream(self, request: GenerationRequest, method: str, stream: bool = True
+                               ) -> AsyncIterator[Chunk]:
+        """Stream one request and record its metrics, whatever its outcome. stream=False: the completion comes as
+        one Chunk (unary calls)."""
         start_s = time.monotonic()
         first_token_s: float | None = None
         status = "CANCELLED"  # if the caller leaves, the code below never runs past a yield
         num_tokens = 0
         try:
-            async for chunk in self._stream(request, start_s):
-                if chunk.token_ids and first_token_s is None:
-                    first_token_s = time.monotonic()
-                if chunk.finish is not None:
-                    num_tokens = chunk.finish.usage.completion_tokens
-                yield chunk
+            async with self._admission.admitted():
+                async for chunk in self._stream(request, start_s, stream):
+                    if chunk.token_ids and first_token_s is None:
+                        first_token_s = time.monotonic()
+                        if not stream and chunk.finish is not None:
+                            first_token_s = start_s + chunk.finish.timings.time_to_first_token_s
+                    if chunk.finish is not None:
+                        num_tokens = chunk.finish.usage.completion_tokens
+                    yield chunk
             status = "OK"
         except RequestError as error:
             status = error.status
@@ -153,13 +212,16 @@ class Ingress:
                 tpot_s = (time.monotonic() - first_token_s) / (num_tokens - 1)
             self._metrics.record(method, status, ttft_s, tpot_s)
 
-    async def _stream(self, request: GenerationRequest, start_s: float) -> AsyncIterator[Chunk]:
+    async def _stream(self, request: GenerationRequest, start_s: float, stream: bool = True) -> AsyncIterator[Chunk]:
         request_id = _request_id()
         info = await self.model_info()
-        engine_request = to_engine_request(request, self._tokenizer, info, request_id,
-                                           max_constraint_chars=self._config.max_constraint_chars)
-        if self._config.router in TEXT_ROUTERS:
-            engine_request = dataclasses.replace(engine_request, prompt=self._prompt_text(request, engine_request))
+        if self._limits is None:
+            self._limits = request_limits(self._config, self._tokenizer, info)
+        check_prompt_bytes(request, self._limits)  # before tokenizing: a huge prompt costs nothing more
+        engine_request = await asyncio.get_running_loop().run_in_executor(
+            self._validation_pool, self._engine_request, request, info, request_id)
+        if not stream:
+            engine_request = dataclasses.replace(engine_request, stream=False)
         response = self._generator.options(stream=True).generate.remote(engine_request)
         ended = False  # the stream finished or failed: nothing left to cancel
         first_token_s: float | None = None
@@ -168,10 +230,15 @@ class Ingress:
                 if chunk.token_ids and first_token_s is None:
                     first_token_s = time.monotonic()
                 if chunk.finish is not None:
-                    # What the client waited, measured here rather than on the replica.
+                    # What the client waited, measured here rather than on the replica. A unary completion arrives
+                    # whole: its first token came when the replica's time after its first token began.
                     timings = chunk.finish.timings
+                    replica_after_first_s = timings.total_s - timings.time_to_first_token_s
                     timings.total_s = time.monotonic() - start_s
-                    timings.time_to_first_token_s = (first_token_s or time.monotonic()) - start_s
+                    if stream:
+                        timings.time_to_first_token_s = (first_token_s or time.monotonic()) - start_s
+                    else:
+                        timings.time_to_first_token_s = max(0.0, timings.total_s - replica_after_first_s)
                 yield chunk
             ended = True
         except Exception as error:  # noqa: BLE001 — every failure becomes a status the client can act on
@@ -181,6 +248,13 @@ class Ingress:
             if not ended:
                 # The client left: cancel the replica's job so that its pages are released.
                 cancel_quietly(response)
+
+    def _engine_request(self, request: GenerationRequest, info: ModelInfo, request_id: str) -> EngineRequest:
+        """Validate and tokenize (a validation thread)."""
+        engine_request = to_engine_request(request, self._tokenizer, info, request_id, limits=self._limits)
+        if self._config.router in TEXT_ROUTERS:
+            engine_request = dataclasses.replace(engine_request, prompt=self._prompt_text(request, engine_request))
+        return engine_request
 
     def _prompt_text(self, request: GenerationRequest, engine_request: EngineRequest) -> str:
         if request.text:
@@ -200,14 +274,17 @@ def cancel_quietly(response: Any) -> None:
 
 
 def as_request_error(error: BaseException, request_id: str) -> RequestError:
-    """The status a client should see for a failure below the ingress."""
+    """The status a client should see for a failure below the ingress. An INTERNAL one names the request id
+    under which the failure is logged here (a new one when the caller has none)."""
+    request_id = request_id or new_request_id()
     cause = error
     if isinstance(error, RayTaskError) and error.cause is not None:
         cause = error.cause  # the replica's own exception (str(RayTaskError) is a traceback)
     if isinstance(cause, RequestError):
         return type(cause)(*cause.args)
     if isinstance(cause, BackPressureError):
-        return Overloaded("the server is at capacity (too many queued requests); retry later")
+        return Overloaded("the server is at capacity (too many queued requests); retry later",
+                          retry_after_s=BACKPRESSURE_RETRY_AFTER_S)
     if isinstance(cause, _UNAVAILABLE):
         logger.warning("request %s: generator replica unavailable: %s", request_id, type(cause).__name__)
         return ReplicaUnavailable("the replica serving this request was lost; retry")
@@ -218,7 +295,26 @@ def as_request_error(error: BaseException, request_id: str) -> RequestError:
 
 
 def _fail(grpc_context: Any, error: Exception) -> None:
-    """Set the gRPC status and re-raise: the proxy sends the status set on the context with the exception."""
+    """Set the gRPC status and re-raise: the proxy sends the status set on the context with the exception (a
+    stream's status travels only this way)."""
+    error = _set_status(grpc_context, error)
+    raise error
+
+
+def _answer_failure(grpc_context: Any, error: Exception, response_type: str) -> Any:
+    """A unary call's failure: the status set on the context, and an empty response that the proxy discards for
+    it. Not raising spares the proxy and the ingress an exception's traceback and log per refusal, which made
+    refusals in a flood slower than the work admitted; the context's trailing metadata (the retry hint) travels
+    only this way. Raises without a gRPC context (Python callers)."""
+    error = _set_status(grpc_context, error)
+    if grpc_context is None:
+        raise error
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    return getattr(pb, response_type)()
+
+
+def _set_status(grpc_context: Any, error: Exception) -> RequestError:
     import grpc
 
     if not isinstance(error, RequestError):
@@ -226,11 +322,21 @@ def _fail(grpc_context: Any, error: Exception) -> None:
     if grpc_context is not None:
         grpc_context.set_code(getattr(grpc.StatusCode, error.status))
         grpc_context.set_details(str(error))
-    raise error
+        retry_after_s = getattr(error, "retry_after_s", None)
+        if retry_after_s is not None:
+            grpc_context.set_trailing_metadata([(RETRY_AFTER_KEY, f"{retry_after_s:g}")])
+    return error
 
 
 def _request_id() -> str:
+    """Serve's id of the current request; a new one where Serve has none (outside a request context, or a call
+    through a handle that set none), so that logs and an INTERNAL status always name a real id."""
     try:
-        return serve.get_request_context().request_id
+        request_id = serve.get_request_context().request_id
     except Exception:  # noqa: BLE001 — outside a request context
-        return ""
+        request_id = ""
+    return request_id or new_request_id()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

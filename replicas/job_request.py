@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 from typing import Any
 
 from folio import DynamicJob, DynamicJobAsync, GeneratorClosed, QueueFull, SamplerSettings
@@ -98,6 +99,21 @@ def constraint_field(request: EngineRequest) -> str | None:
     if request.token_healing:
         return "token_healing"
     return None
+
+
+# the engine's name for a job field, as its enqueue-time checks (folio.validation, DynamicJob) start their messages
+# -> the API's
+_JOB_FIELDS = {"gen_settings.token_bias": "token_bias", "stop_conditions": "stop_token_ids", "input_ids": "prompt",
+               "prompt": "prompt", "max_new_tokens": "max_new_tokens", "min_new_tokens": "min_new_tokens",
+               "return_top_tokens": "return_top_tokens", "token_healing": "token_healing"}
+
+
+def refused_job(error: Exception) -> InvalidRequest:
+    """The engine refused the job at enqueue (ValueError / TypeError, naming its field): INVALID_ARGUMENT under
+    the API's field name ("request" where the message names none of them)."""
+    message = str(error)
+    head = re.split(r"[ :=\[(]", message, maxsplit=1)[0]
+    return InvalidRequest(_JOB_FIELDS.get(head, "request"), message)
 
 
 def request_error(error: BaseException, job: DynamicJobAsync) -> RequestError:

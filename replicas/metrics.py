@@ -19,6 +19,24 @@ Generator replicas:
                                                 (a recent acceptance rate is rate() of accepted / rate() of drafted)
     folio_engine_draft_acceptance_rate          accepted / drafted over the replica's lifetime (set once it drafted)
 Each object is created once per process (Ray metrics must not be re-registered per request).
+
+Gauges are set again on every routing-stats poll (Generator.record_routing_stats, every request_routing_stats_period_s),
+not only when their value changes: Ray's metrics agent drops a gauge series that no worker has reported for two
+export intervals (OpenTelemetryMetricRecorder's TTL, 2 x metrics_report_interval_ms: 20 s by default), and a worker
+reports only gauges set since its last export. A gauge set only when a request finished (the hit rate) vanished
+from the endpoint ~30 s after a replica's last request.
+
+What folio_requests_total counts: every request that reaches the ingress's code, whatever its outcome -- requests
+refused there too: RESOURCE_EXHAUSTED for the ingress's admission bound (folio.serve.admission) and for Serve's
+bound on the generator replicas (BackPressureError on the ingress's handle), INVALID_ARGUMENT for a message that
+does not convert or validate. Requests refused before the ingress's code runs never reach it: Serve's gRPC proxy
+refusing the ingress's own queue (BackPressureError: RESOURCE_EXHAUSTED), an unknown application (NOT_FOUND), a
+draining proxy (UNAVAILABLE), request_timeout_s (DEADLINE_EXCEEDED). Serve's own proxy counters cover those, with
+every other proxied request: ray_serve_num_grpc_requests_total{application, method, route, status_code} and
+ray_serve_num_grpc_error_requests_total{application, method, route, error_code} (serve_num_http_* for HTTP);
+transport refusals are their count minus folio_requests_total's for the same status. Bytes that do not parse as the
+request message are refused in the proxy before Serve routes them (folio.serve.grpc_servicer: INVALID_ARGUMENT,
+"malformed request") and appear in neither.
 """
 
 from __future__ import annotations
@@ -109,6 +127,17 @@ class GeneratorMetrics:
         self._num_prompt = 0
         self._num_cached = 0
         self._published = {name: 0.0 for name in STEP_COUNTERS}
+        self._gauge_values: dict[Any, float] = {}  # gauge -> the value last set (refresh sets it again)
+
+    def _set(self, gauge: Any, value: float) -> None:
+        gauge.set(value)
+        self._gauge_values[gauge] = value
+
+    def refresh(self) -> None:
+        """Set every gauge that has a value to it again, so that Ray's metrics agent never drops it as stale (see
+        the module's docstring). Called on every routing-stats poll."""
+        for gauge, value in self._gauge_values.items():
+            gauge.set(value)
 
     def record_job(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
         if generated_tokens:
@@ -120,7 +149,7 @@ class GeneratorMetrics:
             self.cached_prompt_tokens.inc(cached_tokens)
             self._num_cached += cached_tokens
         if self._num_prompt:
-            self.hit_rate.set(self._num_cached / self._num_prompt)
+            self._set(self.hit_rate, self._num_cached / self._num_prompt)
 
     def record_steps(self, totals: Any) -> None:
         """Publish the engine's step totals (folio.serve.engine.StepTotals) as counters, by what grew since the
@@ -130,16 +159,16 @@ class GeneratorMetrics:
             if value > self._published[name]:
                 self.step_counters[name].inc(value - self._published[name])
                 self._published[name] = value
-        self.running.set(totals.num_running)
-        self.waiting.set(totals.num_waiting)
+        self._set(self.running, totals.num_running)
+        self._set(self.waiting, totals.num_waiting)
         # accepted first: the engine thread adds a step's drafted tokens before its accepted ones, so the rate read
         # while a step is being added stays <= 1
         num_accepted = totals.num_accepted_drafts
         num_drafted = totals.num_drafted
         if num_drafted:  # a replica without a drafter exports no rate rather than a made-up 0
-            self.draft_acceptance_rate.set(num_accepted / num_drafted)
+            self._set(self.draft_acceptance_rate, num_accepted / num_drafted)
 
     def record_pages(self, num_in_use: int, num_cached: int, num_pages: int) -> None:
-        self.pages_in_use.set(num_in_use)
-        self.pages_cached.set(num_cached)
-        self.pages_total.set(num_pages)
+        self._set(self.pages_in_use, num_in_use)
+        self._set(self.pages_cached, num_cached)
+        self._set(self.pages_total, num_pages)

@@ -173,6 +173,9 @@ class EngineRequest:
     # The prompt as text, for routers that match text: Ray's PrefixCacheAffinityRouter reads `.prompt` of the first
     # argument. The ingress fills it only when the configured router needs it (ours hashes input_ids).
     prompt: str = ""
+    # False: the replica sends the completion as one Chunk when it ends -- one message through Ray for a unary call
+    # instead of one per engine step.
+    stream: bool = True
 
 
 @dataclass

@@ -6,9 +6,11 @@ checked without the model is checked here, so a bad request never reaches a repl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from folio import SAMPLER_LIMITS, SamplerSettings, Tokenizer
@@ -29,11 +31,54 @@ MAX_SEED = (1 << 64) - 1
 # its choices together) and the most characters of banned_strings together a request may carry.
 DEFAULT_MAX_CONSTRAINT_CHARS = 65536
 MAX_CFG_SCALE = 100.0
+# A character outside every token's text is still at most 4 UTF-8 bytes per token (unknown / byte-fallback tokens).
+MIN_BYTES_PER_TOKEN_BOUND = 4
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on a request's size (ServeConfig's max_* options): each costs a replica time per token, or the
+    ingress time before the request can be refused."""
+
+    max_prompt_bytes: int = 1 << 24
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_list_items: int = 1024
+    max_constraint_chars: int = DEFAULT_MAX_CONSTRAINT_CHARS
+
+
+def request_limits(config: Any, tokenizer: Tokenizer, info: ModelInfo) -> RequestLimits:
+    """A ServeConfig's limits; without max_prompt_bytes, the longest text that could still fit the context (its
+    tokens x the bytes of the longest token): anything longer is refused before tokenizing."""
+    max_bytes = config.max_prompt_bytes
+    if max_bytes is None:
+        max_bytes = info.max_request_tokens * max(MIN_BYTES_PER_TOKEN_BOUND, tokenizer.longest_token_bytes())
+    return RequestLimits(max_prompt_bytes=max_bytes, max_stop_strings=config.max_stop_strings,
+                         max_stop_string_chars=config.max_stop_string_chars, max_list_items=config.max_list_items,
+                         max_constraint_chars=config.max_constraint_chars)
+
+
+def check_prompt_bytes(request: GenerationRequest, limits: RequestLimits) -> None:
+    """Text prompts within max_prompt_bytes; cheap enough for the event loop (no tokenizing)."""
+    for field in ("text", "negative_text"):
+        text = getattr(request, field)
+        if isinstance(text, str) and len(text) * 4 > limits.max_prompt_bytes:  # skip encoding short texts
+            num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+            if num_bytes > limits.max_prompt_bytes:
+                raise InvalidRequest(field, f"{num_bytes} bytes exceed the server's limit of "
+                                            f"{limits.max_prompt_bytes} (longer than the model's context)")
 
 
 def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo,
-                      request_id: str = "", max_constraint_chars: int = DEFAULT_MAX_CONSTRAINT_CHARS
-                      ) -> EngineRequest:
+                      request_id: str = "", max_constraint_chars: int | None = None,
+                      limits: RequestLimits | None = None) -> EngineRequest:
+    """`limits` bound the request's size (max_constraint_chars overrides its field of the same name)."""
+    limits = limits or RequestLimits()
+    if max_constraint_chars is not None:
+        limits = dataclasses.replace(limits, max_constraint_chars=max_constraint_chars)
+    max_constraint_chars = limits.max_constraint_chars
+    check_prompt_bytes(request, limits)
+    _check_list_sizes(request, limits)
     input_ids = prompt_ids(request, tokenizer, info)
     _check_lengths(request, len(input_ids), info)
     sampler = sampler_kwargs(request.sampling, info.vocab_size)
@@ -64,6 +109,7 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
     else:
         eos = tuple(info.eos_token_ids) if request.stop_on_eos else ()
         stop_conditions = (*dict.fromkeys(eos + tuple(stop_token_ids)), *stop_strings)
+    _check_something_to_sample(sampler, request.min_new_tokens, stop_token_ids, info, request.stop_on_eos)
     if request.seed is not None and (not _is_int(request.seed) or not 0 <= request.seed <= MAX_SEED):
         raise InvalidRequest("seed", f"must be an integer in [0, 2**64), got {request.seed!r}")
     limit = min(MAX_RETURN_TOP_TOKENS, info.vocab_size)
@@ -79,6 +125,29 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         filter_prefer_eos=request.filter_prefer_eos, banned_strings=tuple(banned),
         token_healing=request.token_healing,
         negative_input_ids=None if negative_ids is None else tuple(negative_ids))
+
+
+def _check_list_sizes(request: GenerationRequest, limits: RequestLimits) -> None:
+    """Counts and lengths before any per-item work (a list of a million items is refused in microseconds)."""
+    stops = request.stop_strings
+    if isinstance(stops, Sequence) and not isinstance(stops, (str, bytes)):
+        if len(stops) > limits.max_stop_strings:
+            raise InvalidRequest("stop_strings", f"{len(stops)} stop strings exceed the server's limit of "
+                                                 f"{limits.max_stop_strings}")
+        for i, stop in enumerate(stops):
+            if isinstance(stop, str) and len(stop) > limits.max_stop_string_chars:
+                raise InvalidRequest("stop_strings", f"[{i}] has {len(stop)} characters; the server's limit is "
+                                                     f"{limits.max_stop_string_chars}")
+    fmt = request.response_format
+    lists = {"stop_token_ids": request.stop_token_ids, "banned_strings": request.banned_strings,
+             "token_bias": getattr(request.sampling, "token_bias", None),
+             "dry_sequence_breakers": getattr(request.sampling, "dry_sequence_breakers", None),
+             "response_format.choice": getattr(fmt, "choice", None) if fmt is not None else None}
+    for name, items in lists.items():
+        if isinstance(items, (Sequence, Mapping)) and not isinstance(items, (str, bytes)):
+            if len(items) > limits.max_list_items:
+                raise InvalidRequest(name, f"{len(items)} entries exceed the server's limit of "
+                                           f"{limits.max_list_items}")
 
 
 def prompt_ids(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
@@ -240,6 +309,22 @@ def sampler_kwargs(sampling: Sampling, vocab_size: int) -> dict[str, Any]:
         engine_name = message.split(" ", 1)[0].removeprefix("SamplerSettings.").split("[", 1)[0].rstrip(":")
         raise InvalidRequest(ENGINE_TO_API.get(engine_name, engine_name), message) from None
     return s.engine_kwargs()
+
+
+def _check_something_to_sample(sampler: dict[str, Any], min_new_tokens: int, stop_token_ids: Sequence[int],
+                               info: ModelInfo, stop_on_eos: bool) -> None:
+    """A token_bias of -inf on every token (with the stop tokens, while they are blocked below min_new_tokens)
+    leaves the sampler nothing to pick: the engine refuses such a job at enqueue (folio.validation); refused here
+    first, under the API's field. (A finite bias, however negative, on every token shifts them all alike.)"""
+    banned = {t for t, bias in sampler.get("token_bias", {}).items() if bias == -math.inf}
+    if len(banned) >= info.vocab_size:
+        raise InvalidRequest("token_bias", f"bans every token of the vocabulary of {info.vocab_size} (-inf bias): "
+                                           "nothing is left to sample")
+    stops = set(stop_token_ids) | (set(info.eos_token_ids) if stop_on_eos else set())
+    if min_new_tokens > 0 and len(banned | stops) >= info.vocab_size:
+        raise InvalidRequest("token_bias", f"the tokens it bans and the stop tokens (blocked until min_new_tokens="
+                                           f"{min_new_tokens}) cover the whole vocabulary of {info.vocab_size}: "
+                                           "nothing is left to sample")
 
 
 def _token_ids(name: str, ids: Sequence[int] | None, vocab_size: int) -> list[int]:

@@ -181,11 +181,13 @@ def check_serve_config(serve_config: dict[str, Any]) -> None:
         assert generator["num_replicas"] == "auto"
         assert 0 <= autoscaling["min_replicas"] <= autoscaling["max_replicas"]
         assert autoscaling["target_ongoing_requests"] <= config.max_ongoing_requests
-        largest = built_deployments({**args, "num_replicas": autoscaling["max_replicas"]})
+        largest_count = autoscaling["max_replicas"]
     else:
         assert generator["num_replicas"] == config.num_replicas
-        largest = built
-    assert overrides["Ingress"]["max_ongoing_requests"] == largest["Ingress"].max_ongoing_requests
+        largest_count = config.num_replicas
+    # No override of the ingress: its admission limit and Serve options follow from the args (admission_limit).
+    assert "Ingress" not in overrides
+    assert config.resolved_admission_limit == largest_count * config.max_ongoing_requests
 
 
 def test_serve_config_is_valid_and_matches_the_application():
@@ -321,6 +323,27 @@ def test_chart_default_values_render_a_valid_rayservice(helm, crd_validator):
     assert serve_config["applications"][0]["import_path"] == reference["applications"][0]["import_path"]
     # NOTES say where the gRPC endpoint is.
     assert "folio-serve-svc" in notes and "50051" in notes and "port-forward" in notes
+
+
+def test_chart_worker_readiness_is_the_grpc_health_of_generation(helm, crd_validator):
+    """Worker pods are ready while Serve's gRPC port answers grpc.health.v1.Health SERVING for folio.v1.Generation
+    (Kubernetes' native gRPC probe); liveness and the head pod's probes stay KubeRay's."""
+    def containers(values):
+        rayservice, _ = render(helm, values)
+        check_rayservice(rayservice, crd_validator, "folio", grpc_port=values.get("ports", {}).get("grpc", 50051))
+        cluster = rayservice["spec"]["rayClusterConfig"]
+        (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+        (worker,) = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+        return head, worker
+
+    head, worker = containers({"ports": {"grpc": 50071}})
+    probe = worker["readinessProbe"]
+    assert probe["grpc"] == {"port": 50071, "service": "folio.v1.Generation"}
+    assert probe["timeoutSeconds"] >= 3  # a health check may wait up to 2 s for the generator replicas
+    assert "livenessProbe" not in worker and "readinessProbe" not in head and "livenessProbe" not in head
+    _, worker = containers({"grpcReadinessProbe": {"enabled": False, "periodSeconds": 5, "timeoutSeconds": 5,
+                                                   "failureThreshold": 3}})
+    assert "readinessProbe" not in worker  # KubeRay's default then
 
 
 def test_chart_autoscaling_example_renders_a_valid_rayservice(helm, crd_validator):

@@ -223,6 +223,7 @@ def test_cancel_mid_stream_frees_pages(served):
     ("hello", {"stop_token_ids": [100000]}, "stop_token_ids"),
     ("hello", {"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
     ("hello", {"return_top_tokens": 1000}, "return_top_tokens"),
+    ("hello", {"sampler": {"presence_penalty": -1e308}}, "presence_penalty"),  # inf in fp32 logits
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field(served, text, fields, field):
     stub = _stub(served)
@@ -247,6 +248,35 @@ def test_prompt_longer_than_the_context_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as info:
         _stream(_stub(served), message)
     assert info.value.details().startswith("token_ids: [1] = 5000 is outside the vocabulary")
+
+
+def test_a_token_bias_that_bans_every_token_is_invalid_argument(served):
+    message = _request("hello", max_new_tokens=4)
+    message.sampler.token_bias.update(dict.fromkeys(range(1000), float("-inf")))
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(_stub(served), message)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("token_bias: ") and "nothing is left to sample" in info.value.details()
+
+
+def test_malformed_request_bytes_are_invalid_argument(served):
+    """Bytes that are not a GenerateRequest: INVALID_ARGUMENT from the proxy (folio.serve.grpc_servicer), not grpc's
+    UNKNOWN naming a Python class."""
+    channel = served["channel"]
+    unary = channel.unary_unary("/folio.v1.Generation/GenerateUnary", request_serializer=None,
+                                response_deserializer=None)
+    stream = channel.unary_stream("/folio.v1.Generation/Generate", request_serializer=None,
+                                  response_deserializer=None)
+    for call in (lambda b: unary(b, metadata=_md(), timeout=30), lambda b: list(stream(b, metadata=_md(), timeout=30))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert info.value.details().startswith("malformed request: ") and "<class" not in info.value.details()
+    # the same channel and methods still serve well-formed requests
+    good = _request("The harbour", max_new_tokens=3, **_greedy()).SerializeToString()
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    assert len(pb.GenerateUnaryResponse.FromString(unary(good, metadata=_md(), timeout=60)).token_ids) == 3
 
 
 def test_queue_full_is_resource_exhausted(served):
@@ -302,6 +332,32 @@ def test_metrics_are_exported(served):
     assert sum(steps) > 0
     ok = [line for line in body.splitlines() if line.startswith("ray_folio_requests_total{") and 'status="OK"' in line]
     assert ok and sum(float(line.rsplit(" ", 1)[1]) for line in ok) > 0
+
+
+def test_gauges_stay_exported_while_the_server_is_idle(served):
+    """Ray's metrics agent drops a gauge series that no worker reported for two export intervals (20 s by
+    default); the replicas set every gauge again on each routing-stats poll, so the hit rate of an idle server stays
+    on the endpoint (it vanished ~30 s after the last request when it was set only as requests ended)."""
+    import urllib.request
+
+    import ray
+
+    interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+
+    def hit_rates() -> list[str]:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{served['metrics_port']}/metrics", timeout=5).read()
+        except OSError:
+            return []
+        return [line for line in body.decode().splitlines()
+                if line.startswith("ray_folio_prefix_cache_hit_rate{") and 'app="folio"' in line]
+
+    _stub(served).GenerateUnary(_request(LONG_PROMPT, max_new_tokens=2, **_greedy()), metadata=_md(), timeout=60)
+    idle_since = time.monotonic()
+    assert _wait_for(hit_rates, timeout_s=3 * interval_s + 10, interval_s=1.0), "the hit rate was never exported"
+    # past the agent's TTL (two intervals) after the export that follows the last request
+    time.sleep(max(0.0, idle_since + 3 * interval_s + 5 - time.monotonic()))
+    assert hit_rates(), "the hit rate vanished from the endpoint while the server was idle"
 
 
 def test_speculative_app_completes_as_the_plain_one_and_exports_its_acceptance_rate(served):

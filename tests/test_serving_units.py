@@ -28,7 +28,7 @@ from folio.serve.validation import to_engine_request
     ({"max_batch_size": 0}, "max_batch_size"),
     ({"max_chunk_size": 100, "page_size": 16}, "max_chunk_size"),
     ({"max_queue_size": 0}, "max_queue_size"),
-    ({"max_queued_requests": 0}, "max_queued_requests"),
+    ({"max_queued_requests": -1}, "max_queued_requests"),
     ({"num_replicas": 0}, "num_replicas"),
     ({"num_gpus": -1}, "num_gpus"),
     ({"num_gpus": 1.5}, "num_gpus"),
@@ -171,6 +171,13 @@ def tokenizer(demo_dir):
     (GenerationRequest(text="a", sampling=Sampling(repetition_decay=-1)), "repetition_decay"),
     (GenerationRequest(text="a", sampling=Sampling(token_bias={5000: 1.0})), "token_bias"),
     (GenerationRequest(text="a", sampling=Sampling(token_bias={5: math.nan})), "token_bias"),
+    # no token left to sample: every one banned, or all but the stop tokens while min_new_tokens blocks them
+    (GenerationRequest(text="a", sampling=Sampling(token_bias=dict.fromkeys(range(1000), -math.inf))), "token_bias"),
+    (GenerationRequest(text="a", min_new_tokens=2,
+                       sampling=Sampling(token_bias=dict.fromkeys(range(2, 1000), -math.inf) | {0: -math.inf})),
+     "token_bias"),
+    (GenerationRequest(text="a", min_new_tokens=1, stop_on_eos=False, stop_token_ids=[7],
+                       sampling=Sampling(token_bias={t: -math.inf for t in range(1000) if t != 7})), "token_bias"),
     (GenerationRequest(text="a", stop_strings=[""]), "stop_strings"),
     (GenerationRequest(text="a", stop_token_ids=[1000]), "stop_token_ids"),
     (GenerationRequest(text="a", seed=-1), "seed"),
@@ -244,6 +251,23 @@ def test_failures_below_the_ingress_map_to_statuses():
     internal = as_request_error(RayTaskError("generate", "Traceback (most recent call last): ...",
                                              ZeroDivisionError("x")), "req-7")
     assert isinstance(internal, InternalError) and "Traceback" not in str(internal) and "req-7" in str(internal)
+
+
+def test_internal_errors_always_name_a_request_id(caplog):
+    """Where Serve has no request id (outside a request context, a handle call that set none), the ingress makes
+    one: the INTERNAL message and the log line that holds the real exception name the same one."""
+    import re
+
+    from ray.exceptions import RayTaskError
+
+    from folio.serve.ingress import _request_id, as_request_error
+
+    assert _request_id() and _request_id() != _request_id()
+    with caplog.at_level("ERROR", logger="folio.serve.ingress"):
+        internal = as_request_error(RayTaskError("generate", "Traceback", ZeroDivisionError("x")), "")
+    match = re.search(r"request id (\S+)$", str(internal))
+    assert match and match.group(1) not in ("''", ""), str(internal)
+    assert any(match.group(1) in record.getMessage() and record.exc_info for record in caplog.records)
 
 
 def test_proto_without_prompt_is_invalid():
@@ -324,6 +348,21 @@ def test_engine_stream_closed_early_cancels_the_job(engine):
     assert engine.num_remaining == 0
 
 
+def test_engine_refuses_a_job_with_nothing_to_sample_naming_the_field(engine):
+    """Past the ingress (an older one, or the engine's API): the engine's enqueue-time check refuses a token_bias
+    that bans every token, as INVALID_ARGUMENT under the API's field name."""
+    request = EngineRequest(input_ids=(0, 42, 71), max_new_tokens=4, stop_conditions=(),
+                            sampler={"token_bias": dict.fromkeys(range(1000), -math.inf)})
+
+    async def start():
+        engine.start_job(request)
+
+    with pytest.raises(InvalidRequest) as info:
+        asyncio.run(start())
+    assert info.value.field == "token_bias" and "nothing is left to sample" in str(info.value)
+    assert engine.num_remaining == 0
+
+
 def test_engine_queue_full_is_overloaded(engine):
     async def run():
         jobs = []
@@ -359,13 +398,41 @@ async def _collect(stream):
     return [chunk async for chunk in stream]
 
 
+@pytest.mark.parametrize("max_chunk_size", [2048, 640])
+def test_engine_timings_count_prefill_from_the_first_prompt_chunk(demo_dir, max_chunk_size):
+    """A lone job on an idle engine waits for nothing: its queued_s is small next to its prefill_s, whether the
+    prompt goes in one step or in several (1251 tokens in chunks of 640: two steps), and queued_s + prefill_s +
+    generate_s make up about the whole time."""
+    from folio.serve.engine import Engine
+
+    config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=2048, page_size=16, warmup=False,
+                         max_chunk_size=max_chunk_size)
+    engine = Engine.build(config)
+
+    async def run():
+        await engine.routing_digest(0, "x", 8)  # the engine thread is up and idle
+        arrival_s = time.monotonic()
+        job = engine.start_job(_request(8, prompt=[(7 * i) % 997 + 2 for i in range(1251)]))
+        return Completion.from_chunks([chunk async for chunk in engine.stream(job, arrival_s)])
+
+    try:
+        completion = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        asyncio.run(engine.close(drain_timeout_s=1))
+    timings = completion.finish.timings
+    assert completion.finish.usage.prompt_tokens == 1251 and completion.finish.usage.completion_tokens == 8
+    assert timings.prefill_s > 0 and timings.queued_s < 0.2 * timings.prefill_s, timings
+    parts = timings.queued_s + timings.prefill_s + timings.generate_s
+    assert 0.5 * timings.total_s <= parts <= timings.total_s * 1.01 + 0.01, timings
+
+
 def test_check_health_detects_a_stalled_engine():
     from folio.serve.generator import Generator
 
     cls = Generator.func_or_class
     replica = cls.__new__(cls)
     replica.config = ServeConfig(num_gpus=0, stall_timeout_s=5)
-    replica.engine = SimpleNamespace(is_alive=True, num_remaining=2, last_step_time=time.monotonic() - 60)
+    replica.engine = SimpleNamespace(is_alive=True, num_remaining=2, last_progress_time=time.monotonic() - 60)
     replica._last_enqueue_s = time.monotonic() - 60
     with pytest.raises(RuntimeError, match="no progress"):
         replica.check_health()
@@ -377,6 +444,56 @@ def test_check_health_detects_a_stalled_engine():
     replica.engine.is_alive = False
     with pytest.raises(RuntimeError, match="dead"):
         replica.check_health()
+
+
+def test_check_health_counts_jobs_not_engine_calls(demo_dir):
+    """Routing-stats calls (run_in_engine) waiting behind a busy engine thread are not jobs: an idle replica whose
+    last step is long past stays healthy while they wait. A job enqueued while the engine thread is blocked is a
+    stall."""
+    import threading
+
+    from folio.serve.engine import Engine
+    from folio.serve.generator import Generator
+
+    config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=512, page_size=16, warmup=False,
+                         stall_timeout_s=0.5)
+    engine = Engine.build(config)
+    cls = Generator.func_or_class
+    replica = cls.__new__(cls)
+    replica.config, replica.engine, replica._last_enqueue_s = config, engine, time.monotonic()
+    entered, release = threading.Event(), threading.Event()
+
+    def block(generator):
+        entered.set()
+        release.wait(60)
+
+    async def run():
+        blocked = asyncio.ensure_future(engine.runner.run_in_engine(block))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        digests = [asyncio.ensure_future(engine.routing_digest(epoch, "x", 8)) for epoch in range(3)]
+        await asyncio.sleep(1.0)  # past stall_timeout_s, with the engine thread inside a call and 3 more waiting
+        assert engine.num_remaining == 0
+        replica.check_health()
+        job = engine.start_job(_request(4))
+        replica._last_enqueue_s = time.monotonic()
+        await asyncio.sleep(1.0)
+        assert engine.num_remaining == 1
+        with pytest.raises(RuntimeError, match="no progress for .* with 1 jobs"):
+            replica.check_health()
+        release.set()
+        await blocked
+        assert len(await asyncio.gather(*digests)) == 3
+        completion = Completion.from_chunks([chunk async for chunk in engine.stream(job, time.monotonic())])
+        replica.check_health()
+        return completion
+
+    try:
+        completion = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        release.set()
+        asyncio.run(engine.close(drain_timeout_s=1))
+    assert completion.finish.usage.completion_tokens == 4
 
 
 # --- the proxy-side servicer wrapper ------------------------------------------------------------------------
@@ -452,3 +569,170 @@ def test_snapshot_context_never_reads_the_call_after_the_rpc():
     context.peer = None  # a released call: reading it would crash
     assert snapshot.peer() == "ipv4:127.0.0.1:5" and snapshot.auth_context() == {}
     assert snapshot.invocation_metadata() == (("application", "folio"),)
+
+
+def test_malformed_request_bytes_are_invalid_argument():
+    """Bytes that do not parse as the method's message, sent to Serve's gRPC server (the proxy's: gRPCGenericServer
+    with a handler factory, here one that echoes), end with INVALID_ARGUMENT "malformed request: ...", not grpc's
+    UNKNOWN naming a Python class; the handler never sees them. Well-formed requests go through as before."""
+    from unittest.mock import Mock
+
+    import grpc
+    from fakes import free_port
+    from ray.serve._private.grpc_util import gRPCGenericServer
+    from ray.serve._private.proxy_request_response import gRPCStreamingType
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+    from folio.serve.grpc_servicer import add_GenerationServicer_to_server
+
+    seen = []
+
+    def factory(service_method, streaming_type):
+        if streaming_type == gRPCStreamingType.UNARY_STREAM:
+            async def stream(request, context):
+                seen.append(request)
+                yield request.SerializeToString()
+            return stream
+
+        async def unary(request, context):
+            seen.append(request)
+            return request.SerializeToString()
+        return unary
+
+    async def run():
+        server = gRPCGenericServer(factory)
+        add_GenerationServicer_to_server(Mock(), server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        results = {}
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                unary = channel.unary_unary("/folio.v1.Generation/GenerateUnary")
+                stream = channel.unary_stream("/folio.v1.Generation/Generate")
+                for name, call in (("unary", lambda b: unary(b, timeout=10)),
+                                   ("stream", lambda b: _drain(stream(b, timeout=10)))):
+                    try:
+                        await call(b"\xff\xff\xff\xff")
+                        results[name] = ("OK", "")
+                    except grpc.aio.AioRpcError as error:
+                        results[name] = (error.code(), error.details())
+                good = pb.GenerateRequest(text="hi", max_new_tokens=3).SerializeToString()
+                results["good"] = (await unary(good, timeout=10), await _drain(stream(good, timeout=10)))
+        finally:
+            await server.stop(None)
+        return results
+
+    results = asyncio.run(asyncio.wait_for(run(), 60))
+    for name in ("unary", "stream"):
+        code, details = results[name]
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, results[name]
+        assert details.startswith("malformed request: ") and "<class" not in details, details
+    good = pb.GenerateRequest(text="hi", max_new_tokens=3).SerializeToString()
+    assert results["good"] == (good, [good])
+    assert [type(r) for r in seen] == [pb.GenerateRequest, pb.GenerateRequest]
+
+
+async def _drain(call):
+    return [message async for message in call]
+
+
+# --- metrics -----------------------------------------------------------------------------------------------
+
+
+class _FakeMetric:
+    def __init__(self, name, description="", tag_keys=(), boundaries=None):
+        self.name, self.values = name, []
+
+    def set_default_tags(self, tags):
+        return self
+
+    def set(self, value, tags=None):
+        self.values.append(value)
+
+    def inc(self, value=1.0, tags=None):
+        self.values.append((value, dict(tags or {})))
+
+    observe = set
+
+
+@pytest.fixture
+def fake_ray_metrics(monkeypatch):
+    from folio.serve import metrics
+
+    made = {}
+
+    def make(name, **kwargs):
+        made[name] = _FakeMetric(name, **kwargs)
+        return made[name]
+
+    monkeypatch.setattr(metrics, "metrics", SimpleNamespace(Counter=make, Gauge=make, Histogram=make))
+    return made
+
+
+def test_every_routing_stats_poll_sets_every_gauge_again(fake_ray_metrics):
+    """Ray's metrics agent drops a gauge not reported for two export intervals: each poll (every second) sets every
+    gauge again, the hit rate (set when a request ends) included, so an idle replica's gauges never vanish."""
+    from folio.serve.engine import StepTotals
+    from folio.serve.generator import Generator
+    from folio.serve.metrics import GeneratorMetrics
+
+    cls = Generator.func_or_class
+    replica = cls.__new__(cls)
+    replica.config, replica.epoch, replica.instance_id = ServeConfig(num_gpus=0), 0, "x"
+    replica.metrics = GeneratorMetrics("app", "r1")
+    digest = {"num_pages": 64, "num_allocatable_pages": 60, "num_free_pages": 50}
+
+    async def routing_digest(epoch, instance_id, max_hashes):
+        return digest
+
+    replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(num_running=1))
+    replica.metrics.record_job(prompt_tokens=100, cached_tokens=40, generated_tokens=5)
+    gauges = {name: m for name, m in fake_ray_metrics.items() if name in (
+        "folio_prefix_cache_hit_rate", "folio_pages_in_use", "folio_pages_cached", "folio_pages_total",
+        "folio_engine_running_jobs", "folio_engine_waiting_jobs")}
+    for _ in range(3):  # idle polls: no request ends between them
+        for gauge in gauges.values():
+            gauge.values.clear()
+        asyncio.run(replica.record_routing_stats())
+        assert {name: g.values[-1:] for name, g in gauges.items()} == {
+            "folio_prefix_cache_hit_rate": [0.4], "folio_pages_in_use": [4], "folio_pages_cached": [10],
+            "folio_pages_total": [64], "folio_engine_running_jobs": [1], "folio_engine_waiting_jobs": [0]}
+    assert not fake_ray_metrics["folio_engine_draft_acceptance_rate"].values  # never drafted: never exported
+
+
+def test_requests_refused_at_the_ingress_are_counted(fake_ray_metrics):
+    """Refusals that reach folio's code are counted in folio_requests_total with their status: the ingress's
+    admission bound and Serve's bound on the generator replicas (RESOURCE_EXHAUSTED), a message that does not
+    convert (INVALID_ARGUMENT)."""
+    from ray.serve.exceptions import BackPressureError
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+    from folio.serve.admission import Admission
+    from folio.serve.ingress import Ingress, as_request_error
+    from folio.serve.metrics import IngressMetrics
+
+    cls = Ingress.func_or_class
+    ingress = cls.__new__(cls)
+    ingress._metrics = IngressMetrics("app")
+    ingress._admission = Admission(1)
+    ingress._admission.in_flight = 1  # at its bound
+
+    async def refused_below(request, start_s, stream=True):
+        raise as_request_error(BackPressureError(3, 2), "r")
+        yield  # (an async generator, like the real one)
+
+    async def run():
+        with pytest.raises(Overloaded):
+            await ingress.generate(GenerationRequest(text="a"))
+        ingress._admission.in_flight = 0
+        ingress._stream = refused_below
+        with pytest.raises(Overloaded):
+            [chunk async for chunk in ingress.generate_stream(GenerationRequest(text="a"))]
+        with pytest.raises(InvalidRequest):
+            await ingress.GenerateUnary(pb.GenerateRequest(max_new_tokens=3))
+
+    asyncio.run(run())
+    counted = [(tags["method"], tags["status"]) for _, tags in fake_ray_metrics["folio_requests_total"].values]
+    assert counted == [("generate", "RESOURCE_EXHAUSTED"), ("generate_stream", "RESOURCE_EXHAUSTED"),
+                       ("GenerateUnary", "INVALID_ARGUMENT")]

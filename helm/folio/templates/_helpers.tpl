@@ -138,7 +138,13 @@ applications:
       page_size: {{ .Values.cache.pageSize | int }}
       max_batch_size: {{ $gen.maxBatchSize | int }}
       max_queue_size: {{ $gen.maxQueueSize | int }}
+      {{- if ne $gen.maxQueuedRequests nil }}
       max_queued_requests: {{ $gen.maxQueuedRequests | int }}
+      {{- end }}
+      {{- if $auto.enabled }}
+      # The ingress admits what the generators take at the most replicas (build_app knows only num_replicas).
+      admission_limit: {{ mul $maxGen $maxOngoing }}
+      {{- end }}
       num_replicas: {{ $gen.replicas | int }}
       num_gpus: {{ $gen.gpusPerReplica | toJson }}
       num_cpus: {{ $gen.cpusPerReplica | toJson }}
@@ -183,8 +189,4 @@ applications:
           request_router_kwargs: {{ include "folio.routerKwargs" . }}
           request_routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
           request_routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
-      - name: Ingress
-        # What every generator replica can take at once, plus the callers' queue (folio.serve.app's formula, with the
-        # autoscaling maximum: build_app only knows the fixed count).
-        max_ongoing_requests: {{ add (mul $maxGen $maxOngoing) (max $gen.maxQueuedRequests 0) .Values.ingress.replicas }}
 {{- end -}}

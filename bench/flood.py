@@ -1,0 +1,123 @@
+"""Overload: a flood of concurrent requests against `folio serve`'s demo deployment, against the throughput of a
+closed loop of streams measured in the same run.
+
+    .venv/bin/python bench/flood.py                   # 2 replicas of the demo model (folio serve's defaults)
+    .venv/bin/python bench/flood.py --requests 2000 --streams 64 --tokens 16
+
+Phases: (1) `--streams` callers in a closed loop of unary requests for `--duration` seconds: their output tok/s is
+the peer; (2) `--requests` unary requests sent at once from `--clients` processes. Reports every status code, the
+admitted requests' latency p50/p99, admitted output tok/s over the flood (first send to last OK answer) as a share of
+the closed loop's, the retry hints of the refused ones, and how long a generator replica sat idle while admitted
+requests waited outside the engines (sampled from the replicas' routing stats every 0.25 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from folio.serve.loadgen import CallRecord, closed_loop, flood, percentile, short_request, tokens_per_s  # noqa: E402
+
+
+def sample_replicas(app: str, stop: threading.Event, samples: list, period_s: float = 0.25) -> None:
+    from folio.serve.client import replica_stats
+
+    while not stop.is_set():
+        t = time.time()
+        stats = replica_stats(app, timeout_s=5.0)
+        samples.append((t, {r: (s["num_running"], s["num_queued"]) for r, s in stats.items()}))
+        stop.wait(period_s)
+
+
+def idle_while_waiting_s(samples: list, records: list[CallRecord], period_s: float = 0.25) -> float:
+    """Seconds (in sample periods) during which some replica ran nothing while more admitted requests were in
+    flight than all the replicas held: work waited outside the engines next to an idle one."""
+    ok = [r for r in records if r.code == "OK"]
+    idle = 0.0
+    for t, stats in samples:
+        if not stats:
+            continue
+        in_flight = sum(1 for r in ok if r.start_s <= t <= r.end_s)
+        held = sum(running + queued for running, queued in stats.values())
+        if any(running == 0 and queued == 0 for running, queued in stats.values()) and in_flight > held:
+            idle += period_s
+    return idle
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens of every request")
+    parser.add_argument("--duration", type=float, default=20.0, help="closed-loop seconds")
+    parser.add_argument("--clients", type=int, default=4, help="client processes of the flood")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--cpu-only-cluster", type=float, default=None, help="Ray's num_cpus (default: cores)")
+    args = parser.parse_args()
+
+    from fakes import free_port
+
+    from folio.demo import write_demo_model
+    from folio.serve import local
+    from folio.serve.cli import DEMO_DEFAULTS
+    from folio.serve.config import ServeConfig
+
+    model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "demo-model")
+    config = ServeConfig.from_dict({**DEMO_DEFAULTS, "model_path": str(model_dir), "num_replicas": args.replicas,
+                                    "grpc_port": free_port(), "http_port": free_port()})
+    target = f"127.0.0.1:{config.grpc_port}"
+    make = functools.partial(short_request, max_new_tokens=args.tokens)
+    local.start_cluster(config, num_cpus=args.cpu_only_cluster)
+    try:
+        local.deploy(config)
+        closed_loop(target, config.app_name, make, num_streams=8, duration_s=3.0)  # warm every path
+        loop_records = closed_loop(target, config.app_name, make, num_streams=args.streams,
+                                   duration_s=args.duration)
+        loop_start = min(r.start_s for r in loop_records)
+        loop_tps = tokens_per_s(loop_records, loop_start, loop_start + args.duration)
+        samples: list = []
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample_replicas, args=(config.app_name, stop, samples), daemon=True)
+        sampler.start()
+        flood_records = flood(target, config.app_name, [make(i) for i in range(args.requests)],
+                              num_processes=args.clients)
+        stop.set()
+        sampler.join(timeout=10)
+    finally:
+        local.shutdown()
+
+    codes = Counter(r.code for r in flood_records)
+    ok = [r for r in flood_records if r.code == "OK"]
+    refused = [r for r in flood_records if r.code == "RESOURCE_EXHAUSTED"]
+    flood_tps = tokens_per_s(flood_records)
+    idle_s = idle_while_waiting_s(samples, flood_records)
+    latencies = [r.latency_s for r in ok]
+    hints = [r.retry_after_s for r in refused if r.retry_after_s is not None]
+    loop_codes = dict(Counter(r.code for r in loop_records))
+    print(f"closed loop: {args.streams} streams x {args.tokens} tokens: {loop_tps:.0f} tok/s "
+          f"({len(loop_records)} requests, codes {loop_codes})")
+    print(f"flood: {args.requests} requests at once from {args.clients} processes: codes {dict(codes)}")
+    print(f"  admitted: {len(ok)}, latency p50 {percentile(latencies, 50):.2f} s, "
+          f"p99 {percentile(latencies, 99):.2f} s, max {max(latencies, default=float('nan')):.2f} s")
+    if refused:
+        print(f"  refused in p50 {percentile([r.latency_s for r in refused], 50) * 1000:.0f} ms; retry hints "
+              f"{len(hints)}/{len(refused)}, median {percentile(hints, 50):.2f} s")
+    print(f"  admitted throughput {flood_tps:.0f} tok/s = {flood_tps / max(loop_tps, 1e-9):.2f} x the closed loop")
+    print(f"  replica idle while admitted requests waited: {idle_s:.2f} s ({len(samples)} samples)")
+    others = sorted(set(codes) - {"OK", "RESOURCE_EXHAUSTED"})
+    for code in others:
+        example = next(r for r in flood_records if r.code == code)
+        print(f"  {code}: e.g. {example.details!r} after {example.latency_s:.2f} s")
+    return 0 if not others else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""A gRPC load generator for folio.v1.Generation: many concurrent calls from several client processes, so that the
+client is not what limits a measurement (bench/flood.py, the overload tests).
+
+    records = flood("127.0.0.1:50051", "folio", [request_message, ...], num_processes=4)
+    records = closed_loop("127.0.0.1:50051", "folio", make_request, num_streams=64, duration_s=20)
+
+Each call is a unary GenerateUnary (or a streaming Generate with stream=True) on grpc.aio; a record keeps its
+wall-clock start / first message / end (time.time(), comparable across processes on one machine), its status code
+name, its completion tokens and the server's retry hint (trailing metadata "retry-after", seconds) if it sent one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+RETRY_AFTER_KEY = "retry-after"
+# Concurrent calls per client channel (one HTTP/2 connection): servers cap the streams one connection carries.
+CALLS_PER_CHANNEL = 100
+
+
+@dataclass
+class CallRecord:
+    start_s: float
+    end_s: float
+    code: str  # grpc.StatusCode name
+    completion_tokens: int = 0
+    first_message_s: float | None = None
+    retry_after_s: float | None = None
+    details: str = ""
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> CallRecord:
+    import grpc
+
+    start = time.time()
+    first = None
+    tokens = 0
+    call = None
+    try:
+        if stream:
+            call = stub.Generate(message, metadata=metadata, timeout=timeout_s)
+            async for chunk in call:
+                if first is None:
+                    first = time.time()
+                if chunk.HasField("finish"):
+                    tokens = chunk.finish.usage.completion_tokens
+        else:
+            call = stub.GenerateUnary(message, metadata=metadata, timeout=timeout_s)
+            response = await call
+            first = time.time()
+            tokens = response.finish.usage.completion_tokens
+        return CallRecord(start, time.time(), "OK", tokens, first)
+    except grpc.aio.AioRpcError as error:
+        retry = None
+        for key, value in error.trailing_metadata() or ():
+            if key == RETRY_AFTER_KEY:
+                retry = float(value)
+        return CallRecord(start, time.time(), error.code().name, 0, first, retry, error.details() or "")
+
+
+async def _flood_async(target: str, app: str, messages: Sequence[bytes], timeout_s: float, stream: bool,
+                       start_at_s: float, calls_per_channel: int) -> list[CallRecord]:
+    import grpc
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+    from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
+
+    metadata = (("application", app),)
+    channels = [grpc.aio.insecure_channel(target) for _ in range(-(-len(messages) // calls_per_channel))]
+    try:
+        stubs = [pb_grpc.GenerationStub(c) for c in channels]
+        await asyncio.gather(*(c.channel_ready() for c in channels))
+        await asyncio.sleep(max(0.0, start_at_s - time.time()))
+        calls = [_one_call(stubs[i % len(stubs)], pb.GenerateRequest.FromString(m), metadata, timeout_s, stream)
+                 for i, m in enumerate(messages)]
+        return list(await asyncio.gather(*calls))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+
+
+def _flood_worker(args) -> list[CallRecord]:
+    return asyncio.run(_flood_async(*args))
+
+
+def flood(target: str, app: str, messages: Sequence, num_processes: int = 4, timeout_s: float = 600.0,
+          stream: bool = False, start_delay_s: float = 2.0, calls_per_channel: int = CALLS_PER_CHANNEL
+          ) -> list[CallRecord]:
+    """Send every message at once (split over `num_processes` client processes, all starting at the same moment,
+    `start_delay_s` from now, once their channels are connected) and wait for all the answers."""
+    payloads = [m.SerializeToString() for m in messages]
+    shares = [payloads[i::num_processes] for i in range(num_processes)]
+    start_at = time.time() + start_delay_s
+    jobs = [(target, app, share, timeout_s, stream, start_at, calls_per_channel) for share in shares if share]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        return [record for part in pool.map(_flood_worker, jobs) for record in part]
+
+
+async def _closed_async(target: str, app: str, make_request: Callable[[int], object], stream_ids: Sequence[int],
+                        duration_s: float, timeout_s: float, stream: bool, start_at_s: float) -> list[CallRecord]:
+    import grpc
+
+    from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
+
+    metadata = (("application", app),)
+    channels = [grpc.aio.insecure_channel(target) for _ in range(-(-len(stream_ids) // CALLS_PER_CHANNEL))]
+    try:
+        stubs = [pb_grpc.GenerationStub(c) for c in channels]
+        await asyncio.gather(*(c.channel_ready() for c in channels))
+        await asyncio.sleep(max(0.0, start_at_s - time.time()))
+        end_at = start_at_s + duration_s
+
+        async def loop(i: int, stream_id: int) -> list[CallRecord]:
+            out, n = [], 0
+            while time.time() < end_at:
+                out.append(await _one_call(stubs[i % len(stubs)], make_request(stream_id * 1_000_003 + n), metadata,
+                                           timeout_s, stream))
+                n += 1
+            return out
+
+        parts = await asyncio.gather(*(loop(i, s) for i, s in enumerate(stream_ids)))
+        return [r for part in parts for r in part]
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+
+
+def _closed_worker(args) -> list[CallRecord]:
+    return asyncio.run(_closed_async(*args))
+
+
+def closed_loop(target: str, app: str, make_request: Callable[[int], object], num_streams: int, duration_s: float,
+                num_processes: int = 2, timeout_s: float = 600.0, stream: bool = False,
+                start_delay_s: float = 2.0) -> list[CallRecord]:
+    """`num_streams` callers, each sending its next request as soon as the last one ends, for `duration_s`;
+    make_request(n) builds the n-th message (a picklable top-level function). Calls still running at the end are
+    waited for and recorded."""
+    ids = list(range(num_streams))
+    start_at = time.time() + start_delay_s
+    jobs = [(target, app, make_request, ids[i::num_processes], duration_s, timeout_s, stream, start_at)
+            for i in range(num_processes) if ids[i::num_processes]]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        return [record for part in pool.map(_closed_worker, jobs) for record in part]
+
+
+def tokens_per_s(records: Sequence[CallRecord], start_s: float | None = None, end_s: float | None = None) -> float:
+    """Completion tokens of the OK calls per second of the window (default: first start to last end)."""
+    ok = [r for r in records if r.code == "OK"]
+    if not ok:
+        return 0.0
+    start = min(r.start_s for r in records) if start_s is None else start_s
+    end = max(r.end_s for r in ok) if end_s is None else end_s
+    return sum(r.completion_tokens for r in ok) / max(end - start, 1e-9)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+SHORT_PROMPTS = ("The harbour at dawn", "Once upon a time", "The lighthouse keeper", "A letter arrived",
+                 "In the old library", "The train left the station")
+
+
+def short_request(n: int, max_new_tokens: int = 16):
+    """The n-th request of a flood: a short prompt (a few distinct ones, so prefixes repeat as in real traffic),
+    `max_new_tokens` sampled tokens that ignore EOS (every admitted request costs the same)."""
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    message = pb.GenerateRequest(text=f"{SHORT_PROMPTS[n % len(SHORT_PROMPTS)]} ({n})",
+                                 max_new_tokens=max_new_tokens, stop_on_eos=False, seed=n)
+    return message
