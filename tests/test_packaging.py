@@ -101,3 +101,18 @@ def test_generated_modules_name_themselves_under_folio_proto():
     assert generation_pb2.DESCRIPTOR.name == "folio/proto/folio/v1/generation.proto"
     assert generation_pb2.DESCRIPTOR.package == "folio.v1"  # the wire names stay: folio.v1.Generation
     assert generation_pb2_grpc.GenerationStub.__module__ == "folio.proto.folio.v1.generation_pb2_grpc"
+
+
+def test_make_setup_shows_its_progress():
+    """`make serve` / `make test` on a fresh machine first run minutes of setup: each step says what it does, and pip
+    shows its own progress (no -q)."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    result = subprocess.run(["make", "-n", "-B", "setup"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    steps = [line for line in result.stdout.splitlines() if line.startswith('echo "==> setup')]
+    assert len(steps) >= 5, result.stdout
+    installs = [line for line in result.stdout.splitlines() if "pip install" in line]
+    assert installs and not any(" -q" in line for line in installs), installs
