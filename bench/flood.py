@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens of every request")
     parser.add_argument("--duration", type=float, default=20.0, help="closed-loop seconds")
-    parser.add_argument("--clients", type=int, default=4, help="client processes of the flood")
+    parser.add_argument("--clients", type=int, default=2, help="client processes of the flood")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--cpu-only-cluster", type=float, default=None, help="Ray's num_cpus (default: cores)")
     args = parser.parse_args()

@@ -44,6 +44,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from folio.proto.folio.v1 import generation_pb2_grpc
+from folio.serve.proxy_gate import gated
 
 _DONE = object()
 
@@ -67,7 +68,8 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noq
 
 def cancellation_safe(factory: Callable[..., Any]) -> Callable[..., Any]:
     def make_handler(*args: Any, **kwargs: Any) -> Any:
-        handler = with_retry_hint(refusing_malformed(factory(*args, **kwargs)))
+        method = kwargs.get("service_method", args[0] if args else "")
+        handler = gated(method, with_retry_hint(refusing_malformed(factory(*args, **kwargs))))
         return decoupled(handler) if inspect.isasyncgenfunction(handler) else handler
 
     return make_handler

@@ -1,7 +1,7 @@
 """A gRPC load generator for folio.v1.Generation: many concurrent calls from several client processes, so that the
 client is not what limits a measurement (bench/flood.py, the overload tests).
 
-    records = flood("127.0.0.1:50051", "folio", [request_message, ...], num_processes=4)
+    records = flood("127.0.0.1:50051", "folio", [request_message, ...], num_processes=2)
     records = closed_loop("127.0.0.1:50051", "folio", make_request, num_streams=64, duration_s=20)
 
 Each call is a unary GenerateUnary (or a streaming Generate with stream=True) on grpc.aio; a record keeps its
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 RETRY_AFTER_KEY = "retry-after"
 # Concurrent calls per client channel (one HTTP/2 connection): servers cap the streams one connection carries.
 CALLS_PER_CHANNEL = 100
+# How long client processes may take to start and connect.
+BARRIER_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -66,56 +68,56 @@ async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> 
         return CallRecord(start, time.time(), error.code().name, 0, first, retry, error.details() or "")
 
 
-async def _flood_async(target: str, app: str, messages: Sequence[bytes], timeout_s: float, stream: bool,
-                       start_at_s: float, calls_per_channel: int) -> list[CallRecord]:
+async def _connected(target: str, count: int, barrier) -> list:
+    """`count` channels, connected; then wait (off the loop) until every client process is connected too, so that
+    process start-up and imports never overlap the load."""
     import grpc
 
+    channels = [grpc.aio.insecure_channel(target) for _ in range(max(1, count))]
+    await asyncio.gather(*(c.channel_ready() for c in channels))
+    await asyncio.get_running_loop().run_in_executor(None, barrier.wait, BARRIER_TIMEOUT_S)
+    return channels
+
+
+async def _flood_async(target: str, app: str, messages: Sequence[bytes], timeout_s: float, stream: bool,
+                       calls_per_channel: int, barrier) -> list[CallRecord]:
     from folio.proto.folio.v1 import generation_pb2 as pb
     from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
 
     metadata = (("application", app),)
-    channels = [grpc.aio.insecure_channel(target) for _ in range(-(-len(messages) // calls_per_channel))]
+    requests = [pb.GenerateRequest.FromString(m) for m in messages]
+    channels = await _connected(target, -(-len(messages) // calls_per_channel), barrier)
     try:
         stubs = [pb_grpc.GenerationStub(c) for c in channels]
-        await asyncio.gather(*(c.channel_ready() for c in channels))
-        await asyncio.sleep(max(0.0, start_at_s - time.time()))
-        calls = [_one_call(stubs[i % len(stubs)], pb.GenerateRequest.FromString(m), metadata, timeout_s, stream)
-                 for i, m in enumerate(messages)]
+        calls = [_one_call(stubs[i % len(stubs)], r, metadata, timeout_s, stream) for i, r in enumerate(requests)]
         return list(await asyncio.gather(*calls))
     finally:
         await asyncio.gather(*(c.close() for c in channels))
 
 
-def _flood_worker(args) -> list[CallRecord]:
-    return asyncio.run(_flood_async(*args))
+def _flood_worker(args: tuple, barrier) -> list[CallRecord]:
+    return asyncio.run(_flood_async(*args, barrier))
 
 
-def flood(target: str, app: str, messages: Sequence, num_processes: int = 4, timeout_s: float = 600.0,
-          stream: bool = False, start_delay_s: float = 2.0, calls_per_channel: int = CALLS_PER_CHANNEL
-          ) -> list[CallRecord]:
-    """Send every message at once (split over `num_processes` client processes, all starting at the same moment,
-    `start_delay_s` from now, once their channels are connected) and wait for all the answers."""
+def flood(target: str, app: str, messages: Sequence, num_processes: int = 2, timeout_s: float = 600.0,
+          stream: bool = False, calls_per_channel: int = CALLS_PER_CHANNEL) -> list[CallRecord]:
+    """Send every message at once, split over `num_processes` client processes that start together once all are
+    connected, and wait for all the answers."""
     payloads = [m.SerializeToString() for m in messages]
     shares = [payloads[i::num_processes] for i in range(num_processes)]
-    start_at = time.time() + start_delay_s
-    jobs = [(target, app, share, timeout_s, stream, start_at, calls_per_channel) for share in shares if share]
-    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
-        return [record for part in pool.map(_flood_worker, jobs) for record in part]
+    jobs = [(target, app, share, timeout_s, stream, calls_per_channel) for share in shares if share]
+    return _run_processes(_flood_worker, jobs, timeout_s)
 
 
 async def _closed_async(target: str, app: str, make_request: Callable[[int], object], stream_ids: Sequence[int],
-                        duration_s: float, timeout_s: float, stream: bool, start_at_s: float) -> list[CallRecord]:
-    import grpc
-
+                        duration_s: float, timeout_s: float, stream: bool, barrier) -> list[CallRecord]:
     from folio.proto.folio.v1 import generation_pb2_grpc as pb_grpc
 
     metadata = (("application", app),)
-    channels = [grpc.aio.insecure_channel(target) for _ in range(-(-len(stream_ids) // CALLS_PER_CHANNEL))]
+    channels = await _connected(target, -(-len(stream_ids) // CALLS_PER_CHANNEL), barrier)
     try:
         stubs = [pb_grpc.GenerationStub(c) for c in channels]
-        await asyncio.gather(*(c.channel_ready() for c in channels))
-        await asyncio.sleep(max(0.0, start_at_s - time.time()))
-        end_at = start_at_s + duration_s
+        end_at = time.time() + duration_s
 
         async def loop(i: int, stream_id: int) -> list[CallRecord]:
             out, n = [], 0
@@ -131,22 +133,48 @@ async def _closed_async(target: str, app: str, make_request: Callable[[int], obj
         await asyncio.gather(*(c.close() for c in channels))
 
 
-def _closed_worker(args) -> list[CallRecord]:
-    return asyncio.run(_closed_async(*args))
+def _closed_worker(args: tuple, barrier) -> list[CallRecord]:
+    return asyncio.run(_closed_async(*args, barrier))
 
 
 def closed_loop(target: str, app: str, make_request: Callable[[int], object], num_streams: int, duration_s: float,
-                num_processes: int = 2, timeout_s: float = 600.0, stream: bool = False,
-                start_delay_s: float = 2.0) -> list[CallRecord]:
-    """`num_streams` callers, each sending its next request as soon as the last one ends, for `duration_s`;
-    make_request(n) builds the n-th message (a picklable top-level function). Calls still running at the end are
-    waited for and recorded."""
+                num_processes: int = 2, timeout_s: float = 600.0, stream: bool = False) -> list[CallRecord]:
+    """`num_streams` callers, each sending its next request as soon as the last one ends, for `duration_s` from the
+    moment every client process is connected; make_request(n) builds the n-th message (picklable: a top-level
+    function or a partial of one). Calls still running at the end are waited for and recorded."""
     ids = list(range(num_streams))
-    start_at = time.time() + start_delay_s
-    jobs = [(target, app, make_request, ids[i::num_processes], duration_s, timeout_s, stream, start_at)
+    jobs = [(target, app, make_request, ids[i::num_processes], duration_s, timeout_s, stream)
             for i in range(num_processes) if ids[i::num_processes]]
-    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
-        return [record for part in pool.map(_closed_worker, jobs) for record in part]
+    return _run_processes(_closed_worker, jobs, duration_s + timeout_s)
+
+
+def _process_main(worker: Callable, job: tuple, barrier, results) -> None:
+    try:
+        results.put(worker(job, barrier))
+    except BaseException as error:  # noqa: BLE001 — handed to the parent, which raises it
+        barrier.abort()
+        results.put(RuntimeError(f"client process failed: {error!r}"))
+
+
+def _run_processes(worker: Callable, jobs: list[tuple], timeout_s: float) -> list[CallRecord]:
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(len(jobs))
+    results = context.Queue()
+    processes = [context.Process(target=_process_main, args=(worker, job, barrier, results), daemon=True)
+                 for job in jobs]
+    for process in processes:
+        process.start()
+    try:
+        parts = [results.get(timeout=timeout_s + BARRIER_TIMEOUT_S) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    for part in parts:
+        if isinstance(part, BaseException):
+            raise part
+    return [record for part in parts for record in part]
 
 
 def tokens_per_s(records: Sequence[CallRecord], start_s: float | None = None, end_s: float | None = None) -> float:

@@ -26,8 +26,9 @@ from ray import serve
 from ray.serve.config import HTTPOptions
 
 import folio
-from folio.serve.app import build_application, grpc_options, route_prefix
+from folio.serve.app import INGRESS_REFUSAL_HEADROOM, build_application, grpc_options, route_prefix
 from folio.serve.config import ServeConfig
+from folio.serve.proxy_gate import PROXY_LIMIT_ENV
 from folio.serve.proxy_setup import GRPC_HOST_ENV
 
 AUTH_MODE_ENV_VAR = "RAY_AUTH_MODE"  # ray._private.authentication.authentication_token_setup's
@@ -49,6 +50,9 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
     os.environ["SERVE_SOCKET_REUSE_PORT_ENABLED"] = "0"
     # Serve's gRPC proxy binds where its HTTP proxy does (proxy_setup; Serve itself binds every interface).
     os.environ[GRPC_HOST_ENV] = config.http_host
+    # The gRPC proxy refuses calls beyond what the application admits and queues before Serve handles them: in a
+    # burst, refusals then cost the proxy microseconds instead of milliseconds of CPU (proxy_gate).
+    os.environ[PROXY_LIMIT_ENV] = str(proxy_limit(config))
     context = ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -65,6 +69,12 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
         grpc_options=grpc_options(config),
     )
     return context
+
+
+def proxy_limit(config: ServeConfig) -> int:
+    """Calls the gRPC proxy lets through at once: all the ingress replicas admit and queue, and refuse in a moment."""
+    per_ingress = config.ingress_admission_limit + config.ingress_queue_limit + INGRESS_REFUSAL_HEADROOM
+    return config.ingress_replicas * per_ingress
 
 
 def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:

@@ -1,5 +1,7 @@
 """Serving metrics, exported through Ray's metrics agent (Prometheus format, `ray_` prefixed by Ray).
 
+gRPC proxy (clusters `folio serve` starts, folio.serve.proxy_gate):
+    folio_proxy_refused_requests_total{method}  calls refused RESOURCE_EXHAUSTED in the proxy: the application full
 Ingress (what a client sees):
     folio_requests_total{method, status}        requests by gRPC status name (OK, INVALID_ARGUMENT, ...)
     folio_time_to_first_token_seconds           request received -> first token
@@ -29,7 +31,8 @@ from the endpoint ~30 s after a replica's last request.
 What folio_requests_total counts: every request that reaches the ingress's code, whatever its outcome -- requests
 refused there too: RESOURCE_EXHAUSTED for the ingress's admission bound (folio.serve.admission) and for Serve's
 bound on the generator replicas (BackPressureError on the ingress's handle), INVALID_ARGUMENT for a message that
-does not convert or validate. Requests refused before the ingress's code runs never reach it: Serve's gRPC proxy
+does not convert or validate. Requests refused before the ingress's code runs never reach it: folio's proxy gate
+(counted in folio_proxy_refused_requests_total), Serve's gRPC proxy
 refusing the ingress's own queue (BackPressureError: RESOURCE_EXHAUSTED), an unknown application (NOT_FOUND), a
 draining proxy (UNAVAILABLE), request_timeout_s (DEADLINE_EXCEEDED). Serve's own proxy counters cover those, with
 every other proxied request: ray_serve_num_grpc_requests_total{application, method, route, status_code} and

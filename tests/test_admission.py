@@ -197,3 +197,59 @@ def test_requests_within_the_limits_pass():
                                 stop_token_ids=[3] * 5, banned_strings=["z"] * 5)
     engine = to_engine_request(request, NoTokenizer(), INFO, limits=limits)
     assert engine.stop_conditions[-3:] == ("a", "b" * 10, "c") and len(engine.banned_strings) == 5
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.code = self.details = None
+        self.trailing: tuple = ()
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
+
+
+def test_the_proxy_gate_refuses_calls_beyond_its_bound_before_serve_handles_them(monkeypatch):
+    import grpc
+
+    from folio.serve import proxy_gate
+
+    monkeypatch.setenv(proxy_gate.PROXY_LIMIT_ENV, "1")
+    monkeypatch.setattr(proxy_gate, "_gate", None)
+    calls: list[str] = []
+
+    async def serve_unary(request, context):  # stands in for Serve's proxy method
+        calls.append(request)
+        await release.wait()
+        return b"done"
+
+    async def serve_stream(request, context):
+        calls.append(request)
+        yield b"one"
+
+    async def run():
+        unary = proxy_gate.gated("/folio.v1.Generation/GenerateUnary", serve_unary)
+        stream = proxy_gate.gated("/folio.v1.Generation/Generate", serve_stream)
+        first = asyncio.create_task(unary("a", FakeContext()))
+        await asyncio.sleep(0.01)
+        refused = FakeContext()
+        assert await unary("b", refused) == b"" and calls == ["a"]  # Serve never saw "b"
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in refused.details
+        assert refused.trailing[0][0] == "retry-after" and float(refused.trailing[0][1]) > 0
+        streamed = FakeContext()
+        assert [m async for m in stream("c", streamed)] == [] and streamed.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        assert await first == b"done"
+        assert [m async for m in stream("d", FakeContext())] == [b"one"]  # the slot is free again
+
+    release = asyncio.Event()
+    asyncio.run(run())
+    # health checks and other services are never gated; without the bound there is no gate
+    assert proxy_gate.gated("/grpc.health.v1.Health/Check", serve_unary) is serve_unary
+    monkeypatch.delenv(proxy_gate.PROXY_LIMIT_ENV)
+    assert proxy_gate.gated("/folio.v1.Generation/GenerateUnary", serve_unary) is serve_unary
