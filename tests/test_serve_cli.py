@@ -146,6 +146,22 @@ def test_the_readme_handle_client_snippet_prints_generated_text(server):
 
 
 @pytest.mark.ray
+def test_the_readme_openai_snippet_runs_against_folio_serve(server, demo_dir):
+    """README's OpenAI-client example (chat, then a streamed completion), as written but for the port and the model
+    directory's name, against `folio serve`'s HTTP proxy."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (snippet,) = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                  if "from openai import OpenAI" in block]
+    assert "http://127.0.0.1:8000/folio/v1" in snippet and 'model="demo-model"' in snippet
+    snippet = (snippet.replace("127.0.0.1:8000", f"127.0.0.1:{server['http_port']}")
+               .replace('model="demo-model"', f'model="{demo_dir.resolve().name}"'))
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=server["cwd"], env=server["env"],
+                            capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert len(result.stdout.strip()) > 10, result.stdout
+
+
+@pytest.mark.ray
 def test_the_dockerfile_healthcheck_passes_against_the_server(server):
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8").replace("\\\n", " ")
     (healthcheck,) = [line for line in dockerfile.splitlines() if line.startswith("HEALTHCHECK")]
