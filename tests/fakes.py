@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 PAGE_SIZE = 16
 
@@ -26,3 +27,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
+    """predicate()'s first truthy value, polled every interval_s; its last value once timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fakes import free_port
+from fakes import free_port, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -87,13 +87,6 @@ def _in_use(stats) -> int:
     return stats["num_pages"] - stats["num_allocatable_pages"]
 
 
-def _wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 # --- calls ----------------------------------------------------------------------------------------------------
@@ -195,12 +188,12 @@ def test_cancel_mid_stream_frees_pages(served):
     tokens_per_s = received[0] / (time.monotonic() - start_s)
     received += [read_then_cancel(start(i), 5 + 7 * i) for i in range(1, 6)]
     calls = [start(i) for i in range(6, 12)]
-    busy = _wait_for(lambda: [s for s in replica_stats("folio").values() if _in_use(s) > 0], 10)
+    busy = wait_for(lambda: [s for s in replica_stats("folio").values() if _in_use(s) > 0], 10)
     assert busy and sum(s["num_running"] for s in busy) >= 1, "streams hold pages while they run"
     with ThreadPoolExecutor(len(calls)) as pool:
         received += pool.map(read_then_cancel, calls, [3 + 4 * i for i in range(len(calls))])
     cancelled_s = time.monotonic()
-    assert _wait_for(freed, 10), replica_stats("folio")
+    assert wait_for(freed, 10), replica_stats("folio")
     freed_after_s = time.monotonic() - cancelled_s
     assert freed_after_s < 0.5 * (max_new_tokens - max(received)) / tokens_per_s, (freed_after_s, tokens_per_s)
     stats = replica_stats("folio")
@@ -322,7 +315,7 @@ def test_metrics_are_exported(served):
         found = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line.startswith("ray_folio_")}
         return body if all(name in found for name in wanted) else None
 
-    body = _wait_for(scrape, timeout_s=40, interval_s=1.0)
+    body = wait_for(scrape, timeout_s=40, interval_s=1.0)
     assert body is not None, "folio's metrics did not all appear on the metrics endpoint"
     generated = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                  if line.startswith("ray_folio_generated_tokens_total{")]
@@ -354,7 +347,7 @@ def test_gauges_stay_exported_while_the_server_is_idle(served):
 
     _stub(served).GenerateUnary(_request(LONG_PROMPT, max_new_tokens=2, **_greedy()), metadata=_md(), timeout=60)
     idle_since = time.monotonic()
-    assert _wait_for(hit_rates, timeout_s=3 * interval_s + 10, interval_s=1.0), "the hit rate was never exported"
+    assert wait_for(hit_rates, timeout_s=3 * interval_s + 10, interval_s=1.0), "the hit rate was never exported"
     # past the agent's TTL (two intervals) after the export that follows the last request
     time.sleep(max(0.0, idle_since + 3 * interval_s + 5 - time.monotonic()))
     assert hit_rates(), "the hit rate vanished from the endpoint while the server was idle"
@@ -395,7 +388,7 @@ def test_speculative_app_completes_as_the_plain_one_and_exports_its_acceptance_r
         # the replica publishes its totals every routing-stats poll (1 s): wait for those of the calls above
         return all(name in seen and seen[name] == pytest.approx(value) for name, value in wanted.items())
 
-    assert _wait_for(spec_values_match, timeout_s=40, interval_s=1.0), f"wanted {wanted}, the endpoint has {seen}"
+    assert wait_for(spec_values_match, timeout_s=40, interval_s=1.0), f"wanted {wanted}, the endpoint has {seen}"
 
 
 def test_python_handle_client_streams(served):
@@ -429,7 +422,7 @@ def test_replica_killed_mid_stream_is_unavailable(served):
     call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=3000, **_greedy()), metadata=_md(), timeout=120)
     iterator = iter(call)
     next(iterator)
-    busy = _wait_for(lambda: [r for r, s in replica_stats("folio").items() if s["num_running"] > 0], 10)
+    busy = wait_for(lambda: [r for r, s in replica_stats("folio").items() if s["num_running"] > 0], 10)
     assert len(busy) == 1
     ray.kill(generator_replicas("folio")[busy[0]], no_restart=True)
     with pytest.raises(grpc.RpcError) as info:

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from fakes import free_port
+from fakes import free_port, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -62,18 +62,11 @@ def _check(served, service: str = "", app: str | None = "folio") -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def _wait_for(predicate, timeout_s: float, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def test_check_is_serving_for_the_server_and_the_generation_service(served):
     # The first answer may precede the ingress's view of its generator replicas: wait for it once.
-    assert _wait_for(lambda: _check(served) == "SERVING", timeout_s=60)
+    assert wait_for(lambda: _check(served) == "SERVING", timeout_s=60, interval_s=0.5)
     assert _check(served, "") == "SERVING"
     assert _check(served, GENERATION) == "SERVING"
     # One application deployed: a request without `application` metadata reaches it (Kubernetes' probes send none).
@@ -124,12 +117,12 @@ def test_not_serving_while_no_generator_replica_is_reachable(served):
     down = served["config"].replace(app_name="down", health_check_period_s=60.0)
     local.deploy(down)
     try:
-        assert _wait_for(lambda: _check(served, GENERATION, app="down") == "SERVING", timeout_s=60)
+        assert wait_for(lambda: _check(served, GENERATION, app="down") == "SERVING", timeout_s=60, interval_s=0.5)
         replicas = generator_replicas("down")
         assert len(replicas) == 1
         for actor in replicas.values():
             ray.kill(actor, no_restart=True)
-        assert _wait_for(lambda: _check(served, GENERATION, app="down") == "NOT_SERVING", timeout_s=30)
+        assert wait_for(lambda: _check(served, GENERATION, app="down") == "NOT_SERVING", timeout_s=30)
         assert _check(served, "", app="down") == "NOT_SERVING"
         assert _check(served, GENERATION, app="folio") == "SERVING"
         # Two applications: a request without `application` metadata has nowhere to go (Serve's NOT_FOUND).
