@@ -10,15 +10,17 @@ With the limits raised, every call reaches the proxy and then folio's admission 
 RESOURCE_EXHAUSTED with a retry hint. Memory per waiting call is a few kilobytes.
 
 Serve builds the server from ray.serve._private.constants.DEFAULT_GRPC_SERVER_OPTIONS (ray 2.60) and offers no
-option for it: the hook extends that list in place. Serve binds its gRPC proxy to "[::]:port" through
-default_impl.add_grpc_address, looked up when the proxy starts, with no option either: the hook replaces that function
-when GRPC_HOST_ENV names a host. Imports nothing of the engine.
+option for it: the hook extends that list in place, once Serve's gRPC module is imported. Serve binds its gRPC proxy
+to "[::]:port" through default_impl.add_grpc_address, looked up when the proxy starts, with no option either: the
+hook replaces that function when GRPC_HOST_ENV names a host. Imports nothing of the engine.
 """
-
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 GRPC_HOST_ENV = "FOLIO_GRPC_HOST"
 
@@ -29,15 +31,45 @@ PENDING_CALL_OPTIONS = (
 )
 
 
+# Patched right after Serve's module holding add_grpc_address (which imports the gRPC server's module and its
+# options) has run, so that workers that never run Serve do not pay the half second importing ray.serve takes.
+TRIGGER_MODULE = "ray.serve._private.default_impl"
+
+
 def setup_worker() -> None:
-    try:
-        from ray.serve._private import constants, default_impl
-    except ImportError:  # a worker without Serve installed runs no proxy
-        return
+    if TRIGGER_MODULE in sys.modules:
+        patch_serve()
+    elif not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
+
+
+def patch_serve() -> None:
+    from ray.serve._private import constants, default_impl
+
     raise_grpc_pending_limits(constants.DEFAULT_GRPC_SERVER_OPTIONS)
     host = os.environ.get(GRPC_HOST_ENV)
     if host and not getattr(default_impl.add_grpc_address, "folio_host", None):
         default_impl.add_grpc_address = bound_to(host, default_impl.add_grpc_address)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds TRIGGER_MODULE through the other finders, and runs patch_serve once it has executed."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name != TRIGGER_MODULE:
+            return None
+        sys.meta_path.remove(self)  # once: the real finders locate it
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module) -> None:
+            exec_module(module)
+            patch_serve()
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
 
 
 def raise_grpc_pending_limits(options: list) -> None:

@@ -253,3 +253,28 @@ def test_the_proxy_gate_refuses_calls_beyond_its_bound_before_serve_handles_them
     assert proxy_gate.gated("/grpc.health.v1.Health/Check", serve_unary) is serve_unary
     monkeypatch.delenv(proxy_gate.PROXY_LIMIT_ENV)
     assert proxy_gate.gated("/folio.v1.Generation/GenerateUnary", serve_unary) is serve_unary
+
+
+def test_the_worker_setup_hook_patches_serve_only_once_serve_is_imported():
+    """In a fresh interpreter, as in a Ray worker: the hook imports nothing of Serve itself; importing Serve then
+    raises gRPC's pending-call limits and binds the gRPC proxy to the configured host."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+os.environ["FOLIO_GRPC_HOST"] = "127.0.0.1"
+from folio.serve import proxy_setup
+proxy_setup.setup_worker()
+assert "ray.serve" not in sys.modules
+from ray import serve
+from ray.serve._private import constants, default_impl
+options = dict(constants.DEFAULT_GRPC_SERVER_OPTIONS)
+assert options["grpc.server.max_pending_requests"] == proxy_setup.MAX_PENDING_CALLS, options
+bound = []
+proxy_setup.bound_to("127.0.0.1", lambda server, address: bound.append(address))(None, "[::]:50051")
+assert bound == ["127.0.0.1:50051"] and default_impl.add_grpc_address.folio_host == "127.0.0.1"
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
