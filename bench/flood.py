@@ -61,6 +61,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=2, help="client processes of the flood")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--cpu-only-cluster", type=float, default=None, help="Ray's num_cpus (default: cores)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests waiting at the ingress (default: folio serve's, one replica's worth)")
     args = parser.parse_args()
 
     from fakes import free_port
@@ -72,7 +74,8 @@ def main() -> int:
 
     model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "demo-model")
     config = ServeConfig.from_dict({**DEMO_DEFAULTS, "model_path": str(model_dir), "num_replicas": args.replicas,
-                                    "grpc_port": free_port(), "http_port": free_port()})
+                                    "grpc_port": free_port(), "http_port": free_port(),
+                                    "max_queued_requests": args.max_queued_requests})
     target = f"127.0.0.1:{config.grpc_port}"
     make = functools.partial(short_request, max_new_tokens=args.tokens)
     local.start_cluster(config, num_cpus=args.cpu_only_cluster)
