@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -105,8 +104,3 @@ class Admission:
             return MAX_RETRY_AFTER_S if self.in_flight else MIN_RETRY_AFTER_S
         ahead = max(1, self.in_flight + len(self._waiters) - self.limit - self.max_waiting + 1)
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, ahead / rate))
-
-
-def http_retry_after(seconds: float) -> str:
-    """HTTP's Retry-After takes whole seconds."""
-    return str(max(1, math.ceil(seconds)))

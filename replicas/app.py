@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig, gRPCOptions
 
 from folio.serve.config import ServeConfig
+from folio.serve.errors import SERVE_REFUSAL_RETRY_AFTER_S
 from folio.serve.generator import Generator
 from folio.serve.ingress import Ingress
 
@@ -31,7 +32,6 @@ ROUTER_CLASSES = {
 }
 DEFAULT_RAY_PREFIX_IMBALANCED_THRESHOLD = 10
 INGRESS_REFUSAL_HEADROOM = 16
-PROXY_RETRY_AFTER_S = 1.0  # = grpc_servicer.DEFAULT_RETRY_AFTER_S: a refusal by Serve's queue carries no estimate
 
 # Registers folio.v1.Generation (and works around a proxy cancellation bug: see folio.serve.grpc_servicer).
 SERVICER_FUNCTION = "folio.serve.grpc_servicer.add_GenerationServicer_to_server"
@@ -72,7 +72,7 @@ def build_application(config: ServeConfig) -> serve.Application:
         max_ongoing_requests=admitted + INGRESS_REFUSAL_HEADROOM,
         max_queued_requests=admitted,
         # HTTP clients refused by that queue get what OpenAI's clients retry on (gRPC ones: RESOURCE_EXHAUSTED).
-        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=PROXY_RETRY_AFTER_S),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=SERVE_REFUSAL_RETRY_AFTER_S),
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,

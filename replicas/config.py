@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from folio.serve.config_values import ConfigError, check_type, convert, positive
 
 DTYPES = ("float32", "float16", "bfloat16")
 ROUTERS = ("prefix", "pow2", "ray_prefix")
@@ -27,10 +27,6 @@ MIN_PAGE_SIZE = 16
 DEFAULT_CPU_CACHE_TOKENS = 16384
 # On a GPU, the share of free memory the cache takes when neither size is given.
 DEFAULT_GPU_MEMORY_FRACTION = 0.85
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message names the option."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +129,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            _check_type(field.name, getattr(self, field.name), _field_types()[field.name])
+            check_type(field.name, getattr(self, field.name), _field_types()[field.name])
         self._check_model()
         self._check_drafter()
         self._check_engine()
@@ -159,7 +155,7 @@ class ServeConfig:
         if self.draft_model_path is not None and self.ngram:
             raise ConfigError("draft_model_path / ngram: choose one drafter (a draft model, or n-grams of each "
                               "request's own tokens), not both")
-        _positive("num_draft_tokens", self.num_draft_tokens)
+        positive("num_draft_tokens", self.num_draft_tokens)
 
     def _check_engine(self) -> None:
         if self.page_size < MIN_PAGE_SIZE or self.page_size & (self.page_size - 1):
@@ -173,35 +169,35 @@ class ServeConfig:
             raise ConfigError(f"cache_memory_fraction: must be in (0, 1], got {self.cache_memory_fraction}")
         if self.cache_memory_fraction is not None and self.resolved_device == "cpu":
             raise ConfigError("cache_memory_fraction: only for GPU replicas; give cache_tokens on a CPU")
-        _positive("max_batch_size", self.max_batch_size)
+        positive("max_batch_size", self.max_batch_size)
         if self.max_chunk_size is not None and (self.max_chunk_size <= 0 or self.max_chunk_size % self.page_size):
             raise ConfigError(f"max_chunk_size: must be a positive multiple of page_size ({self.page_size}), "
                               f"got {self.max_chunk_size}")
         if self.max_seq_len is not None:
-            _positive("max_seq_len", self.max_seq_len)
-        _positive("max_queue_size", self.max_queue_size)
+            positive("max_seq_len", self.max_seq_len)
+        positive("max_queue_size", self.max_queue_size)
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests: must be >= 0 (or unset: one replica's worth), got "
                               f"{self.max_queued_requests}; there is no unbounded queue")
         for name in ("admission_limit", "max_prompt_bytes"):
             if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
+                positive(name, getattr(self, name))
         for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items"):
-            _positive(name, getattr(self, name))
-        _positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
+            positive(name, getattr(self, name))
+        positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
         if self.router not in ROUTERS:
             raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.router_options is not None and not all(isinstance(k, str) for k in self.router_options):
             raise ConfigError("router_options: keys must be option names (strings)")
-        _positive("routing_stats_period_s", self.routing_stats_period_s)
-        _positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
-        _positive("max_constraint_chars", self.max_constraint_chars)
+        positive("routing_stats_period_s", self.routing_stats_period_s)
+        positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
+        positive("max_constraint_chars", self.max_constraint_chars)
 
     def _check_deployment(self) -> None:
-        _positive("num_replicas", self.num_replicas)
-        _positive("ingress_replicas", self.ingress_replicas)
+        positive("num_replicas", self.num_replicas)
+        positive("ingress_replicas", self.ingress_replicas)
         for name in ("num_gpus", "num_cpus", "ingress_num_cpus"):
-            _positive(name, getattr(self, name), allow_zero=True)
+            positive(name, getattr(self, name), allow_zero=True)
         if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
             raise ConfigError(f"num_gpus: above 1 it must be a whole number, got {self.num_gpus}")
         for name in ("grpc_port", "http_port"):
@@ -213,9 +209,9 @@ class ServeConfig:
         if not self.app_name or "/" in self.app_name:
             raise ConfigError(f"app_name: must be a non-empty name without '/', got {self.app_name!r}")
         for name in ("stall_timeout_s", "health_check_period_s", "graceful_shutdown_timeout_s"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.request_timeout_s is not None:
-            _positive("request_timeout_s", self.request_timeout_s)
+            positive("request_timeout_s", self.request_timeout_s)
 
     # --- derived values ---
 
@@ -284,7 +280,7 @@ class ServeConfig:
         unknown = sorted(set(values) - set(types_))
         if unknown:
             raise ConfigError(f"unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(types_)}")
-        return cls(**{name: _convert(name, value, types_[name]) for name, value in values.items()})
+        return cls(**{name: convert(name, value, types_[name]) for name, value in values.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServeConfig:
@@ -337,72 +333,3 @@ class ServeConfig:
 @functools.cache
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(ServeConfig)
-
-
-def _optional_inner(kind: Any) -> tuple[Any, bool]:
-    """(T, True) for `T | None`, (kind, False) otherwise."""
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        inner = [a for a in typing.get_args(kind) if a is not type(None)]
-        return inner[0], True
-    return kind, False
-
-
-def _convert(name: str, value: Any, kind: Any) -> Any:
-    if not isinstance(value, str):
-        if isinstance(value, int) and not isinstance(value, bool) and _optional_inner(kind)[0] is float:
-            return float(value)
-        return value
-    inner, optional = _optional_inner(kind)
-    text = value.strip()
-    if optional and text.lower() in ("none", "null", ""):
-        return None
-    try:
-        if inner is dict:
-            parsed = json.loads(text)
-            if not isinstance(parsed, dict):
-                raise ValueError
-            return parsed
-        if inner is bool:
-            lowered = text.lower()
-            if lowered in ("true", "yes", "1", "on"):
-                return True
-            if lowered in ("false", "no", "0", "off"):
-                return False
-            raise ValueError
-        if inner is int:
-            return int(text)
-        if inner is float:
-            return float(text)
-    except ValueError:  # json.JSONDecodeError is one
-        raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}") from None
-    return text
-
-
-def _check_type(name: str, value: Any, kind: Any) -> None:
-    inner, optional = _optional_inner(kind)
-    if value is None:
-        if not optional:
-            raise ConfigError(f"{name}: must be set (expected {_type_name(kind)})")
-        return
-    if inner is bool:
-        ok = isinstance(value, bool)
-    elif inner is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif inner is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, inner)
-    if not ok:
-        raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}")
-
-
-def _type_name(kind: Any) -> str:
-    inner, optional = _optional_inner(kind)
-    name = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            dict: "a mapping (JSON object)"}.get(inner, str(inner))
-    return f"{name} or none" if optional else name
-
-
-def _positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")

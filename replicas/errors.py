@@ -6,6 +6,13 @@ they keep all their state in `args` (pickling re-creates them from it).
 
 from __future__ import annotations
 
+import math
+
+# A refusal's retry hint travels in gRPC trailing metadata under this key (seconds), and as HTTP's Retry-After.
+RETRY_AFTER_KEY = "retry-after"
+# The hint for a refusal by Serve's own bounded queues, which carry no estimate.
+SERVE_REFUSAL_RETRY_AFTER_S = 1.0
+
 
 class RequestError(Exception):
     """Base: `status` is a grpc.StatusCode name; `str(error)` is what the client reads."""
@@ -69,3 +76,8 @@ class Unimplemented(FieldError):
     """The request uses a feature this server's engine lacks."""
 
     status = "UNIMPLEMENTED"
+
+
+def http_retry_after(seconds: float) -> str:
+    """HTTP's Retry-After takes whole seconds."""
+    return str(max(1, math.ceil(seconds)))

@@ -44,6 +44,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from folio.proto.folio.v1 import generation_pb2_grpc
+from folio.serve.errors import RETRY_AFTER_KEY, SERVE_REFUSAL_RETRY_AFTER_S
 from folio.serve.proxy_gate import gated
 
 _DONE = object()
@@ -214,14 +215,12 @@ def refusing_malformed(handler: Any) -> Any:
 # trailing metadata), so the hint is put back into trailing metadata here, where the proxy answers the client:
 # "retry-after" (seconds), which clients read without parsing messages. Serve's own refusals (its bounded queues)
 # get the default hint.
-RETRY_AFTER_KEY = "retry-after"
-DEFAULT_RETRY_AFTER_S = 1.0
 _RETRY_AFTER = re.compile(r"retry after ([0-9]+(?:\.[0-9]+)?) s")
 
 
 def retry_after_s(details: str | None) -> float:
     match = _RETRY_AFTER.search(details or "")
-    return float(match.group(1)) if match else DEFAULT_RETRY_AFTER_S
+    return float(match.group(1)) if match else SERVE_REFUSAL_RETRY_AFTER_S
 
 
 def _add_retry_hint(context: Any) -> None:

@@ -38,19 +38,31 @@ from ray.serve.handle import DeploymentHandle
 from folio import Tokenizer
 from folio.serve.admission import Admission
 from folio.serve.config import ServeConfig
-from folio.serve.errors import Cancelled, InternalError, InvalidRequest, Overloaded, ReplicaUnavailable, RequestError
+from folio.serve.errors import (
+    RETRY_AFTER_KEY,
+    SERVE_REFUSAL_RETRY_AFTER_S,
+    Cancelled,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    ReplicaUnavailable,
+    RequestError,
+)
 from folio.serve.health import HealthMixin
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
-from folio.serve.validation import RequestLimits, check_prompt_bytes, request_limits, to_engine_request
+from folio.serve.validation import (
+    RequestLimits,
+    check_prompt_bytes,
+    check_text_bytes,
+    request_limits,
+    to_engine_request,
+)
 
 logger = logging.getLogger(__name__)
 
 # Routers that match prompt text (EngineRequest.prompt) rather than token ids.
 TEXT_ROUTERS = ("ray_prefix",)
 VALIDATION_THREADS = 2
-RETRY_AFTER_KEY = "retry-after"  # gRPC trailing metadata: seconds until a retry may be admitted
-# Serve's own bound on the generator's callers refused the request (folio's admission lets few through to it).
-BACKPRESSURE_RETRY_AFTER_S = 1.0
 _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
                 ReplicaUnavailableError)
 
@@ -141,12 +153,7 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
         add_bos = tokenizer.add_bos_token if add_bos is None else add_bos
         if add_bos and tokenizer.bos_token_id is None:
             raise InvalidRequest("add_bos", "the model's tokenizer has no BOS token")
-        if self._limits is None:
-            self._limits = request_limits(self._config, tokenizer, await self.model_info())
-        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
-        if num_bytes > self._limits.max_prompt_bytes:
-            raise InvalidRequest("text", f"{num_bytes} bytes exceed the server's limit of "
-                                         f"{self._limits.max_prompt_bytes}")
+        check_text_bytes("text", text, await self._request_limits())
         return await asyncio.get_running_loop().run_in_executor(
             self._validation_pool, lambda: tokenizer.encode(text, add_bos=add_bos,
                                                             encode_special_tokens=encode_special_tokens))
@@ -157,6 +164,12 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
         a = self._admission
         return {"in_flight": a.in_flight, "waiting": a.num_waiting, "refused": a.num_refused, "limit": a.limit,
                 "max_waiting": a.max_waiting}
+
+    async def _request_limits(self) -> RequestLimits:
+        """The config's request limits; the prompt-byte bound follows the replicas' context (their model info)."""
+        if self._limits is None:
+            self._limits = request_limits(self._config, self._tokenizer, await self.model_info())
+        return self._limits
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -215,9 +228,7 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
     async def _stream(self, request: GenerationRequest, start_s: float, stream: bool = True) -> AsyncIterator[Chunk]:
         request_id = _request_id()
         info = await self.model_info()
-        if self._limits is None:
-            self._limits = request_limits(self._config, self._tokenizer, info)
-        check_prompt_bytes(request, self._limits)  # before tokenizing: a huge prompt costs nothing more
+        check_prompt_bytes(request, await self._request_limits())  # before tokenizing: a huge prompt costs nothing more
         engine_request = await asyncio.get_running_loop().run_in_executor(
             self._validation_pool, self._engine_request, request, info, request_id)
         if not stream:
@@ -284,7 +295,7 @@ def as_request_error(error: BaseException, request_id: str) -> RequestError:
         return type(cause)(*cause.args)
     if isinstance(cause, BackPressureError):
         return Overloaded("the server is at capacity (too many queued requests); retry later",
-                          retry_after_s=BACKPRESSURE_RETRY_AFTER_S)
+                          retry_after_s=SERVE_REFUSAL_RETRY_AFTER_S)
     if isinstance(cause, _UNAVAILABLE):
         logger.warning("request %s: generator replica unavailable: %s", request_id, type(cause).__name__)
         return ReplicaUnavailable("the replica serving this request was lost; retry")

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-RETRY_AFTER_KEY = "retry-after"
+from folio.serve.errors import RETRY_AFTER_KEY
+
 # Concurrent calls per client channel (one HTTP/2 connection): servers cap the streams one connection carries.
 CALLS_PER_CHANNEL = 100
 # How long client processes may take to start and connect.

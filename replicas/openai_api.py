@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -35,12 +34,18 @@ from starlette.exceptions import HTTPException
 from folio import Tokenizer
 from folio.serve import openai_schema as oai
 from folio.serve.chat_template import ChatTemplate
-from folio.serve.errors import Cancelled, FieldError, Overloaded, ReplicaUnavailable, RequestError
+from folio.serve.errors import (
+    SERVE_REFUSAL_RETRY_AFTER_S,
+    Cancelled,
+    FieldError,
+    Overloaded,
+    ReplicaUnavailable,
+    RequestError,
+    http_retry_after,
+)
 from folio.serve.openai_response import Shaper
 from folio.serve.openai_schema import OpenAIError
 from folio.serve.schema import Chunk, GenerationRequest, ModelInfo
-
-DEFAULT_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -299,9 +304,9 @@ def as_openai_error(error: BaseException, params: Mapping[str, str | None] | Non
             message = f"{param}: {error.problem}"
         return OpenAIError(400, message, param=param, code=error.status.lower())
     if isinstance(error, Overloaded):
-        retry_after = getattr(error, "retry_after_s", None) or DEFAULT_RETRY_AFTER_S
+        retry_after = getattr(error, "retry_after_s", None) or SERVE_REFUSAL_RETRY_AFTER_S
         return OpenAIError(429, message, type="rate_limit_error", code="overloaded",
-                           headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+                           headers={"Retry-After": http_retry_after(retry_after)})
     if isinstance(error, (ReplicaUnavailable, Cancelled)):  # Cancelled: by the server (a client that left reads
         return OpenAIError(503, message, type="server_error", code="unavailable")  # nothing)
     return OpenAIError(500, message, type="server_error", code=error.status.lower())

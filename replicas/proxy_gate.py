@@ -20,11 +20,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from folio.serve.admission import Admission
-from folio.serve.errors import Overloaded
+from folio.serve.errors import RETRY_AFTER_KEY, Overloaded
 
 PROXY_LIMIT_ENV = "FOLIO_PROXY_MAX_IN_FLIGHT"
 GATED_PREFIX = "/folio.v1.Generation/Generate"  # Generate and GenerateUnary; never health checks
-RETRY_AFTER_KEY = "retry-after"
 
 _gate: Admission | None = None
 _refused = None
@@ -55,16 +54,13 @@ def _refuse(context: Any, method: str, error: Overloaded) -> None:
 
 def _count(method: str) -> None:
     global _refused
-    try:
-        if _refused is None:
-            from ray.util.metrics import Counter
+    if _refused is None:
+        from ray.util.metrics import Counter
 
-            _refused = Counter("folio_proxy_refused_requests_total", tag_keys=("method",),
-                               description="gRPC calls the proxy refused (RESOURCE_EXHAUSTED) before Serve handled "
-                                           "them: the application was full (folio.serve.proxy_gate)")
-        _refused.inc(tags={"method": method.rsplit("/", 1)[-1]})
-    except Exception:  # noqa: BLE001 — outside a Ray worker (tests of the gate alone): nothing to export to
-        pass
+        _refused = Counter("folio_proxy_refused_requests_total", tag_keys=("method",),
+                           description="gRPC calls the proxy refused (RESOURCE_EXHAUSTED) before Serve handled them: "
+                                       "the application was full (folio.serve.proxy_gate)")
+    _refused.inc(tags={"method": method.rsplit("/", 1)[-1]})
 
 
 def gated(service_method: str, handler: Any) -> Any:

@@ -61,12 +61,15 @@ def request_limits(config: Any, tokenizer: Tokenizer, info: ModelInfo) -> Reques
 def check_prompt_bytes(request: GenerationRequest, limits: RequestLimits) -> None:
     """Text prompts within max_prompt_bytes; cheap enough for the event loop (no tokenizing)."""
     for field in ("text", "negative_text"):
-        text = getattr(request, field)
-        if isinstance(text, str) and len(text) * 4 > limits.max_prompt_bytes:  # skip encoding short texts
-            num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
-            if num_bytes > limits.max_prompt_bytes:
-                raise InvalidRequest(field, f"{num_bytes} bytes exceed the server's limit of "
-                                            f"{limits.max_prompt_bytes} (longer than the model's context)")
+        check_text_bytes(field, getattr(request, field), limits)
+
+
+def check_text_bytes(field: str, text: Any, limits: RequestLimits) -> None:
+    if isinstance(text, str) and len(text) * 4 > limits.max_prompt_bytes:  # skip encoding short texts
+        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        if num_bytes > limits.max_prompt_bytes:
+            raise InvalidRequest(field, f"{num_bytes} bytes exceed the server's limit of "
+                                        f"{limits.max_prompt_bytes} (longer than the model's context)")
 
 
 def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: ModelInfo,

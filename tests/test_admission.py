@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from folio.serve.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, Admission, http_retry_after  # noqa: E402
+from folio.serve.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, Admission  # noqa: E402
 from folio.serve.config import ConfigError, ServeConfig  # noqa: E402
-from folio.serve.errors import InvalidRequest, Overloaded  # noqa: E402
+from folio.serve.errors import InvalidRequest, Overloaded, http_retry_after  # noqa: E402
 from folio.serve.schema import GenerationRequest, ModelInfo, ResponseFormat, Sampling  # noqa: E402
 from folio.serve.validation import (  # noqa: E402
     RequestLimits,
