@@ -186,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--concurrency", type=int, default=8)
     add("--max-new-tokens", type=int, default=8)
     add("--max-batch-size", type=int, default=4, help="jobs one replica runs at once")
-    add("--our-options", default='{"running_job_tokens": 16, "backlog_token_weight": 0.1}',
+    add("--our-options", default='{}',
         help="router_options (JSON) for our router: folio.router.policy.PolicyConfig fields")
     add("--seed", type=int, default=0)
     add("--json", help="also write the results here")

@@ -121,6 +121,7 @@ class DynamicGenerator:
         # Page stored/evicted events, drained every step so the pool's log stays bounded; readers on other threads
         # take them with drain_page_events() (deque appends and pops are thread-safe).
         self._page_events: deque = deque(maxlen=MAX_BUFFERED_PAGE_EVENTS)
+        self.num_dropped_page_events = 0  # lost to the buffer's bound since the start
         self.num_steps = 0
         self.last_step_stats = StepStats()
         self.last_step_time = time.monotonic()  # time.monotonic() at the end of the last step
@@ -235,7 +236,9 @@ class DynamicGenerator:
         try:
             results = self._run_step(stats)
         finally:
-            self._page_events.extend(self.cache_manager.drain_events())
+            events = self.cache_manager.drain_events()
+            self.num_dropped_page_events += max(0, len(self._page_events) + len(events) - MAX_BUFFERED_PAGE_EVENTS)
+            self._page_events.extend(events)
             self.num_steps += 1
             self.last_step_time = time.monotonic()
             stats.total_s = time.perf_counter() - start

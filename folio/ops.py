@@ -238,3 +238,10 @@ def _aligned_dense_rows(t: torch.Tensor, per_16_bytes: int) -> bool:
     dense = t.stride(1) == 1 or t.shape[1] <= 1
     row_stride_ok = t.shape[0] <= 1 or t.stride(0) % per_16_bytes == 0
     return dense and row_stride_ok and t.data_ptr() % 16 == 0
+
+
+def native_key_index() -> type | None:
+    """The router's native key index class (folio._native_cpu.KeyIndex, see folio.router.held_keys), or None when
+    the CPU module was not built."""
+    module = load_native("cpu")
+    return getattr(module, "KeyIndex", None) if module is not None else None

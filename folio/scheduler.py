@@ -139,9 +139,12 @@ class Scheduler:
 
     def num_prefill_tokens(self) -> int:
         """Tokens still to prefill over running and queued sequences (a decoding sequence's one unfed token does
-        not count; queued ones count whole, since their cache hits are known only at admission)."""
+        not count; a queued one counts less the leading pages the pool holds now, which its admission would reuse
+        if they are still there)."""
         running = sum(n for n in (seq.num_uncached_tokens for seq in self.active) if n > 1)
-        return running + sum(seq.num_uncached_tokens for seq in self.pending)
+        cached = self.cache.num_cached_prefix_tokens
+        return running + sum(max(seq.num_uncached_tokens - cached(seq.page_hashes, len(seq.token_ids)), 0)
+                             for seq in self.pending)
 
     # --- the step ---
 

@@ -12,6 +12,7 @@ CPU_SOURCES = [
     "native/cpu/attention.cpp",
     "native/cpu/page_copy.cpp",
     "native/cpu/sampling.cpp",
+    "native/cpu/key_index.cpp",
 ]
 
 CUDA_MODULE = "folio._native_cuda"

@@ -72,12 +72,13 @@ class ServeConfig:
     stall_timeout_s: a replica whose engine made no progress for this long while it had work fails its health check.
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
     request_timeout_s: end-to-end limit the gRPC proxy puts on a request (None: none).
-    routing_digest_max_hashes: most cached page hashes a replica reports to routers (the most recent ones).
+    routing_block_tokens: tokens between two routing keys a replica reports to routers (folio.router.events): the
+        granularity at which routers match prompts, whatever the page size.
     router: how the generator deployment's callers pick a replica: "prefix" (folio.router.ray_router's prefix-aware
         router), "pow2" (Ray Serve's default power of two choices) or "ray_prefix" (Ray's PrefixCacheAffinityRouter,
         text-based); the last two are baselines for bench/routing.py.
     router_options: extra keyword arguments of the router's initialize_state: folio.router.policy.PolicyConfig's fields
-        for "prefix" (imbalance_threshold, running_job_tokens, ...), PrefixCacheAffinityRouter's for "ray_prefix"
+        for "prefix" (shortlist_size, routed_ttl_s, ...), PrefixCacheAffinityRouter's for "ray_prefix"
         (imbalanced_threshold, ...). A JSON object where options are strings.
     routing_stats_period_s / routing_stats_timeout_s: how often Serve polls each replica's record_routing_stats
         (the digest routers rank by), and how long one poll may take.
@@ -119,7 +120,7 @@ class ServeConfig:
     health_check_period_s: float = 10.0
     graceful_shutdown_timeout_s: float = 60.0
     request_timeout_s: float | None = None
-    routing_digest_max_hashes: int = 1024
+    routing_block_tokens: int = 256
     router: str = "prefix"
     router_options: dict | None = None
     routing_stats_period_s: float = 1.0
@@ -184,7 +185,7 @@ class ServeConfig:
                 positive(name, getattr(self, name))
         for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items"):
             positive(name, getattr(self, name))
-        positive("routing_digest_max_hashes", self.routing_digest_max_hashes, allow_zero=True)
+        positive("routing_block_tokens", self.routing_block_tokens)
         if self.router not in ROUTERS:
             raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.router_options is not None and not all(isinstance(k, str) for k in self.router_options):

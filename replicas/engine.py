@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ from folio import (
 )
 from folio.constrain.base import FilterError
 from folio.router.digest import build_digest
+from folio.router.events import CacheEvents
+from folio.router.rates import ReplicaRates
 from folio.serve import speculation
 from folio.serve.config import ServeConfig
 from folio.serve.errors import (
@@ -73,6 +75,7 @@ class StepTotals:
     busy_s: float = 0.0  # wall time inside steps
     num_running: int = 0  # after the last step
     num_waiting: int = 0
+    rates: ReplicaRates = field(default_factory=ReplicaRates)  # measured speeds, for routers
 
     def add(self, stats: StepStats) -> None:
         self.num_steps += 1
@@ -84,6 +87,7 @@ class StepTotals:
         self.num_preemptions += stats.num_preemptions
         self.num_failed += stats.num_failed
         self.busy_s += stats.total_s
+        self.rates.observe_step(stats.num_prompt_tokens, stats.num_decode_rows, stats.total_s)
         self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
 
 
@@ -100,6 +104,13 @@ class Engine:
     info: ModelInfo
     totals: StepTotals
     draft_model: Model | None = None  # speculative decoding's draft model (config.draft_model_path)
+    cache_events: CacheEvents | None = None  # the pool's routing keys, batched for routers (engine thread only)
+    _num_dropped_page_events: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cache_events is None:
+            self.cache_events = CacheEvents(self.config.page_size,
+                                            self.config.routing_block_tokens)
 
     @classmethod
     def build(cls, config: ServeConfig, num_replicas: int | None = None) -> Engine:
@@ -150,20 +161,25 @@ class Engine:
         (enqueues, cancels, run_in_engine calls such as routing_digest's)."""
         return self.runner.last_progress_time
 
-    async def routing_digest(self, epoch: int, instance_id: str, max_hashes: int) -> dict[str, Any]:
-        """The replica's routing digest (folio.router.digest's format), built on the engine thread between two steps:
-        the page pool and the queues are only consistent there."""
+    async def routing_digest(self, epoch: int, instance_id: str) -> dict[str, Any]:
+        """The replica's routing report (folio.router.digest's format: load, measured rates, and a batch of the
+        cache's routing-key events since the last report), built on the engine thread between two steps: the page
+        pool and the queues are only consistent there."""
         if not self.runner.is_alive:
             raise ReplicaUnavailable("the engine thread is not running")
-        runner = self.runner
+        runner, events = self.runner, self.cache_events
 
         def build(generator: DynamicGenerator) -> dict[str, Any]:
+            snapshot = generator.cache_snapshot()
+            events.add(generator.drain_page_events())
+            if generator.num_dropped_page_events != self._num_dropped_page_events:
+                self._num_dropped_page_events = generator.num_dropped_page_events
+                events.resync(snapshot.ready_hashes)
             running = generator.num_remaining_jobs() - generator.num_pending_jobs()
             queued = runner.num_remaining_jobs - running  # the scheduler's queue + enqueues not applied yet
-            return build_digest(generator.cache_snapshot(), running=running, queued=queued, epoch=epoch,
-                                max_hashes=max_hashes,
+            return build_digest(snapshot, events, running=running, queued=queued, epoch=epoch,
                                 instance_id=instance_id, max_running=generator.max_batch_size,
-                                num_prefill_tokens=num_prefill_tokens(generator))
+                                num_prefill_tokens=num_prefill_tokens(generator), rates=self.totals.rates)
 
         return await runner.run_in_engine(build)
 

@@ -62,6 +62,8 @@ class Generator:
             if whole is not None:
                 yield whole
         finally:
+            if job.job.new_tokens:
+                self.engine.totals.rates.observe_finished(job.job.new_tokens)
             self.metrics.record_job(prompt_tokens=len(request.input_ids) if job.job.new_tokens else 0,
                                     cached_tokens=job.job.cached_tokens if job.job.new_tokens else 0,
                                     generated_tokens=job.job.new_tokens)
@@ -78,10 +80,10 @@ class Generator:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What routers learn about this replica (folio.router.digest's format; sent to every router every
-        request_routing_stats_period_s, so bounded in size): job counts, page counts, an instance id and epoch,
-        and the keys of the newest `routing_digest_max_hashes` ready pages. Built on the engine thread."""
+        request_routing_stats_period_s): job counts, page counts, measured speeds, an instance id and epoch, and the
+        routing keys its cache stored and evicted since the last reports. Built on the engine thread."""
         self.epoch += 1
-        digest = await self.engine.routing_digest(self.epoch, self.instance_id, self.config.routing_digest_max_hashes)
+        digest = await self.engine.routing_digest(self.epoch, self.instance_id)
         num_pages, num_allocatable = digest["num_pages"], digest["num_allocatable_pages"]
         self.metrics.record_pages(num_in_use=num_pages - num_allocatable,
                                   num_cached=num_allocatable - digest["num_free_pages"], num_pages=num_pages)

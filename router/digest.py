@@ -1,86 +1,83 @@
-"""The routing digest: what a generator replica reports about its KV cache and load through
-`record_routing_stats`, in a compact, bounded form (built replica side, decoded router side).
+"""The routing report: what a generator replica tells routers through `record_routing_stats` (built replica side,
+decoded router side): its load, its measured speeds, and the changes to the routing keys its cache holds.
 
 The Serve controller polls every replica each `request_routing_stats_period_s` and broadcasts every replica's dict
-to every router, so the transfer costs routers x replicas x digest size per period: the digest must stay small
-however large the cache is. Format (plain JSON-able types, version 1):
+to every router. A report carries the replica's last few batches of cache events (folio.router.events), not its whole
+cache, so its size follows the cache's rate of change, not its size; a snapshot of the held keys comes every few
+reports for routers that missed batches. Format (plain JSON-able types, version 2):
 
-    v                      1
+    v                      2
     instance_id            str: changes when the replica restarts (its cache is then empty); "" if unknown
     epoch                  int: increases with every report of one instance; older reports are ignored
     num_running            int: jobs the engine is running (admitted)
     num_queued             int: jobs waiting inside the replica
     max_running            int: jobs the engine runs at once (its max batch size); 0 if unknown
-    num_prefill_tokens     int: prompt tokens of running and queued jobs not prefilled yet; 0 if unknown
-    page_size              int: tokens per page (the router hashes prompts with it)
+    num_prefill_tokens     int: prompt tokens of running and queued jobs not prefilled yet
+    page_size              int: tokens per page
     num_pages              int: pages in the pool
     num_free_pages         int: pages with no content
     num_allocatable_pages  int: free + cached (evictable) pages: what a new job can get without preemption
-    num_ready_pages        int: page hashes the pool holds ready (cached or in use), >= the number listed below
-    hashes                 str: base64 of concatenated 8-byte page keys (see page_key), at most max_hashes of them
-
-Why truncated 8-byte hashes: folio's page hashes are BLAKE2b outputs, so any 8 bytes of one are a uniform 64-bit
-key. With K keys across all replicas in a router's index, a prompt page falsely matches with probability about
-K / 2**64 (1e-14 for 64 replicas x 2,048 keys): exact in practice, at half the bytes of full hashes and without the
-false positives of a Bloom filter, whose rate grows without bound as a fixed-size filter fills with a large cache.
-
-Which hashes when the pool holds more than max_hashes: the newest ones, in the pool's store order
-(`cached_hashes()` lists ready hashes in the order they became ready). A sequence's pages are stored first page
-first, so the newest hashes are mostly the DEEPEST pages of the sequences computed last; a page hash names its
-whole prefix, so the router counts every page before a reported page as held too (folio.router.index), and one reported
-page stands for its whole chain, shared system prompt included. A prefix in use keeps getting new descendants
-(the pages after it), so it stays represented; a prefix nobody extended lately drops out of the digest before it
-drops out of the cache, which costs a hit, never a false one. (In bench/routing_sim.py at 256 hashes per digest,
-newest-only beat oldest-half + newest-half and oldest-only: 87.5% hit rate against 85.6% and 83.7%.) The bound is
-exact: len(hashes) <= max_hashes, and the encoded digest stays under digest_size_bound(max_hashes) bytes of JSON.
+    prefill_tokens_per_s   float: measured prefill speed (0: not measured yet)    (folio.router.rates)
+    decode_step_s          float: measured seconds per decode step (0: not yet)
+    mean_new_tokens        float: tokens generated per finished job (0: not yet)
+    block_tokens           int: tokens between two routing keys past dense_tokens   (folio.router.events)
+    dense_tokens           int: leading tokens of a sequence with a routing key every dense_key_tokens
+    dense_key_tokens       int
+    seq                    int: sequence number of the newest batch
+    batches                list of [seq, stored, evicted]: the last few batches, oldest first; stored / evicted
+                           are base64 of little-endian uint64 routing keys
+    snapshot               null, or {"seq": s, "keys": base64}: every key held after batch s
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import sys
+import math
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from folio.hashing import HASH_SIZE
+from folio.router.events import CacheEvents, EventsError, unpack
+from folio.router.keys import page_key, page_keys  # noqa: F401 (re-exported: the router's key of a page hash)
+from folio.router.rates import ReplicaRates
 
-DIGEST_VERSION = 1
-KEY_BYTES = 8
-"""Bytes of a page hash kept in a digest key."""
+DIGEST_VERSION = 2
 
-DEFAULT_MAX_HASHES = 1024
-
-_SNAPSHOT_ATTEMPTS = 8
-_UINT64 = "Q"  # 8 bytes on every platform CPython supports
-_NEEDS_BYTESWAP = sys.byteorder != "little"
-assert array(_UINT64).itemsize == KEY_BYTES and HASH_SIZE % KEY_BYTES == 0
-# Everything in the JSON encoding but the hashes: key names, a 64-character instance id, 11 integers < 2**63.
-_FIXED_JSON_BYTES = 512
 _INT_FIELDS = ("epoch", "num_running", "num_queued", "max_running", "num_prefill_tokens", "page_size", "num_pages",
-               "num_free_pages", "num_allocatable_pages", "num_ready_pages")
+               "num_free_pages", "num_allocatable_pages", "block_tokens", "dense_tokens", "dense_key_tokens",
+               "seq")
+_FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_step_s", "mean_new_tokens")
 
 
 class DigestError(ValueError):
-    """A routing-stats dict that is not a valid digest."""
+    """A routing-stats dict that is not a valid report."""
 
 
 class PoolLike(Protocol):
-    """The part of folio.cache.PagePool a digest reads (duck-typed: the router imports no engine code)."""
+    """The part of folio.cache.PagePool a report reads (duck-typed: the router imports no engine code)."""
 
     page_size: int
     num_pages: int
     num_free: int
     num_allocatable: int
 
-    def cached_hashes(self) -> Any: ...
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    seq: int
+    stored: array
+    evicted: array
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    seq: int
+    keys: array
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaDigest:
-    """A decoded digest. page_keys are the reported pages' 8-byte keys as ints (see page_key)."""
+    """A decoded report."""
 
     instance_id: str
     epoch: int
@@ -92,47 +89,28 @@ class ReplicaDigest:
     num_pages: int
     num_free_pages: int
     num_allocatable_pages: int
-    num_ready_pages: int
-    page_keys: frozenset[int]
-
-    @property
-    def complete(self) -> bool:
-        """Every ready page of the pool is listed (the pool held at most max_hashes)."""
-        return len(self.page_keys) >= self.num_ready_pages
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    mean_new_tokens: float
+    block_tokens: int
+    dense_tokens: int
+    dense_key_tokens: int
+    seq: int
+    batches: tuple[Batch, ...]
+    snapshot: Snapshot | None
 
     @property
     def num_jobs(self) -> int:
         return self.num_running + self.num_queued
 
 
-def page_key(page_hash: bytes) -> int:
-    """The index key of a folio page hash: its first KEY_BYTES bytes as an unsigned little-endian int."""
-    return int.from_bytes(page_hash[:KEY_BYTES], "little")
-
-
-def page_keys(page_hashes: Sequence[bytes]) -> list[int]:
-    return [int.from_bytes(h[:KEY_BYTES], "little") for h in page_hashes]
-
-
-def select_hashes(ready_hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
-    """At most max_hashes of `ready_hashes` (oldest first): the newest ones."""
-    if max_hashes < 0:
-        raise ValueError(f"max_hashes must be >= 0, got {max_hashes}")
-    return ready_hashes[len(ready_hashes) - max_hashes:] if len(ready_hashes) > max_hashes else ready_hashes
-
-
-def build_digest(pool: PoolLike, running: int, queued: int, epoch: int, max_hashes: int = DEFAULT_MAX_HASHES,
-                 *, instance_id: str = "", max_running: int = 0, num_prefill_tokens: int = 0) -> dict[str, Any]:
-    """The digest of `pool` (a folio.cache.PagePool) and the replica's job counts, as a JSON-able dict.
-    max_running / num_prefill_tokens: see the module docstring (0: unknown).
-
-    Safe to call from another thread than the engine's: the pool's hash snapshot is retried if the engine changes
-    the index mid-copy. O(num_ready_pages) to snapshot, O(max_hashes) to encode.
-    """
+def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int, epoch: int, *,
+                 instance_id: str = "", max_running: int = 0, num_prefill_tokens: int = 0,
+                 rates: ReplicaRates | None = None) -> dict[str, Any]:
+    """The report of a replica whose pool is `pool` and whose pool events went into `events` (this closes a batch
+    of them). Call where the pool and the job counts are consistent (the engine thread, between steps)."""
     if len(instance_id) > 64:
         raise ValueError(f"instance_id must be at most 64 characters, got {len(instance_id)}")
-    ready = _snapshot(pool)
-    packed = pack_keys(select_hashes(ready, max_hashes))
     return {
         "v": DIGEST_VERSION,
         "instance_id": instance_id,
@@ -145,65 +123,61 @@ def build_digest(pool: PoolLike, running: int, queued: int, epoch: int, max_hash
         "num_pages": int(pool.num_pages),
         "num_free_pages": int(pool.num_free),
         "num_allocatable_pages": int(pool.num_allocatable),
-        "num_ready_pages": len(ready),
-        "hashes": base64.b64encode(packed).decode("ascii"),
+        **(rates or ReplicaRates()).fields(),
+        **events.report_fields(),
     }
 
 
 def parse_digest(stats: Mapping[str, Any]) -> ReplicaDigest:
     """Decode a dict from build_digest. Raises DigestError if it is not one (wrong version, missing or mistyped
-    field, hashes not a whole number of keys)."""
+    field, malformed keys)."""
     if not isinstance(stats, Mapping):
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
         raise DigestError(f"unsupported digest version {stats.get('v')!r} (expected {DIGEST_VERSION})")
-    values = {}
+    values: dict[str, Any] = {}
     for name in _INT_FIELDS:
         value = stats.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
         values[name] = value
-    if values["page_size"] == 0:
-        raise DigestError("digest field 'page_size' must be positive")
+    for name in _FLOAT_FIELDS:
+        value = stats.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise DigestError(f"digest field {name!r} must be a finite non-negative number, got {value!r}")
+        values[name] = float(value)
+    if values["page_size"] == 0 or values["block_tokens"] == 0 or values["dense_key_tokens"] == 0:
+        raise DigestError("digest fields 'page_size', 'block_tokens' and 'dense_key_tokens' must be positive")
     instance_id = stats.get("instance_id", "")
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
-    encoded = stats.get("hashes")
-    if not isinstance(encoded, str):
-        raise DigestError(f"digest field 'hashes' must be a base64 str, got {type(encoded).__name__}")
     try:
-        packed = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise DigestError(f"digest field 'hashes' is not base64: {e}") from None
-    if len(packed) % KEY_BYTES:
-        raise DigestError(f"digest field 'hashes' holds {len(packed)} bytes, not a multiple of {KEY_BYTES}")
-    keys = array(_UINT64, packed)
-    if _NEEDS_BYTESWAP:
-        keys.byteswap()
-    return ReplicaDigest(instance_id=instance_id, page_keys=frozenset(keys), **values)
+        batches = tuple(_batch(b) for b in _list(stats.get("batches"), "batches"))
+        snapshot = _snapshot(stats.get("snapshot"))
+    except EventsError as e:
+        raise DigestError(str(e)) from None
+    if any(b.seq > values["seq"] for b in batches) or (snapshot is not None and snapshot.seq > values["seq"]):
+        raise DigestError("a batch or the snapshot is newer than the report's seq")
+    return ReplicaDigest(instance_id=instance_id, batches=batches, snapshot=snapshot, **values)
 
 
-def pack_keys(page_hashes: Sequence[bytes]) -> bytes:
-    """The first KEY_BYTES bytes of each hash, concatenated (one C-level pass: a digest packs thousands)."""
-    joined = b"".join(page_hashes)
-    if len(joined) != HASH_SIZE * len(page_hashes):
-        raise ValueError(f"page hashes must be {HASH_SIZE} bytes each")
-    words = array(_UINT64, joined)  # HASH_SIZE // KEY_BYTES words per hash; the first one is the key
-    return words[::HASH_SIZE // KEY_BYTES].tobytes()
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise EventsError(f"digest field {what!r} must be a list, got {type(value).__name__}")
+    return value
 
 
-def digest_size_bound(max_hashes: int) -> int:
-    """Most bytes a digest with at most max_hashes keys takes as JSON."""
-    return _FIXED_JSON_BYTES + 4 * ((max_hashes * KEY_BYTES + 2) // 3)
+def _batch(value: Any) -> Batch:
+    if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], int) or isinstance(value[0], bool)
+            or value[0] < 1):
+        raise EventsError(f"a batch is [seq >= 1, stored, evicted], got {value!r:.80}")
+    return Batch(value[0], unpack(value[1], "a batch's stored keys"), unpack(value[2], "a batch's evicted keys"))
 
 
-def _snapshot(pool: PoolLike) -> Sequence[bytes]:
-    # PagePool.cached_hashes() copies its index in one call; that copy raises RuntimeError if the engine thread
-    # changes the index meanwhile. It is O(num_ready_pages) and the engine thread rarely holds the GIL that long,
-    # so a retry nearly always succeeds.
-    for _ in range(_SNAPSHOT_ATTEMPTS - 1):
-        try:
-            return tuple(pool.cached_hashes())
-        except RuntimeError:
-            continue
-    return tuple(pool.cached_hashes())
+def _snapshot(value: Any) -> Snapshot | None:
+    if value is None:
+        return None
+    seq = value.get("seq") if isinstance(value, Mapping) else None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise EventsError(f"a snapshot is {{'seq': int >= 1, 'keys': base64}}, got {value!r:.80}")
+    return Snapshot(value["seq"], unpack(value.get("keys"), "the snapshot's keys"))

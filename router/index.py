@@ -1,22 +1,22 @@
-"""Which replica holds which pages, as one router sees it: each replica's last digest, reconciled with what this
-router routed there recently.
+"""Which replica holds which routing keys, as one router sees it: exact, from the replicas' event batches
+(folio.router.events), plus what this router routed to each replica recently.
 
 Two sources per replica:
-  - reported: the page keys of the replica's latest digest (folio.router.digest). A new report replaces the previous
-    one, so pages the replica evicted stop counting as soon as it says so.
-  - routed: the prompt pages of requests this router sent to the replica, which it will hold shortly (once it
-    prefilled them) but has not reported yet. Each expires `routed_ttl_s` after routing; an expired entry still
-    counts until the replica's next report, which speaks for it from then on (it lists the page or proves it
-    gone). Until that TTL a report that lacks the page does not drop it: the request may still be queued there.
+  - held: the keys its cache holds, rebuilt from its batches in sequence order (and from a snapshot after a gap or
+    when the router joins late). Every router applying the same batches holds the same sets, whatever it routed.
+  - routed: the block keys of prompts this router sent the replica, which it will hold once it has prefilled them
+    but has not reported yet. Each entry lives `routed_ttl_s`; a stored event for the key replaces it sooner.
 
-Matching: a page key names the page's whole prefix (folio.hashing chains hashes), and the pool evicts leaves
-first, so a replica holding page k holds pages 0..k-1 too. match() therefore returns the depth of the DEEPEST
-prompt page the replica is known to hold, which equals the number of leading pages it holds, and stays right when a
-bounded digest lists a page without its ancestors.
+Matching: a routing key names its whole prefix (folio.hashing chains page hashes), and the pool evicts leaves
+first, so a replica holding key k of a prompt holds keys 0..k-1 too; match() returns, per replica, the depth of the
+deepest prompt key it is known to hold. Replicas are small-int slots (reused after a replica is removed). The held
+keys live in folio.router.held_keys (a hash map from key to slots, native when built), so applying an event is one
+map update and matching a prompt one lookup per key plus one step per replica found; the routed record, small,
+maps keys to bitmasks of slots in Python.
 
-An inverted index (key -> replicas) makes matching a prompt against every candidate O(prompt pages + holders of
-those pages) instead of O(prompt pages x replicas). A report costs O(size of the digest). Replica ids are any
-hashable values. Single-threaded: the caller (one router, one event loop) serialises calls.
+Memory: per replica, one entry per held key (about num_pages / stride) and at most max_routed_keys routed entries;
+per key across the fleet, one hash-map entry listing its holders.
+Single-threaded: the caller (one router, one event loop) serialises calls.
 """
 
 from __future__ import annotations
@@ -25,46 +25,57 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from folio.router.digest import ReplicaDigest
+from folio.router.digest import Batch, ReplicaDigest
+from folio.router.held_keys import HeldKeys, make_held_keys
 
 ReplicaId = Hashable
 
 DEFAULT_ROUTED_TTL_S = 10.0
-DEFAULT_MAX_ROUTED_PAGES = 65_536
+DEFAULT_MAX_ROUTED_KEYS = 16_384
 
 
 class Match(NamedTuple):
-    """Leading pages of a prompt a replica holds, and how many of them its reports confirmed (the rest are pages
+    """Leading blocks of a prompt a replica holds, and how many of them its events confirmed (the rest are blocks
     this router sent it recently: probably still being computed)."""
 
-    num_pages: int
-    num_reported_pages: int
+    num_blocks: int
+    num_reported_blocks: int
 
 
 @dataclass(eq=False)
 class _Replica:
+    slot: int
     digest: ReplicaDigest | None = None
-    reported: frozenset[int] = frozenset()
-    routed: dict[int, float] = field(default_factory=dict)  # key -> expiry time, oldest routing first
-    num_routed_since_report: int = 0
-    num_routed_tokens_since_report: int = 0  # prompt tokens to prefill, as estimated when routing
+    seq: int = 0  # last batch applied
+    synced: bool = False  # keys are exact: every batch since a snapshot (or since the instance began) applied
+    routed: dict[int, float] = field(default_factory=dict)  # key -> expiry, oldest routing first
+
+
+@dataclass
+class IndexStats:
+    num_batches: int = 0
+    num_events: int = 0
+    num_gaps: int = 0  # reports whose batches did not follow the last one applied
+    num_resyncs: int = 0  # snapshots applied
 
 
 class PrefixIndex:
     def __init__(self, *, routed_ttl_s: float = DEFAULT_ROUTED_TTL_S, clock: Callable[[], float],
-                 max_routed_pages: int = DEFAULT_MAX_ROUTED_PAGES) -> None:
-        """max_routed_pages bounds each replica's routed record (the oldest entries go first) for replicas that
-        stop reporting without dying."""
+                 max_routed_keys: int = DEFAULT_MAX_ROUTED_KEYS, held: HeldKeys | None = None) -> None:
+        """held: the held-key store (default: native when built, see folio.router.held_keys)."""
         if routed_ttl_s < 0:
             raise ValueError(f"routed_ttl_s must be >= 0, got {routed_ttl_s}")
-        if max_routed_pages < 0:
-            raise ValueError(f"max_routed_pages must be >= 0, got {max_routed_pages}")
+        if max_routed_keys < 0:
+            raise ValueError(f"max_routed_keys must be >= 0, got {max_routed_keys}")
         self._ttl_s = routed_ttl_s
         self._clock = clock
-        self._max_routed_pages = max_routed_pages
+        self._max_routed_keys = max_routed_keys
         self._replicas: dict[ReplicaId, _Replica] = {}
-        self._reported_holders: dict[int, set[ReplicaId]] = {}
-        self._routed_holders: dict[int, set[ReplicaId]] = {}
+        self._ids: list[ReplicaId | None] = []  # slot -> replica id
+        self._free_slots: list[int] = []
+        self._held = held if held is not None else make_held_keys()
+        self._routed: dict[int, int] = {}  # key -> bitmask of slots it was routed to
+        self.stats = IndexStats()
 
     # ---- replicas -------------------------------------------------------------------------------------------
 
@@ -72,143 +83,186 @@ class PrefixIndex:
     def replica_ids(self) -> list[ReplicaId]:
         return list(self._replicas)
 
+    @property
+    def num_slots(self) -> int:
+        """Slots ever used (an upper bound on slot numbers + 1)."""
+        return len(self._ids)
+
     def __contains__(self, replica_id: ReplicaId) -> bool:
         return replica_id in self._replicas
 
-    def add_replica(self, replica_id: ReplicaId) -> None:
-        """Start tracking a replica with an empty index (no-op if tracked)."""
-        self._replicas.setdefault(replica_id, _Replica())
+    def slot_of(self, replica_id: ReplicaId) -> int:
+        """The replica's slot, tracking it first if new."""
+        state = self._replicas.get(replica_id)
+        if state is None:
+            state = self._add(replica_id)
+        return state.slot
 
-    def remove_replica(self, replica_id: ReplicaId) -> None:
-        """Forget a replica (it died or was scaled down); no-op if unknown."""
+    def replica_at(self, slot: int) -> ReplicaId | None:
+        return self._ids[slot] if slot < len(self._ids) else None
+
+    def _add(self, replica_id: ReplicaId) -> _Replica:
+        slot = self._free_slots.pop() if self._free_slots else len(self._ids)
+        if slot == len(self._ids):
+            self._ids.append(replica_id)
+        else:
+            self._ids[slot] = replica_id
+        state = self._replicas[replica_id] = _Replica(slot)
+        return state
+
+    def remove_replica(self, replica_id: ReplicaId) -> int | None:
+        """Forget a replica (it died or was scaled down); returns its freed slot, None if unknown."""
         state = self._replicas.pop(replica_id, None)
         if state is None:
-            return
-        _unindex(self._reported_holders, state.reported, replica_id)
-        _unindex(self._routed_holders, state.routed, replica_id)
+            return None
+        self._forget(state)
+        self._ids[state.slot] = None
+        self._free_slots.append(state.slot)
+        return state.slot
 
-    def sync_replicas(self, replica_ids: Iterable[ReplicaId]) -> None:
-        """Track exactly `replica_ids`: forget the others, add the new ones."""
+    def sync_replicas(self, replica_ids: Iterable[ReplicaId]) -> list[int]:
+        """Track exactly `replica_ids`; returns the slots freed."""
         wanted = set(replica_ids)
-        for replica_id in [r for r in self._replicas if r not in wanted]:
-            self.remove_replica(replica_id)
+        freed = [self.remove_replica(r) for r in [r for r in self._replicas if r not in wanted]]
         for replica_id in wanted:
-            self.add_replica(replica_id)
+            self.slot_of(replica_id)
+        return [slot for slot in freed if slot is not None]
 
     def digest(self, replica_id: ReplicaId) -> ReplicaDigest | None:
         state = self._replicas.get(replica_id)
         return None if state is None else state.digest
 
-    def routed_since_report(self, replica_id: ReplicaId) -> tuple[int, int]:
-        """(requests, prompt tokens to prefill) this router sent the replica since its last applied report."""
+    def is_synced(self, replica_id: ReplicaId) -> bool:
         state = self._replicas.get(replica_id)
-        if state is None:
-            return 0, 0
-        return state.num_routed_since_report, state.num_routed_tokens_since_report
+        return state is not None and state.synced
 
-    # ---- updates --------------------------------------------------------------------------------------------
+    def held_keys(self, replica_id: ReplicaId) -> frozenset[int]:
+        state = self._replicas.get(replica_id)
+        return frozenset() if state is None else frozenset(self._held.keys_of(state.slot))
+
+    # ---- reports --------------------------------------------------------------------------------------------
 
     def report(self, replica_id: ReplicaId, digest: ReplicaDigest) -> bool:
-        """Apply a replica's digest; returns False (nothing changed) if it is not newer than the last one applied.
-
-        A digest from a new instance (the replica restarted) resets everything known about the replica first.
-        """
-        self.add_replica(replica_id)
+        """Apply a replica's report; False (nothing changed) if it is not newer than the last one applied. A report
+        from a new instance (the replica restarted) first forgets what the old one held."""
+        self.slot_of(replica_id)
         state = self._replicas[replica_id]
         previous = state.digest
         if previous is not None and previous.instance_id == digest.instance_id and digest.epoch <= previous.epoch:
             return False
         if previous is not None and previous.instance_id != digest.instance_id:
-            self.remove_replica(replica_id)
-            self.add_replica(replica_id)
-            state = self._replicas[replica_id]
-        new_keys = digest.page_keys
-        _unindex(self._reported_holders, state.reported - new_keys, replica_id)
-        _index(self._reported_holders, new_keys - state.reported, replica_id)
-        state.reported = new_keys
+            self._forget(state)
         state.digest = digest
-        state.num_routed_since_report = 0
-        state.num_routed_tokens_since_report = 0
-        self._expire_routed(replica_id, state, self._clock())
+        self._apply_events(state, digest)
+        self._expire_routed(state, self._clock())
         return True
 
-    def record_routed(self, replica_id: ReplicaId, keys: Sequence[int], num_prefill_tokens: int = 0) -> None:
-        """This router sent a request whose prompt pages have these keys to the replica, which will have to
-        prefill about num_prefill_tokens of it (the prompt less what it holds)."""
-        self.add_replica(replica_id)
-        state = self._replicas[replica_id]
-        state.num_routed_since_report += 1
-        state.num_routed_tokens_since_report += num_prefill_tokens
-        expiry = self._clock() + self._ttl_s
-        routed = state.routed
+    def _forget(self, state: _Replica) -> None:
+        """Everything known about the replica's cache (it restarted); it keeps its slot."""
+        self._held.clear(state.slot)
+        _clear(self._routed, state.routed, 1 << state.slot)
+        state.routed, state.seq, state.synced = {}, 0, False
+
+    def _apply_events(self, state: _Replica, digest: ReplicaDigest) -> None:
+        batches = [b for b in digest.batches if b.seq > state.seq]
+        contiguous = bool(batches) and batches[0].seq == state.seq + 1
+        snapshot = digest.snapshot
+        if snapshot is not None and snapshot.seq >= state.seq and (not state.synced or not contiguous):
+            self._replace_keys(state, snapshot.keys)
+            state.seq, state.synced = snapshot.seq, True
+            self.stats.num_resyncs += 1
+            batches = [b for b in batches if b.seq > snapshot.seq]
+            contiguous = not batches or batches[0].seq == state.seq + 1
+        if batches and not contiguous:
+            self.stats.num_gaps += state.synced
+            state.synced = False  # keep what is known, apply what came; exact again at the next snapshot
+        elif batches and state.seq == 0:
+            state.synced = True  # every batch since the instance began: exact
+        for batch in batches:
+            self._apply_batch(state, batch)
+            state.seq = batch.seq
+
+    def _apply_batch(self, state: _Replica, batch: Batch) -> None:
+        self._held.apply(state.slot, batch.stored, batch.evicted)
+        if state.routed:
+            self._confirm_routed(state, set(batch.stored).intersection(state.routed))
+        self.stats.num_batches += 1
+        self.stats.num_events += len(batch.stored) + len(batch.evicted)
+
+    def _replace_keys(self, state: _Replica, new_keys) -> None:
+        self._held.replace(state.slot, new_keys)
+        if state.routed:
+            holds, slot = self._held.holds, state.slot
+            self._confirm_routed(state, [key for key in state.routed if holds(slot, key)])
+
+    def _confirm_routed(self, state: _Replica, keys) -> None:
+        """Routed keys the replica now reports holding: no longer a guess."""
         for key in keys:
+            del state.routed[key]
+        _clear(self._routed, keys, 1 << state.slot)
+
+    # ---- the routed record ----------------------------------------------------------------------------------
+
+    def record_routed(self, replica_id: ReplicaId, keys: Sequence[int]) -> None:
+        """This router sent a request whose prompt has these block keys to the replica."""
+        state = self._replicas.get(replica_id) or self._add(replica_id)
+        bit = 1 << state.slot
+        expiry = self._clock() + self._ttl_s
+        routed, masks, holds, slot = state.routed, self._routed, self._held.holds, state.slot
+        for key in keys:
+            if holds(slot, key):
+                continue
             if key in routed:
                 del routed[key]  # re-insert: the dict stays in routing order for the size bound below
             else:
-                self._routed_holders.setdefault(key, set()).add(replica_id)
+                masks[key] = masks.get(key, 0) | bit
             routed[key] = expiry
-        while len(routed) > self._max_routed_pages:
+        while len(routed) > self._max_routed_keys:
             oldest = next(iter(routed))
             del routed[oldest]
-            _unindex(self._routed_holders, (oldest,), replica_id)
+            _clear(masks, (oldest,), bit)
 
-    def _expire_routed(self, replica_id: ReplicaId, state: _Replica, now: float) -> None:
-        # The record is in routing order and every entry lives routed_ttl_s, so expiries only grow along it
-        # (given a clock that does not go back): the expired entries are a prefix.
-        routed = state.routed
+    def _expire_routed(self, state: _Replica, now: float) -> None:
+        # In routing order with one TTL, expiries only grow along the dict: the expired entries are a prefix.
         expired = []
-        for key, expiry in routed.items():
+        for key, expiry in state.routed.items():
             if expiry > now:
                 break
             expired.append(key)
         for key in expired:
-            del routed[key]
-        _unindex(self._routed_holders, expired, replica_id)
+            del state.routed[key]
+        _clear(self._routed, expired, 1 << state.slot)
 
     # ---- queries --------------------------------------------------------------------------------------------
 
-    def match(self, replica_id: ReplicaId, keys: Sequence[int]) -> int:
-        """Number of leading pages of `keys` (a prompt's page keys, first page first) the replica holds."""
-        state = self._replicas.get(replica_id)
-        if state is None:
-            return 0
-        for depth in range(len(keys), 0, -1):
-            key = keys[depth - 1]
-            if key in state.reported or key in state.routed:
-                return depth
-        return 0
-
-    def match_all(self, keys: Sequence[int], replica_ids: Iterable[ReplicaId]) -> dict[ReplicaId, Match]:
-        """match() for each of `replica_ids` at once (unknown replicas match nothing), with the part a report
-        confirmed, through the inverted index: O(len(keys) + holders visited)."""
-        held = dict.fromkeys(replica_ids, 0)
-        reported = dict.fromkeys(held, 0)
-        num_unreported = len(reported)
-        for depth in range(len(keys), 0, -1):
-            if not num_unreported:
-                break
-            key = keys[depth - 1]
-            for replica_id in self._reported_holders.get(key, ()):
-                if reported.get(replica_id) == 0:
-                    reported[replica_id] = depth
-                    num_unreported -= 1
-                    held[replica_id] = max(held[replica_id], depth)
-            for replica_id in self._routed_holders.get(key, ()):
-                if held.get(replica_id) == 0:
-                    held[replica_id] = depth
-        return {replica_id: Match(held[replica_id], reported[replica_id]) for replica_id in held}
+    def match(self, keys: Sequence[int]) -> dict[int, Match]:
+        """Per slot holding any leading key of `keys` (a prompt's routing keys, first first): how many leading keys
+        it holds. O(len(keys) + replicas found)."""
+        reported_of = dict(self._held.match(keys))
+        depth_of = dict(reported_of)
+        routed = self._routed
+        if routed:
+            found = 0
+            for depth in range(len(keys), 0, -1):
+                new = routed.get(keys[depth - 1], 0) & ~found
+                if new:
+                    found |= new
+                    while new:
+                        low = new & -new
+                        slot = low.bit_length() - 1
+                        if depth > depth_of.get(slot, 0):
+                            depth_of[slot] = depth
+                        new ^= low
+        return {slot: Match(depth, reported_of.get(slot, 0)) for slot, depth in depth_of.items()}
 
 
-def _index(holders: dict[int, set[ReplicaId]], keys: Iterable[int], replica_id: ReplicaId) -> None:
+def _clear(masks: dict[int, int], keys: Iterable[int], bit: int) -> None:
     for key in keys:
-        holders.setdefault(key, set()).add(replica_id)
-
-
-def _unindex(holders: dict[int, set[ReplicaId]], keys: Iterable[int], replica_id: ReplicaId) -> None:
-    for key in keys:
-        replicas = holders.get(key)
-        if replicas is None:
+        mask = masks.get(key)
+        if mask is None:
             continue
-        replicas.discard(replica_id)
-        if not replicas:
-            del holders[key]
+        mask &= ~bit
+        if mask:
+            masks[key] = mask
+        else:
+            del masks[key]

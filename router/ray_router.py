@@ -5,14 +5,16 @@
 
 One instance lives in each process that holds a handle to the generator deployment (the ingress replicas), and
 Serve calls it on that process's event loop:
-  - initialize_state(**request_router_kwargs): the policy's weights, thresholds and TTL
-    (folio.router.policy.PolicyConfig).
+  - initialize_state(**request_router_kwargs): the policy's settings (folio.router.policy.PolicyConfig; the
+    defaults need no tuning).
   - update_replicas(replicas): the replica set changed, or a replica's routing stats did (Serve broadcasts every
-    replica's record_routing_stats dict, the digest of folio.router.digest, as part of its replica info).
-  - choose_replicas(candidates, pending_request): ranks, best first. Pure and non-blocking: reads each candidate's
-    last digest (parsed once per epoch), hashes the prompt's token ids (the EngineRequest the ingress sends, first
-    positional argument) and asks the policy. Calls without a prompt (model_info, tokenize) and replicas that
-    reported nothing yet are ranked by load alone.
+    replica's record_routing_stats dict, the report of folio.router.digest, as part of its replica info). Each new
+    report's cache-event batches are applied to the index once (every ingress replica's router applies the same
+    batches, so all of them see the same cache state).
+  - choose_replicas(candidates, pending_request): ranks, best first. Pure and non-blocking: hashes the prompt's
+    token ids (the EngineRequest the ingress sends, first positional argument) and asks the policy, which predicts
+    each replica's time to first token. Calls without a prompt (model_info, tokenize) and replicas that reported
+    nothing yet are ranked by predicted wait alone.
   - The request's prompt pages are recorded for the replica ranked first as soon as it is chosen (they will be
     there shortly: the in-flight case no report shows yet), and the request counts in that replica's load until
     on_send_request; on_request_routed corrects the record when Serve sent it elsewhere (rank 0 was full).

@@ -357,7 +357,7 @@ def test_chart_autoscaling_example_renders_a_valid_rayservice(helm, crd_validato
     assert generator["autoscaling_config"]["min_replicas"] == bounds["minReplicas"]
     assert generator["autoscaling_config"]["max_replicas"] == bounds["maxReplicas"] > 1
     assert app["args"]["cache_tokens"] == values["cache"]["tokens"] and "cache_memory_fraction" not in app["args"]
-    assert generator["request_router_config"]["request_router_kwargs"]["imbalance_threshold"] == 32
+    assert generator["request_router_config"]["request_router_kwargs"]["shortlist_size"] == 16
     (workers,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert workers["maxReplicas"] == values["workers"]["maxReplicas"]
     (container,) = workers["template"]["spec"]["containers"]

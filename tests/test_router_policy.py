@@ -1,34 +1,87 @@
-"""The prefix-aware router's pure parts (folio.router.digest, folio.router.index, folio.router.policy) with fake
-replicas and an injected clock: affinity, load, imbalance fallback, evictions, the routed (in-flight) record and its
-TTL, replica death and birth, the digest's bound, and agreement with a real folio PagePool."""
+"""The prefix-aware routing policy (folio.router.policy over folio.router.index and folio.router.cost) with fake
+replicas and an injected clock.
+
+A fake replica reports the way a real one does: its cache's page events (with depths) go through
+folio.router.events.CacheEvents into folio.router.digest reports, with its load and measured rates. Costs are checked
+against the documented formula (folio.router.cost), written out here in plain Python:
+
+    wait     = max(0, busy_until - now)
+               + max(0, jobs + 1 - max_running) / max_running * new_tokens * decode_step
+               + jobs / max_running * decode_step                              (max_running: at least 1)
+    ttft     = max(0, wait - min(in_flight / prefill_rate, max(0, busy_until - now))) + uncached / prefill_rate
+               + new_tokens * decode_step if the replica lacks ceil(uncached / page_size) + 1 allocatable pages
+
+busy_until: a report sets it to its arrival + backlog / prefill_rate, a request routed there at time t to
+max(busy_until, t) + its uncached tokens / prefill_rate. cached: the prompt's tokens up to the deepest routing key the
+replica holds or was sent (among the pages before the prompt's last token); in_flight: the part of it no event
+confirmed yet, whose discount is capped at the prefill still queued there; uncached = prompt - cached. jobs: the
+report's plus those routed since, or the caller's fresh count. Routing keys (folio.router.keys): in the first
+DENSE_TOKENS a page every DENSE_KEY_TOKENS, then every BLOCK_TOKENS.
+Affinity, load, bursts, ties, the draining backlog, the routed (in-flight) record and its TTL, evictions, restarts,
+replica death and birth, the fleet's geometry, and the shortlist (the holders plus `sampled` of the `shortlist_size`
+replicas that wait least, counting the page shortfall of a request sharing nothing) against brute force over every
+replica.
+"""
 
 from __future__ import annotations
 
-import json
+import math
 import random
+from collections import Counter, defaultdict
 
 import pytest
 from fakes import FakePool
 
-from folio.cache import PagePool
+from folio.cache import PageEvent, PageEventKind
 from folio.hashing import page_hashes
-from folio.router.digest import (
-    DigestError,
-    build_digest,
-    digest_size_bound,
-    page_key,
-    page_keys,
-    parse_digest,
-    select_hashes,
-)
-from folio.router.index import PrefixIndex
-from folio.router.policy import CandidateView, Mode, PolicyConfig, PrefixRouterPolicy, rank_replicas
+from folio.router.digest import build_digest
+from folio.router.events import CacheEvents
+from folio.router.keys import page_key
+from folio.router.policy import Mode, PolicyConfig, PrefixRouterPolicy
+from folio.router.rates import ReplicaRates
 
 PAGE_SIZE = 16
+BLOCK_TOKENS = 64  # a routing key every 4 pages (pages 3, 7, 11, ...)
+DENSE_TOKENS = 64  # and in the first 4 pages
+DENSE_KEY_TOKENS = 32  # every 2 pages (pages 1 and 3): keys on pages 1, 3, 7, 11, ...
+GEOMETRY = {"default_page_size": PAGE_SIZE, "default_block_tokens": BLOCK_TOKENS, "default_dense_tokens": DENSE_TOKENS,
+            "default_dense_key_tokens": DENSE_KEY_TOKENS}
+# Score every one of the 8 replicas that wait least (by default 2 of them, drawn at random, are): tests that check
+# each replica's cost or an exact choice use it; test_sampled_* test the default.
+EXACT = {"shortlist_size": 8, "sampled": 8, **GEOMETRY}
 REPLICAS = ("r0", "r1", "r2", "r3")
+DEFAULTS = PolicyConfig()  # default_prefill_tokens_per_s, default_decode_step_s, default_new_tokens
 
 
-class FakeClock:
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def held_keys_implementation(request, monkeypatch):
+    """Every test here runs over both held-key stores (folio.router.held_keys): the native one and its Python twin."""
+    from folio.ops import native_key_index
+    from folio.router import index
+    from folio.router.held_keys import NativeHeldKeys, PyHeldKeys
+
+    if request.param == "native":
+        native = native_key_index()
+        if native is None:
+            pytest.skip("folio._native_cpu is not built")
+        monkeypatch.setattr(index, "make_held_keys", lambda: NativeHeldKeys(native))
+    else:
+        monkeypatch.setattr(index, "make_held_keys", PyHeldKeys)
+    return request.param
+
+def is_key_depth(depth: int) -> bool:
+    """Written out: the page ends at a multiple of BLOCK_TOKENS, or lies in the first DENSE_TOKENS and ends at a
+    multiple of DENSE_KEY_TOKENS."""
+    end = (depth + 1) * PAGE_SIZE
+    return depth >= 0 and (end % BLOCK_TOKENS == 0 or (end <= DENSE_TOKENS and end % DENSE_KEY_TOKENS == 0))
+
+
+def test_the_oracles_key_pages():
+    assert [d for d in range(16) if is_key_depth(d)] == [1, 3, 7, 11, 15]
+
+
+class Clock:
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -37,40 +90,109 @@ class FakeClock:
 
 
 class FakeReplica:
-    """A replica as the router sees it: a pool's hashes and job counts, reported with a growing epoch."""
+    """A replica as routers see it: the pages its cache holds (page hash -> depth), published through CacheEvents;
+    its load and measured rates; reported with a growing epoch."""
 
-    def __init__(self, replica_id: str, *, instance_id: str = "a") -> None:
+    def __init__(self, replica_id: str, *, instance_id: str = "a", max_running: int = 8,
+                 num_pages: int = 1024) -> None:
         self.replica_id = replica_id
         self.instance_id = instance_id
-        self.pool = FakePool()
-        self.running = 0
-        self.queued = 0
+        self.pool = FakePool(num_pages=num_pages, page_size=PAGE_SIZE)
+        self.events = CacheEvents(PAGE_SIZE, BLOCK_TOKENS, dense_tokens=DENSE_TOKENS, dense_key_tokens=DENSE_KEY_TOKENS)
+        self.cached: dict[bytes, int] = {}
+        self.running = self.queued = self.backlog = 0
+        self.max_running = max_running
+        self.rates = ReplicaRates()
         self.epoch = 0
 
-    def report(self, policy: PrefixRouterPolicy) -> bool:
+    def store(self, token_ids, num_pages: int | None = None, *, first_page: int = 0) -> None:
+        """The pages [first_page, num_pages) of a sequence become ready, in order."""
+        hashes = page_hashes(list(token_ids), PAGE_SIZE)[:num_pages]
+        new = [(h, d) for d, h in enumerate(hashes) if d >= first_page and h not in self.cached]
+        self.cached.update(new)
+        self.events.add([PageEvent(PageEventKind.STORED, h, d) for h, d in new])
+
+    def evict(self, page_hashes_: list[bytes]) -> None:
+        gone = [(h, self.cached.pop(h)) for h in page_hashes_ if h in self.cached]
+        self.events.add([PageEvent(PageEventKind.EVICTED, h, d) for h, d in gone])
+
+    def held_keys(self) -> set[int]:
+        return {page_key(h) for h, d in self.cached.items() if is_key_depth(d)}
+
+    def stats(self) -> dict:
         self.epoch += 1
-        stats = build_digest(self.pool, self.running, self.queued, self.epoch, instance_id=self.instance_id)
-        return policy.report(self.replica_id, stats)
+        return build_digest(self.pool, self.events, self.running, self.queued, self.epoch,
+                            instance_id=self.instance_id, max_running=self.max_running,
+                            num_prefill_tokens=self.backlog, rates=self.rates)
+
+    def report(self, policy: PrefixRouterPolicy) -> bool:
+        return policy.report(self.replica_id, self.stats())
 
 
 def prompt(group: int, num_pages: int, suffix: int = 5) -> list[int]:
-    """num_pages full pages shared by every prompt of `group`, then `suffix` tokens of this prompt's own."""
+    """num_pages full pages shared by every prompt of `group`, then `suffix` tokens."""
     shared = [group * 100_000 + i for i in range(num_pages * PAGE_SIZE)]
     return shared + [random.Random(group).randrange(10**6) + 10**7 + i for i in range(suffix)]
+
+
+def measured(prefill: float, step: float, new: float) -> ReplicaRates:
+    return ReplicaRates(prefill_tokens_per_s=prefill, decode_step_s=step, mean_new_tokens=new)
 
 
 def hashes_of(token_ids: list[int]) -> list[bytes]:
     return page_hashes(token_ids, PAGE_SIZE)
 
 
+# ---- the documented formula, in plain Python --------------------------------------------------------------------
+
+
+def settled_s(jobs: float, max_running: int, step: float, new: float) -> float:
+    """The part of the wait that does not drain with time: waiting for a batch slot, and a fuller batch."""
+    slots = max(max_running, 1)
+    return max(jobs + 1 - slots, 0) / slots * new * step + jobs / slots * step
+
+
+def wait_s(jobs: float, backlog: float, max_running: int, prefill: float, step: float, new: float) -> float:
+    """The wait right after a report of `backlog` tokens to prefill (the clock has not moved since)."""
+    return backlog / prefill + settled_s(jobs, max_running, step, new)
+
+
+def shortfall_s(uncached: int, allocatable: int, step: float, new: float) -> float:
+    """A job's decode time where the replica lacks the pages for `uncached` tokens (it waits for pages to free)."""
+    return new * step if math.ceil(uncached / PAGE_SIZE) + 1 > allocatable else 0.0
+
+
+def ttft_s(wait: float, prefill_wait: float, prompt_len: int, cached: int, in_flight: int, prefill: float,
+           step: float, new: float, allocatable: int | None = None) -> float:
+    """prefill_wait: the prefill queued on the replica now (max(0, busy_until - now)), the most the in-flight
+    discount can take off."""
+    uncached = prompt_len - cached
+    cost = max(wait - min(in_flight / prefill, prefill_wait), 0.0) + uncached / prefill
+    if allocatable is not None:
+        cost += shortfall_s(uncached, allocatable, step, new)
+    return cost
+
+
+def reusable_key_depths(prompt_len: int) -> list[int]:
+    """Depths of the prompt's routing keys on pages before its last token (a replica can reuse those)."""
+    return [d for d in range(max(prompt_len - 1, 0) // PAGE_SIZE) if is_key_depth(d)]
+
+
+def cached_tokens(token_ids: list[int], keys: set[int]) -> int:
+    """Prompt tokens up to the deepest reusable routing key among `keys` (brute force over every key)."""
+    hashes = hashes_of(token_ids)
+    depths = [d for d in reusable_key_depths(len(token_ids)) if page_key(hashes[d]) in keys]
+    return (max(depths) + 1) * PAGE_SIZE if depths else 0
+
+
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> Clock:
+    return Clock()
 
 
 @pytest.fixture
 def fleet(clock):
-    policy = PrefixRouterPolicy(PolicyConfig(routed_ttl_s=10.0, default_page_size=PAGE_SIZE), clock=clock)
+    policy = PrefixRouterPolicy(PolicyConfig(routed_ttl_s=10.0, **EXACT), clock=clock)
     replicas = {r: FakeReplica(r) for r in REPLICAS}
     policy.sync_replicas(replicas)
     for replica in replicas.values():
@@ -84,42 +206,76 @@ def route(policy: PrefixRouterPolicy, token_ids: list[int], candidates=REPLICAS)
     return decision
 
 
+def flat(decision) -> list[str]:
+    assert all(len(rank) == 1 for rank in decision.ranking)
+    return [rank[0] for rank in decision.ranking]
+
+
+# ---- configuration ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [
+    {"shortlist_size": 0}, {"sampled": 0}, {"sampled": 9}, {"routed_ttl_s": -1}, {"max_routed_keys": -1},
+    {"default_page_size": 0}, {"default_block_tokens": 0}, {"default_dense_key_tokens": 0},
+    {"default_prefill_tokens_per_s": 0.0}, {"default_decode_step_s": -1.0}, {"default_new_tokens": 0}])
+def test_invalid_config_is_an_error(values):
+    with pytest.raises(ValueError):
+        PolicyConfig(**values)
+
+
+def test_unknown_config_option_is_an_error():
+    with pytest.raises(TypeError, match="no_such_option"):
+        PolicyConfig(no_such_option=3)
+
+
 # ---- affinity and load ------------------------------------------------------------------------------------------
 
 
 def test_affinity_same_prefix_goes_to_the_replica_holding_it(fleet):
     policy, replicas = fleet
-    tokens = prompt(1, num_pages=8)
-    replicas["r2"].pool.hashes = hashes_of(tokens)[:8]
+    tokens = prompt(1, num_pages=8)  # 133 tokens: keys on pages 1, 3 and 7, all before the last token
+    replicas["r2"].store(tokens, 8)
     replicas["r2"].report(policy)
     decision = policy.choose(list(REPLICAS), tokens)
-    assert decision.mode == Mode.AFFINITY and decision.ranking[0] == ["r2"]
+    assert decision.mode == Mode.AFFINITY and decision.best == "r2"
     assert decision.num_cached_tokens == {"r0": 0, "r1": 0, "r2": 8 * PAGE_SIZE, "r3": 0}
     # A longer prompt of the same group matches the same 8 pages.
     longer = tokens + list(range(3 * PAGE_SIZE))
-    assert policy.choose(list(REPLICAS), longer).best == "r2"
+    assert policy.choose(list(REPLICAS), longer).num_cached_tokens["r2"] == 8 * PAGE_SIZE
 
 
 def test_longer_match_wins(fleet):
     policy, replicas = fleet
     tokens = prompt(1, num_pages=8)
-    replicas["r0"].pool.hashes = hashes_of(tokens)[:3]
-    replicas["r1"].pool.hashes = hashes_of(tokens)[:6]
-    for r in ("r0", "r1"):
+    replicas["r0"].store(tokens, 3)  # a key on page 1: 32 tokens
+    replicas["r1"].store(tokens, 6)  # keys on pages 1, 3: 64 tokens
+    replicas["r2"].store(tokens, 1)  # page 0 carries no key (dense keys every 2 pages): nothing
+    for r in ("r0", "r1", "r2"):
         replicas[r].report(policy)
     decision = policy.choose(list(REPLICAS), tokens)
-    assert decision.ranking[0] == ["r1"] and decision.ranking[1] == ["r0"]
+    assert flat(decision)[:2] == ["r1", "r0"]
+    assert decision.num_cached_tokens == {"r0": 32, "r1": 64, "r2": 0, "r3": 0}
 
 
-def test_no_cached_prefix_anywhere_spreads_by_load(fleet):
+def test_the_last_prompt_token_is_always_computed(fleet):
+    """A prompt of exactly 8 pages: its last page holds the token that is fed last, so 7 pages (keys up to page 3) are
+    reusable."""
+    policy, replicas = fleet
+    tokens = prompt(1, num_pages=8, suffix=0)
+    replicas["r0"].store(tokens, 8)
+    replicas["r0"].report(policy)
+    assert policy.choose(list(REPLICAS), tokens).num_cached_tokens["r0"] == 4 * PAGE_SIZE
+    assert policy.choose(list(REPLICAS), tokens[:PAGE_SIZE]).mode == Mode.LOAD  # nothing before the last page
+
+
+def test_no_cached_prefix_anywhere_ranks_by_load(fleet):
     policy, replicas = fleet
     for replica, running in zip(replicas.values(), (3, 1, 2, 1)):
         replica.running = running
         replica.report(policy)
     decision = policy.choose(list(REPLICAS), prompt(7, num_pages=4))
     assert decision.mode == Mode.LOAD
-    assert sorted(decision.ranking[0]) == ["r1", "r3"]  # equal cost shares a rank
-    assert decision.ranking[1:] == [["r2"], ["r0"]]
+    assert sorted(flat(decision)[:2]) == ["r1", "r3"] and flat(decision)[2:] == ["r2", "r0"]
 
 
 def test_burst_without_reports_spreads_over_replicas(fleet):
@@ -131,62 +287,79 @@ def test_burst_without_reports_spreads_over_replicas(fleet):
 
 def test_ties_are_broken_by_the_seed(clock):
     def choices(seed):
-        policy = PrefixRouterPolicy(PolicyConfig(seed=seed, default_page_size=PAGE_SIZE), clock=clock)
+        policy = PrefixRouterPolicy(PolicyConfig(seed=seed, **EXACT), clock=clock)
         policy.sync_replicas(REPLICAS)
-        return [policy.choose(list(REPLICAS), prompt(g, 2)).ranking[0] for g in range(6)]
+        return [flat(policy.choose(list(REPLICAS), prompt(g, 2))) for g in range(12)]
 
     assert choices(1) == choices(1)
-    assert all(sorted(rank) == sorted(REPLICAS) for rank in choices(1))  # all equal: one rank, shuffled
-
-
-def test_busy_holder_loses_to_an_idle_replica_when_the_prefix_is_worth_less():
-    config = PolicyConfig()
-    views = [CandidateView("holder", num_cached_tokens=256, page_size=PAGE_SIZE, num_running=4, num_queued=2),
-             CandidateView("idle", num_cached_tokens=0, page_size=PAGE_SIZE)]
-    decision = rank_replicas(views, 300, config, random.Random(0))
-    # holder: 44 uncached + 4 * 64 + 2 * 1024; idle: 300 uncached.
-    assert decision.costs == {"holder": 44 + 256 + 2048, "idle": 300}
-    assert decision.best == "idle"
-    views[0] = CandidateView("holder", num_cached_tokens=4096, page_size=PAGE_SIZE, num_running=4, num_queued=2)
-    assert rank_replicas(views, 5000, config, random.Random(0)).best == "holder"
-
-
-def test_page_shortfall_counts_against_a_full_replica():
-    config = PolicyConfig()
-    views = [CandidateView("full", 0, PAGE_SIZE, num_allocatable_pages=2),
-             CandidateView("roomy", 0, PAGE_SIZE, num_running=1, num_allocatable_pages=100)]
-    decision = rank_replicas(views, 10 * PAGE_SIZE, config, random.Random(0))
-    assert decision.costs["full"] == 10 * PAGE_SIZE + (11 - 2) * PAGE_SIZE
-    assert decision.best == "roomy"
+    assert all(sorted(ranking) == sorted(REPLICAS) for ranking in choices(1))
+    assert len({ranking[0] for ranking in choices(1)}) > 1  # all equal: the first is drawn each time
+    assert choices(1) != choices(2)
 
 
 def test_backlog_and_queued_jobs_count_against_a_replica(clock):
-    policy = PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE), clock=clock)
-    tokens = prompt(1, num_pages=4)
-    policy.report("r0", build_digest(FakePool(), 1, 0, epoch=1, num_prefill_tokens=1000))
-    policy.report("r1", build_digest(FakePool(), 3, 0, epoch=1))
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    prefill, step, new = 1000.0, 0.01, 100.0
+    tokens = prompt(1, num_pages=4)  # 69 tokens, cached nowhere
+    r0, r1 = FakeReplica("r0", max_running=4), FakeReplica("r1", max_running=4)
+    for replica in (r0, r1):
+        replica.rates = measured(prefill, step, new)
+    r0.running, r0.backlog = 1, 1000
+    r1.running = 3
+    r0.report(policy)
+    r1.report(policy)
     decision = policy.choose(["r0", "r1"], tokens)
-    # r0: 69 uncached + 0.5 * 1000 backlog + 1 * 64; r1: 69 + 3 * 64.
-    assert decision.costs == {"r0": 69 + 500 + 64, "r1": 69 + 192} and decision.best == "r1"
-    # Past its max_running, r1's jobs queue: 2 running + 1 queued.
-    policy.report("r1", build_digest(FakePool(), 3, 0, epoch=2, max_running=2))
-    assert policy.choose(["r0", "r1"], tokens).costs["r1"] == 69 + 2 * 64 + 1024
+    assert decision.costs == pytest.approx({
+        "r0": 1000 / prefill + 1 / 4 * step + 69 / prefill,  # its backlog
+        "r1": 3 / 4 * step + 69 / prefill})  # a fuller batch steps slower
+    assert decision.best == "r1"
+    # With 2 batch slots, 3 running jobs and this one: one waits for a slot (a job's whole decode).
+    r1.max_running = 2
+    r1.report(policy)
+    decision = policy.choose(["r0", "r1"], tokens)
+    assert decision.costs["r1"] == pytest.approx((3 + 1 - 2) / 2 * new * step + 3 / 2 * step + 69 / prefill)
+    assert decision.best == "r0"
 
 
-def test_in_flight_prefix_is_not_counted_as_backlog(fleet):
+def test_page_shortfall_counts_against_a_full_replica(clock):
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    full, roomy = FakeReplica("full", num_pages=100), FakeReplica("roomy", num_pages=100)
+    full.pool.num_allocatable = 10  # a prompt of 160 tokens needs 10 pages + 1
+    roomy.pool.num_allocatable, roomy.running = 11, 1
+    full.report(policy)
+    roomy.report(policy)
+    decision = policy.choose(["full", "roomy"], prompt(3, num_pages=10, suffix=0))
+    prefill, step, new = DEFAULTS.default_prefill_tokens_per_s, DEFAULTS.default_decode_step_s, \
+        DEFAULTS.default_new_tokens
+    assert decision.costs == pytest.approx({"full": 160 / prefill + new * step,
+                                            "roomy": 1 / 8 * step + 160 / prefill})
+    assert decision.best == "roomy"
+
+
+def test_in_flight_prefix_is_not_counted_as_backlog(fleet, clock):
     """A follower of an in-flight prompt would wait for the very pages it shares: that part of the replica's
-    backlog is no extra delay."""
+    backlog is no extra delay; no more than the backlog still queued there is taken off, though."""
     policy, _ = fleet
     first = route(policy, prompt(5, num_pages=8, suffix=3))
     follower = policy.choose(list(REPLICAS), prompt(5, num_pages=8, suffix=4))
-    # The first request left 131 tokens to prefill on its replica; 128 of them are the shared pages.
-    assert follower.costs[first.best] == 4 + 0.5 * (131 - 128) + 64
-    assert follower.best == first.best
+    prefill, step, new = DEFAULTS.default_prefill_tokens_per_s, DEFAULTS.default_decode_step_s, \
+        DEFAULTS.default_new_tokens
+    # The first request left 131 tokens to prefill there; the follower shares 128 of them, computes 4 of its own.
+    wait = wait_s(1, 131, 8, prefill, step, new)
+    assert follower.costs[first.best] == pytest.approx(wait - 128 / prefill + 4 / prefill)
+    assert follower.best == first.best and follower.num_cached_tokens[first.best] == 128
+    # 100 tokens' prefill later only 31 tokens' remain queued: the discount is those 31 tokens', not 128's.
+    clock.now = 100 / prefill
+    follower = policy.choose(list(REPLICAS), prompt(5, num_pages=8, suffix=4))
+    assert follower.costs[first.best] == pytest.approx(settled_s(1, 8, step, new) + 4 / prefill)
+    assert follower.costs[first.best] > 4 / prefill  # uncapped: max(wait - 128 tokens' prefill, 0) = 0 of waiting
 
 
 def test_repeated_reports_are_not_decoded_again(fleet, monkeypatch):
     policy, replicas = fleet
-    stats = build_digest(FakePool(), 0, 0, epoch=replicas["r0"].epoch, instance_id="a")
+    replica = replicas["r0"]
+    stats = replica.stats()
+    assert policy.report("r0", stats)
 
     def fail(_):
         raise AssertionError("decoded a report it already had")
@@ -195,43 +368,297 @@ def test_repeated_reports_are_not_decoded_again(fleet, monkeypatch):
     assert not policy.report("r0", stats)
 
 
-def test_imbalance_falls_back_to_load(fleet):
-    policy, replicas = fleet
-    tokens = prompt(1, num_pages=128)  # 2,048 cached tokens outweigh 16 running jobs
-    holder = replicas["r0"]
-    holder.pool.hashes = hashes_of(tokens)
-    holder.running = 17
-    holder.report(policy)
-    decision = policy.choose(list(REPLICAS), tokens)
-    assert decision.mode == Mode.IMBALANCED and "r0" not in decision.ranking[0]
-    assert decision.ranking[-1] == ["r0"]
-    holder.running = 16  # a spread of 16 is within the default threshold: affinity again
-    holder.report(policy)
-    decision = policy.choose(list(REPLICAS), tokens)
-    assert decision.mode == Mode.AFFINITY and decision.best == "r0"
+# ---- cost and shortlist against brute force ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampled", [8, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sampled):
+    """64 replicas with random loads, free pages (some too few for long prompts), cached prefixes (a few hold a deep
+    page without its ancestors) and requests routed since their reports at random times (reports arrived over time:
+    some backlogs have drained, some in-flight discounts are capped by what is still queued); rates equal everywhere
+    (measured by some, the fleet median for the others). The policy scores the holders and `sampled` of the 8 whose
+    wait plus page shortfall for a request sharing nothing is least. Scoring all 8, its best choice costs the minimum
+    of the formula over all 64: the pruning never changes the answer when rates are equal (a non-holder costs exactly
+    that sum plus the prompt's prefill). Scoring 2 drawn at random, the others it scores are among those 8. Either
+    way the costs it reports are the formula's, and its ranking lists every replica once: the shortlist, best first,
+    then the rest by predicted wait."""
+    rng = random.Random(seed)
+    prefill, step, new = 2000.0, 0.02, 64.0
+    clock = Clock()
+    policy = PrefixRouterPolicy(PolicyConfig(shortlist_size=8, sampled=sampled, seed=seed, **GEOMETRY), clock=clock)
+    groups = [[g * 10**6 + rng.randrange(10**5) for _ in range(16 * PAGE_SIZE)] for g in range(6)]
+
+    def request() -> list[int]:
+        group = rng.choice(groups)
+        return group[:rng.randrange(1, len(group) + 1)] + [rng.randrange(10**5) for _ in range(rng.randrange(1, 40))]
+
+    replicas = {f"r{i}": FakeReplica(f"r{i}", max_running=rng.choice([2, 4, 8])) for i in range(64)}
+    for replica in replicas.values():
+        if rng.random() < 0.5:  # prompts are up to 296 tokens: 19 pages, and one more
+            replica.pool.num_allocatable = rng.randrange(0, 16)
+        replica.rates = ReplicaRates(prefill_tokens_per_s=prefill if rng.random() < 0.7 else 0.0,
+                                     decode_step_s=step if rng.random() < 0.7 else 0.0,
+                                     mean_new_tokens=new if rng.random() < 0.7 else 0.0)
+        if rng.random() < 0.25:
+            replica.store(rng.choice(groups), rng.randrange(1, 17))
+        if rng.random() < 0.06:
+            deep = rng.randrange(3, 16)
+            replica.store(rng.choice(groups), deep + 1, first_page=deep)
+        replica.report(policy)  # a first round: every replica's rates are known from here on
+    busy_until: dict[str, float] = {}
+    for replica_id, replica in replicas.items():
+        clock.now += rng.uniform(0, 0.02)
+        replica.running = rng.randrange(0, 10)
+        replica.queued = rng.randrange(0, 4) if rng.random() < 0.3 else 0
+        replica.backlog = rng.randrange(0, 3000)
+        replica.report(policy)
+        busy_until[replica_id] = clock.now + replica.backlog / prefill
+    ids = list(replicas)
+    routed_jobs, routed_keys = Counter(), defaultdict(set)
+    clock.now += rng.uniform(0, 0.5)
+    for _ in range(rng.randrange(4, 10)):
+        clock.now += rng.uniform(0, 0.15)  # routed requests: at random times
+        tokens = request()
+        decision = policy.choose(ids, tokens)
+        target = decision.best if rng.random() < 0.7 else rng.choice(ids)
+        policy.on_routed(target, decision)
+        routed_jobs[target] += 1
+        uncached = len(tokens) - decision.num_cached_tokens.get(target, 0)
+        busy_until[target] = max(busy_until[target], clock.now) + uncached / prefill
+        routed_keys[target] |= set(decision.keys) - replicas[target].held_keys()
+
+    num_affinity = num_drained = num_capped = num_short = 0
+    sampled_sets = set()
+    for _ in range(15):
+        clock.now += rng.uniform(0, 0.02)
+        tokens = request()
+        decision = policy.choose(ids, tokens)
+        costs, waits, unshared, holders = {}, {}, {}, set()
+        for replica_id, replica in replicas.items():
+            held = replica.held_keys()
+            cached = cached_tokens(tokens, held | routed_keys[replica_id])
+            in_flight = cached - cached_tokens(tokens, held)
+            prefill_wait = max(busy_until[replica_id] - clock.now, 0.0)
+            waits[replica_id] = prefill_wait + settled_s(
+                replica.running + replica.queued + routed_jobs[replica_id], replica.max_running, step, new)
+            unshared[replica_id] = waits[replica_id] + shortfall_s(len(tokens), replica.pool.num_allocatable, step,
+                                                                   new)
+            costs[replica_id] = ttft_s(waits[replica_id], prefill_wait, len(tokens), cached, in_flight, prefill, step,
+                                       new, replica.pool.num_allocatable)
+            num_drained += busy_until[replica_id] < clock.now
+            num_capped += in_flight / prefill > prefill_wait
+            if cached:
+                holders.add(replica_id)
+        assert decision.costs == pytest.approx({r: costs[r] for r in decision.costs}, rel=1e-9, abs=1e-12)
+        assert [decision.costs[r] for r in decision.shortlist] == sorted(decision.costs.values())
+        others = set(decision.shortlist) - holders
+        eighth_least = sorted(unshared.values())[7]
+        assert holders <= set(decision.shortlist) and len(others) <= sampled
+        assert all(unshared[r] <= eighth_least + 1e-9 for r in others)
+        # The shortfall changed which 8 are least: a replica among them by wait alone is not.
+        eighth_least_wait = sorted(waits.values())[7]
+        num_short += any(waits[r] < eighth_least_wait and unshared[r] > eighth_least + 1e-9 for r in ids)
+        if sampled == 8:
+            assert costs[decision.best] == pytest.approx(min(costs.values()), rel=1e-9, abs=1e-12)
+        sampled_sets.add(frozenset(others))
+        ranking = flat(decision)
+        assert sorted(ranking) == sorted(ids) and ranking[:len(decision.shortlist)] == decision.shortlist
+        rest = [waits[r] for r in ranking[len(decision.shortlist):]]
+        assert all(a <= b + 1e-9 for a, b in zip(rest, rest[1:]))
+        assert (decision.mode == Mode.AFFINITY) == bool(holders)
+        num_affinity += bool(holders)
+    assert num_affinity > 0 and num_drained > 0 and num_capped > 0 and num_short > 0, (
+        num_affinity, num_drained, num_capped, num_short)
+    assert sampled == 8 or len(sampled_sets) > 1  # drawn afresh for each request
+
+
+def test_sampled_replicas_are_drawn_from_those_that_wait_least(clock):
+    """By default 2 of the 8 replicas that wait least are scored (besides holders), drawn afresh for each request:
+    over many requests every one of the 8 is drawn, never another."""
+    policy = PrefixRouterPolicy(PolicyConfig(**GEOMETRY), clock=clock)
+    assert (policy.config.shortlist_size, policy.config.sampled) == (8, 2)
+    replicas = [FakeReplica(f"r{i}") for i in range(20)]
+    for i, replica in enumerate(replicas):
+        replica.backlog = 100 * i  # r0..r7 wait least
+        replica.report(policy)
+    drawn = Counter()
+    for group in range(200):
+        decision = policy.choose([r.replica_id for r in replicas], prompt(group, num_pages=2))
+        assert decision.mode == Mode.LOAD and len(decision.shortlist) == 2
+        drawn.update(decision.shortlist)
+    assert set(drawn) == {f"r{i}" for i in range(8)}
+    assert min(drawn.values()) > 20
+
+
+def test_the_shortlist_finds_a_replica_with_room_past_those_that_lack_pages(clock):
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    replicas = [FakeReplica(f"r{i}", num_pages=100) for i in range(9)]
+    for replica in replicas[:8]:
+        replica.pool.num_allocatable = 2  # long decodes hold their pages; the batch has room
+    replicas[8].backlog = 10  # waits 10 tokens' prefill longer, and has the pages
+    for replica in replicas:
+        replica.report(policy)
+    decision = policy.choose([r.replica_id for r in replicas], prompt(4, num_pages=10))
+    prefill = DEFAULTS.default_prefill_tokens_per_s
+    penalty = DEFAULTS.default_new_tokens * DEFAULTS.default_decode_step_s
+    brute = {r.replica_id: (r.backlog + 165) / prefill + (penalty if r.pool.num_allocatable < 12 else 0.0)
+             for r in replicas}
+    assert min(brute, key=brute.get) == "r8"
+    # Chosen by wait alone, r0..r7 (cost 2.6 s) would be scored and r8 (0.04 s) not: the shortlist counts the page
+    # shortfall of a request sharing nothing.
+    assert decision.best == "r8" and decision.costs["r8"] == pytest.approx(brute["r8"])
+
+
+def test_an_in_flight_prefix_prefilled_since_is_no_discount(clock):
+    prefill, step, new = 1000.0, 0.01, 50.0
+    policy = PrefixRouterPolicy(PolicyConfig(routed_ttl_s=100.0, **EXACT), clock=clock)
+    busy, idle = FakeReplica("busy", max_running=2), FakeReplica("idle", max_running=2)
+    busy.running = 3
+    for replica in (busy, idle):
+        replica.rates = measured(prefill, step, new)
+        replica.report(policy)
+    leader = prompt(5, num_pages=32, suffix=3)  # 515 tokens
+    policy.on_routed("busy", policy.choose(["busy", "idle"], leader))  # Serve sent it to "busy"
+    clock.now = 5.0  # its 0.515 s of prefill are long done; no report since (the routed record lasts 100 s)
+    decision = policy.choose(["busy", "idle"], prompt(5, num_pages=32, suffix=4))  # 516 tokens, 512 shared
+    assert decision.num_cached_tokens["busy"] == 512
+    # busy: no prefill left, 4 jobs for 2 batch slots; then 4 tokens of its own. idle: the whole prompt.
+    assert decision.costs == pytest.approx({"busy": settled_s(4, 2, step, new) + 4 / prefill, "idle": 0.516})
+    # The discount for the in-flight 512 tokens is capped at the prefill still queued on "busy" (none): without the
+    # cap "busy" would cost 0.77 - 0.512 + 0.004 = 0.262 and win.
+    assert decision.best == "idle"
+
+
+@pytest.mark.parametrize("jobs, max_running", [(1, 4), (6, 4), (0, 1)])
+def test_a_holder_wins_while_its_wait_is_below_the_prefill_time_it_saves(clock, jobs, max_running):
+    """The holder of the prompt's first 512 tokens against an idle replica: it wins while its predicted wait is below
+    512 tokens' prefill, and loses once its backlog pushes the wait past that. The crossover backlog comes from the
+    formula."""
+    prefill, step, new = 1000.0, 0.01, 50.0
+    tokens = prompt(2, num_pages=32, suffix=20)
+    cached = 32 * PAGE_SIZE
+    crossover = (cached / prefill - wait_s(jobs, 0, max_running, prefill, step, new)) * prefill  # in backlog tokens
+    assert crossover > 10
+    for backlog, winner in ((math.floor(crossover) - 1, "holder"), (math.ceil(crossover) + 1, "idle")):
+        policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+        holder, idle = FakeReplica("holder", max_running=max_running), FakeReplica("idle", max_running=max_running)
+        holder.store(tokens, 32)
+        holder.running, holder.backlog = jobs, backlog
+        for replica in (holder, idle):
+            replica.rates = measured(prefill, step, new)
+            replica.report(policy)
+        decision = policy.choose(["idle", "holder"], tokens)
+        assert decision.num_cached_tokens == {"idle": 0, "holder": cached}
+        assert decision.costs == pytest.approx({
+            "idle": len(tokens) / prefill,
+            "holder": wait_s(jobs, backlog, max_running, prefill, step, new) + (len(tokens) - cached) / prefill})
+        assert decision.best == winner
 
 
 def test_fresh_job_counts_override_the_reports(fleet):
+    """num_jobs (Ray's queue-length cache) replaces the report's job count plus what was routed since; the prefill
+    backlog stays (it drains with time)."""
     policy, replicas = fleet
-    tokens = prompt(1, num_pages=64)
-    replicas["r0"].pool.hashes = hashes_of(tokens)
-    replicas["r0"].report(policy)
-    assert policy.choose(list(REPLICAS), tokens).best == "r0"
-    decision = policy.choose(list(REPLICAS), tokens, num_jobs={"r0": 30})
-    assert decision.mode == Mode.IMBALANCED and decision.best != "r0"
-
-
-def test_a_drained_replica_sheds_its_reported_backlog(fleet):
-    policy, replicas = fleet
-    tokens = prompt(2, num_pages=4)
+    prefill, step, new = 1000.0, 0.01, 50.0
+    tokens = prompt(2, num_pages=8)  # 133 tokens
+    for replica in replicas.values():
+        replica.rates = measured(prefill, step, new)
+        replica.running, replica.queued, replica.backlog = 6, 4, 2000
+        replica.report(policy)
     holder = replicas["r1"]
-    holder.pool.hashes = hashes_of(tokens)
-    holder.epoch += 1
-    stats = build_digest(holder.pool, 4, 0, holder.epoch, instance_id=holder.instance_id, num_prefill_tokens=2000)
-    assert policy.report("r1", stats)
-    assert policy.choose(list(REPLICAS), tokens).best != "r1"  # its report: a long prefill backlog
-    idle = {r: 0 for r in REPLICAS}
-    assert policy.choose(list(REPLICAS), tokens, num_jobs=idle).best == "r1"  # those jobs are done since
+    holder.store(tokens, 8)
+    holder.report(policy)
+    routed_to = route(policy, prompt(9, num_pages=2)).best  # one more job there, 37 more tokens
+    num_jobs = {"r0": 2, "r1": 0, "r2": 14}  # r3: no fresh count
+    decision = policy.choose(list(REPLICAS), tokens, num_jobs=num_jobs)
+
+    def expected(replica_id):
+        jobs = num_jobs.get(replica_id, 10 + (replica_id == routed_to))
+        backlog = 2000 + 37 * (replica_id == routed_to)
+        cached = 128 if replica_id == "r1" else 0
+        return wait_s(jobs, backlog, 8, prefill, step, new) + (133 - cached) / prefill
+
+    assert decision.costs == pytest.approx({r: expected(r) for r in REPLICAS})
+    assert decision.best == "r1"
+    # More jobs than the reports said: the holder's prefix no longer pays for its wait.
+    assert policy.choose(list(REPLICAS), tokens, num_jobs={"r1": 30}).best != "r1"
+
+
+def test_a_reported_backlog_drains_as_time_passes(clock):
+    """The prefill backlog is a FIFO: a report sets when the replica's prefill work ends (its arrival + backlog at
+    its rate), a routed request extends it from then or from now, whichever is later, and it drains with time."""
+    prefill, step, new = 1000.0, 0.01, 50.0
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    replica = FakeReplica("r0")
+    replica.rates = measured(prefill, step, new)
+    replica.running, replica.backlog = 1, 2000
+    replica.report(policy)
+    probe = prompt(8, num_pages=3)  # 53 tokens, cached nowhere
+
+    def prefill_wait(jobs):
+        return policy.choose(["r0"], probe).costs["r0"] - 53 / prefill - settled_s(jobs, 8, step, new)
+
+    assert prefill_wait(1) == pytest.approx(2.0)
+    clock.now = 0.5
+    assert prefill_wait(1) == pytest.approx(1.5)
+    policy.on_routed("r0", policy.choose(["r0"], prompt(3, num_pages=10, suffix=0)))  # 160 tokens after the 2000
+    assert prefill_wait(2) == pytest.approx(1.66)
+    clock.now = 3.0  # all of it prefilled by now
+    assert prefill_wait(2) == pytest.approx(0.0)
+    policy.on_routed("r0", policy.choose(["r0"], prompt(4, num_pages=5, suffix=0)))  # 80 tokens, from now
+    assert prefill_wait(3) == pytest.approx(0.08)
+    clock.now = 4.0
+    replica.backlog = 300
+    replica.report(policy)  # the report's backlog, from its arrival; its job count replaces the routed ones
+    assert prefill_wait(1) == pytest.approx(0.3)
+
+
+def test_unmeasured_rates_use_the_fleet_median_and_the_defaults_only_when_nothing_is_measured(clock):
+    tokens = prompt(6, num_pages=6)  # 101 tokens, cached nowhere
+    reported = {"a": (1000.0, 0.01, 40.0), "b": (0.0, 0.05, 50.0), "c": (4000.0, 0.0, 300.0), "d": (1500.0, 0.02, 0.0)}
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    for replica_id, rates in reported.items():
+        replica = FakeReplica(replica_id, max_running=2)
+        replica.rates = measured(*rates)
+        replica.running = 3  # one waits for a batch slot: the wait uses all three rates
+        replica.report(policy)
+    median = (1500.0, 0.02, 50.0)  # over the replicas that measured each
+    decision = policy.choose(["a", "b", "c", "d", "silent"], tokens)  # "silent" never reported: no load
+    for replica_id, rates in reported.items():
+        prefill, step, new = (value or fleet for value, fleet in zip(rates, median))
+        assert decision.costs[replica_id] == pytest.approx(
+            wait_s(3, 0, 2, prefill, step, new) + 101 / prefill), replica_id
+    assert decision.costs["silent"] == pytest.approx(101 / median[0])
+    # Nothing measured anywhere: the configured defaults.
+    config = PolicyConfig(default_prefill_tokens_per_s=500.0, default_decode_step_s=0.05, default_new_tokens=10.0,
+                          **EXACT)
+    policy = PrefixRouterPolicy(config, clock=clock)
+    replica = FakeReplica("a", max_running=2)
+    replica.running = 3
+    replica.report(policy)
+    decision = policy.choose(["a", "silent"], tokens)
+    assert decision.costs == pytest.approx({"a": wait_s(3, 0, 2, 500.0, 0.05, 10.0) + 101 / 500.0,
+                                            "silent": 101 / 500.0})
+
+
+def test_routed_requests_raise_the_predicted_wait_until_the_next_report(fleet):
+    policy, replicas = fleet
+    prefill, step, new = DEFAULTS.default_prefill_tokens_per_s, DEFAULTS.default_decode_step_s, \
+        DEFAULTS.default_new_tokens
+    probe = prompt(8, num_pages=3)  # 53 tokens, cached nowhere
+
+    def cost_of(replica_id):
+        return policy.choose(list(REPLICAS), probe).costs[replica_id]
+
+    assert cost_of("r2") == pytest.approx(53 / prefill)
+    first = policy.choose(list(REPLICAS), prompt(3, num_pages=10))  # 165 tokens
+    policy.on_routed("r2", first)
+    second = policy.choose(list(REPLICAS), prompt(4, num_pages=5))  # 85 tokens
+    policy.on_routed("r2", second)
+    assert cost_of("r2") == pytest.approx(wait_s(2, 165 + 85, 8, prefill, step, new) + 53 / prefill)
+    replicas["r2"].report(policy)  # its report counts them (or not) from now on
+    assert cost_of("r2") == pytest.approx(53 / prefill)
 
 
 # ---- evictions, the routed record and its TTL -------------------------------------------------------------------
@@ -241,16 +668,16 @@ def test_evicted_pages_stop_attracting_requests(fleet):
     policy, replicas = fleet
     tokens = prompt(1, num_pages=8)
     holder = replicas["r3"]
-    holder.pool.hashes = hashes_of(tokens)
+    holder.store(tokens, 8)
     holder.report(policy)
     assert policy.choose(list(REPLICAS), tokens).best == "r3"
-    holder.pool.hashes = hashes_of(tokens)[:2]  # evicted leaves first: pages 2..7 are gone
+    holder.evict(hashes_of(tokens)[2:8][::-1])  # evicted leaves first: pages 2..7 are gone
     holder.report(policy)
-    assert policy.index.match("r3", page_keys(hashes_of(tokens))) == 2
-    holder.pool.hashes = []
+    assert policy.choose(list(REPLICAS), tokens).num_cached_tokens["r3"] == 2 * PAGE_SIZE
+    holder.evict(hashes_of(tokens)[:2][::-1])
     holder.report(policy)
     decision = policy.choose(list(REPLICAS), tokens)
-    assert decision.mode == Mode.LOAD and sorted(decision.ranking[0]) == sorted(REPLICAS)
+    assert decision.mode == Mode.LOAD and set(decision.num_cached_tokens.values()) == {0}
 
 
 def test_routed_but_not_yet_reported_pages_attract_followers(fleet):
@@ -267,16 +694,19 @@ def test_routed_but_not_yet_reported_pages_attract_followers(fleet):
 
 def test_routed_pages_expire_after_the_ttl_unless_reported(fleet, clock):
     policy, replicas = fleet
-    tokens = prompt(2, num_pages=4)
-    keys = page_keys(hashes_of(tokens))
+    tokens = prompt(2, num_pages=4)  # keys on pages 1 and 3: 64 tokens
+
+    def cached_on(replica_id):
+        return policy.choose(list(REPLICAS), tokens).num_cached_tokens.get(replica_id, 0)
+
     target = route(policy, tokens).best
     clock.now = 5.0  # a report within the TTL does not drop them: the request may still be queued
     replicas[target].report(policy)
-    assert policy.index.match(target, keys) == 4
+    assert cached_on(target) == 64
     clock.now = 20.0  # past the TTL, but no report since: still counted
-    assert policy.index.match(target, keys) == 4
+    assert cached_on(target) == 64
     replicas[target].report(policy)  # the report after the TTL speaks for them: not held
-    assert policy.index.match(target, keys) == 0
+    assert cached_on(target) == 0
     assert policy.choose(list(REPLICAS), tokens).mode == Mode.LOAD
 
 
@@ -285,30 +715,21 @@ def test_routed_pages_confirmed_by_a_report_survive_the_ttl(fleet, clock):
     tokens = prompt(2, num_pages=4)
     target = route(policy, tokens).best
     clock.now = 11.0
-    replicas[target].pool.hashes = hashes_of(tokens)
+    replicas[target].store(tokens, 4)
     replicas[target].report(policy)
-    assert policy.choose(list(REPLICAS), tokens).best == target
+    decision = policy.choose(list(REPLICAS), tokens)
+    assert decision.best == target and decision.num_cached_tokens[target] == 64
 
 
-def test_match_counts_the_ancestors_of_a_reported_page():
-    """A page key names its whole prefix: a bounded digest that lists a deep page without its ancestors still
-    matches the leading pages."""
-    index = PrefixIndex(clock=FakeClock())
-    hashes = hashes_of(prompt(3, num_pages=10))
-    index.report("r", parse_digest(build_digest(FakePool([hashes[6]]), 0, 0, epoch=1)))
-    assert index.match("r", page_keys(hashes)) == 7
-    assert index.match("r", page_keys(hashes[:5])) == 0
-    assert index.match_all(page_keys(hashes), ["r", "unknown"]) == {"r": (7, 7), "unknown": (0, 0)}
-    index.record_routed("r", page_keys(hashes[:9]))
-    assert index.match_all(page_keys(hashes), ["r"]) == {"r": (9, 7)}
-
-
-def test_routed_record_is_bounded():
-    index = PrefixIndex(clock=FakeClock(), max_routed_pages=5)
-    keys = list(range(1, 9))
-    index.record_routed("r", keys)
-    assert index.match("r", keys[:3]) == 0 and index.match("r", keys) == 8
-    assert index.match("r", keys[:4]) == 4
+def test_a_deep_key_without_its_ancestors_matches_to_its_depth(fleet):
+    """A routing key names its whole prefix: a replica reported holding page 7 of a prompt (its ancestors evicted
+    while it was in use) matches 8 pages."""
+    policy, replicas = fleet
+    tokens = prompt(3, num_pages=10)
+    replicas["r1"].store(tokens, 8, first_page=7)
+    replicas["r1"].report(policy)
+    decision = policy.choose(list(REPLICAS), tokens)
+    assert decision.best == "r1" and decision.num_cached_tokens["r1"] == 8 * PAGE_SIZE
 
 
 # ---- reports, replica death and new replicas --------------------------------------------------------------------
@@ -317,33 +738,33 @@ def test_routed_record_is_bounded():
 def test_stale_reports_are_ignored_and_a_restart_resets_the_replica(fleet):
     policy, replicas = fleet
     tokens = prompt(1, num_pages=4)
-    keys = page_keys(hashes_of(tokens))
     replica = replicas["r1"]
-    replica.pool.hashes = hashes_of(tokens)
+    stale = replica.stats()
+    replica.store(tokens, 4)
     assert replica.report(policy)
-    stale = build_digest(FakePool(), 0, 0, epoch=1, instance_id="a")
-    assert not policy.report("r1", stale)
-    assert policy.index.match("r1", keys) == 4
+    assert not policy.report("r1", stale)  # an older epoch
+    assert policy.choose(list(REPLICAS), tokens).num_cached_tokens["r1"] == 64
     route(policy, tokens)  # goes to r1 and is recorded there
-    restarted = build_digest(FakePool(), 0, 0, epoch=1, instance_id="b")  # a new instance: empty cache
-    assert policy.report("r1", restarted)
-    assert policy.index.match("r1", keys) == 0
+    restarted = FakeReplica("r1", instance_id="b")  # a new instance: empty cache, epochs from 1 again
+    assert restarted.report(policy)
+    decision = policy.choose(list(REPLICAS), tokens)
+    assert decision.mode == Mode.LOAD and decision.num_cached_tokens["r1"] == 0
 
 
 def test_replica_death_removes_it_from_the_index(fleet):
     policy, replicas = fleet
     tokens = prompt(1, num_pages=4)
-    replicas["r0"].pool.hashes = hashes_of(tokens)
+    replicas["r0"].store(tokens, 4)
     replicas["r0"].report(policy)
     route(policy, prompt(9, num_pages=4))
     policy.remove_replica("r0")
     assert "r0" not in policy.index
     decision = policy.choose(["r1", "r2", "r3"], tokens)
-    assert decision.mode == Mode.LOAD and "r0" not in decision.costs
-    # Its pages are gone from the inverted index too: a replica later added under the same id starts empty.
+    assert decision.mode == Mode.LOAD and "r0" not in flat(decision)
+    # Its keys are gone from the inverted index too: a replica later added under the same id starts empty.
     policy.sync_replicas(REPLICAS)
-    assert policy.index.match("r0", page_keys(hashes_of(tokens))) == 0
-    assert policy.index.match_all(page_keys(hashes_of(tokens)), REPLICAS) == dict.fromkeys(REPLICAS, (0, 0))
+    decision = policy.choose(list(REPLICAS), tokens)
+    assert decision.mode == Mode.LOAD and decision.num_cached_tokens["r0"] == 0
 
 
 def test_new_replica_starts_empty_and_takes_unmatched_requests(fleet):
@@ -358,101 +779,21 @@ def test_new_replica_starts_empty_and_takes_unmatched_requests(fleet):
     assert sorted(policy.index.replica_ids) == ["r1", "r4"]
 
 
-def test_page_size_comes_from_the_reports(clock):
-    policy = PrefixRouterPolicy(PolicyConfig(default_page_size=256), clock=clock)
-    tokens = prompt(1, num_pages=4)
+def test_key_geometry_comes_from_the_reports(clock):
+    """Before any report the configured geometry; then what most replicas report, dense_key_tokens included."""
+    policy = PrefixRouterPolicy(PolicyConfig(default_page_size=256, shortlist_size=8, sampled=8), clock=clock)
+    assert policy.geometry().as_tuple() == (256, 256, 256, 64)  # folio.router.keys' defaults
+    # Pages of 32 tokens, a key every 3 pages in the first 4 (page 2), then every 4 (page 3). The policy's default
+    # dense_key_tokens (64: every 2 pages) would put keys on pages 1 and 3 instead.
+    geometry = (32, 128, 128, 96)
+    tokens = prompt(1, num_pages=10)  # 165 tokens: 5 pages of 32
     hashes = page_hashes(tokens, 32)
-    policy.report("r0", build_digest(FakePool(hashes, page_size=32), 0, 0, epoch=1))
-    policy.report("r1", build_digest(FakePool([], page_size=32), 0, 0, epoch=1))
-    decision = policy.choose(["r0", "r1", "r2"], tokens)  # r2 has not reported: the fleet's page size
-    assert decision.best == "r0" and decision.num_cached_tokens["r0"] == 2 * 32
-    assert decision.page_size_of == {"r0": 32, "r1": 32, "r2": 32}
-
-
-# ---- the digest -------------------------------------------------------------------------------------------------
-
-
-def test_digest_round_trips_through_json():
-    hashes = hashes_of(prompt(1, num_pages=5))
-    stats = build_digest(FakePool(hashes), running=3, queued=1, epoch=7, instance_id="x", max_running=8,
-                         num_prefill_tokens=100)
-    assert set(stats) == {"v", "instance_id", "epoch", "num_running", "num_queued", "max_running",
-                          "num_prefill_tokens", "page_size", "num_pages", "num_free_pages", "num_allocatable_pages",
-                          "num_ready_pages", "hashes"}
-    digest = parse_digest(json.loads(json.dumps(stats)))
-    assert digest.page_keys == frozenset(page_key(h) for h in hashes) and digest.complete
-    assert (digest.epoch, digest.num_running, digest.num_queued, digest.max_running, digest.num_prefill_tokens,
-            digest.instance_id, digest.page_size, digest.num_ready_pages) == (7, 3, 1, 8, 100, "x", PAGE_SIZE, 5)
-
-
-def test_digest_stays_under_its_bound_for_a_pool_of_100k_pages():
-    num_pages = 100_000
-    pool = PagePool(num_pages, PAGE_SIZE, record_events=False)
-    token_ids = list(range(num_pages * PAGE_SIZE))
-    hashes = hashes_of(token_ids)
-    page_ids = pool.allocate(num_pages)
-    for idx, (page_id, page_hash) in enumerate(zip(page_ids, hashes)):
-        pool.set_ready(page_id, page_hash, hashes[idx - 1] if idx else None,
-                       token_ids[idx * PAGE_SIZE:(idx + 1) * PAGE_SIZE])
-    pool.release(page_ids)
-    for max_hashes in (0, 64, 1024):
-        stats = build_digest(pool, 0, 0, epoch=1, max_hashes=max_hashes, instance_id="i" * 64)
-        assert len(json.dumps(stats)) <= digest_size_bound(max_hashes)
-        digest = parse_digest(stats)
-        assert digest.num_ready_pages == num_pages and len(digest.page_keys) == max_hashes
-        assert digest.page_keys == frozenset(page_keys(hashes[num_pages - max_hashes:]))  # the newest
-        assert not digest.complete
-    assert digest_size_bound(1024) < 12_000
-
-
-def test_select_hashes_keeps_the_newest():
-    assert select_hashes([b"a", b"b", b"c"], 5) == [b"a", b"b", b"c"]
-    assert list(select_hashes([b"a", b"b", b"c"], 2)) == [b"b", b"c"]
-    assert list(select_hashes([b"a"], 0)) == []
-    with pytest.raises(ValueError):
-        select_hashes([], -1)
-
-
-def test_digest_of_a_real_pool_matches_its_ready_hashes():
-    """Built from a real PagePool after jobs, sharing and evictions: the digest lists exactly the pool's ready
-    hashes, and the router's match equals what the pool's own lookup finds."""
-    pool = PagePool(12, PAGE_SIZE)
-    prompts = [prompt(1, 4), prompt(1, 4, suffix=PAGE_SIZE + 3), prompt(2, 3), prompt(3, 5)]
-    for token_ids in prompts:
-        hashes = hashes_of(token_ids)
-        found = pool.lookup(hashes).num_ready
-        page_ids = pool.acquire(hashes[:found]) + pool.allocate(-(-len(token_ids) // PAGE_SIZE) - found)
-        for idx in range(found, len(hashes)):
-            pool.set_ready(page_ids[idx], hashes[idx], hashes[idx - 1] if idx else None,
-                           token_ids[idx * PAGE_SIZE:(idx + 1) * PAGE_SIZE])
-        pool.release(page_ids)
-        pool.check()
-    evicted = [e for e in pool.drain_events() if e.kind.value == "evicted"]
-    assert evicted, "the scenario should evict pages"
-    digest = parse_digest(build_digest(pool, running=0, queued=0, epoch=1))
-    ready = list(pool.cached_hashes())
-    assert digest.page_keys == frozenset(page_keys(ready)) and digest.complete
-    assert (digest.num_pages, digest.num_free_pages, digest.num_allocatable_pages) == (
-        pool.num_pages, pool.num_free, pool.num_allocatable)
-    index = PrefixIndex(clock=FakeClock())
-    index.report("r", digest)
-    for token_ids in prompts:
-        hashes = hashes_of(token_ids)
-        assert index.match("r", page_keys(hashes)) == pool.lookup(hashes).num_ready
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"v": 2}, "version"),
-    ({"epoch": -1}, "epoch"),
-    ({"num_running": "3"}, "num_running"),
-    ({"page_size": 0}, "page_size"),
-    ({"hashes": "not base64!"}, "base64"),
-    ({"hashes": "AAAA"}, "multiple"),
-    ({"instance_id": 5}, "instance_id"),
-])
-def test_malformed_digests_are_rejected(change, message, clock):
-    stats = build_digest(FakePool(), 0, 0, epoch=1) | change
-    with pytest.raises(DigestError, match=message):
-        parse_digest(stats)
-    policy = PrefixRouterPolicy(clock=clock)
-    assert not policy.report("r0", stats) and policy.num_rejected_reports == 1
+    for replica_id, page_size, holds in (("r0", 32, True), ("r1", 32, False), ("r2", 16, False)):
+        events = CacheEvents(page_size, 128, dense_tokens=128, dense_key_tokens=96)
+        if holds:  # pages 0..2: the key on page 2 only
+            events.add([PageEvent(PageEventKind.STORED, h, d) for d, h in enumerate(hashes[:3])])
+        policy.report(replica_id, build_digest(FakePool(page_size=page_size), events, 0, 0, 1))
+    assert policy.geometry().as_tuple() == geometry
+    assert policy.prompt_keys(tokens) == [page_key(hashes[2]), page_key(hashes[3])]
+    decision = policy.choose(["r0", "r1", "r2", "r3"], tokens)  # r3 has not reported
+    assert decision.best == "r0" and decision.num_cached_tokens["r0"] == 3 * 32

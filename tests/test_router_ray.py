@@ -9,6 +9,7 @@ prefixes spread, and a killed replica does not stop requests from being served.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import pickle
 import random
 
@@ -20,8 +21,10 @@ from fakes import FakePool, free_port  # noqa: E402
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
+from folio.cache import PageEvent, PageEventKind  # noqa: E402
 from folio.hashing import page_hashes  # noqa: E402
 from folio.router.digest import build_digest  # noqa: E402
+from folio.router.events import CacheEvents  # noqa: E402
 from folio.router.ray_router import PrefixAwareRequestRouter, prompt_token_ids  # noqa: E402
 
 PAGE_SIZE = 16
@@ -32,20 +35,26 @@ DEPLOYMENT = DeploymentID(name="Generator", app_name="test")
 
 
 class FakeReplica:
-    """What a RequestRouter reads of a RunningReplica; `report()` plays the controller's stats broadcast."""
+    """What a RequestRouter reads of a RunningReplica; `report()` plays the controller's stats broadcast of the
+    replica's routing report (its pool's page events through CacheEvents, default key geometry)."""
 
     def __init__(self, name: str) -> None:
         self.replica_id = ReplicaID(name, DEPLOYMENT)
         self.routing_stats: dict = {}
         self.max_ongoing_requests = 16
         self.pool = FakePool()
+        self.events = CacheEvents(PAGE_SIZE)
         self.epoch = 0
         self.queue_len = 0
+
+    def hold(self, hashes) -> None:
+        """A sequence's pages (these hashes, first page first) became ready in its pool."""
+        self.events.add([PageEvent(PageEventKind.STORED, h, depth) for depth, h in enumerate(hashes)])
 
     def report(self, running: int = 0, queued: int = 0) -> None:
         self.epoch += 1
         self.queue_len = running + queued
-        self.routing_stats = build_digest(self.pool, running, queued, self.epoch, instance_id="i",
+        self.routing_stats = build_digest(self.pool, self.events, running, queued, self.epoch, instance_id="i",
                                           max_running=8)
 
     async def get_queue_len(self, *, deadline_s: float) -> int:  # Serve probes new replicas
@@ -59,8 +68,12 @@ class Request:
         self.input_ids = tuple(input_ids)
 
 
+REQUEST_IDS = itertools.count()
+SUFFIXES = random.Random(0)
+
+
 def pending(token_ids=None, request_id: str | None = None, as_kwarg: bool = False) -> PendingRequest:
-    request_id = request_id or f"req-{random.random()}"
+    request_id = request_id or f"req-{next(REQUEST_IDS)}"
     args, kwargs = [], {}
     if token_ids is not None:
         if as_kwarg:
@@ -73,13 +86,15 @@ def pending(token_ids=None, request_id: str | None = None, as_kwarg: bool = Fals
 
 def prompt(group: int, num_pages: int = 4, suffix: int = 7) -> list[int]:
     shared = [(group * 7919 + i * 31) % 900 + 50 for i in range(num_pages * PAGE_SIZE)]
-    return shared + [random.randrange(50, 950) for _ in range(suffix)]
+    return shared + [SUFFIXES.randrange(50, 950) for _ in range(suffix)]
 
 
 def make_router(replicas, **kwargs) -> PrefixAwareRequestRouter:
+    """kwargs: PolicyConfig fields. Unless they say otherwise every candidate is scored (sampled=8; by default 2 of
+    the 8 that wait least, drawn at random, are), so that rankings are exact."""
     router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                                       use_replica_queue_len_cache=True)
-    router.initialize_state(default_page_size=PAGE_SIZE, **kwargs)
+    router.initialize_state(**{"default_page_size": PAGE_SIZE, "sampled": 8, **kwargs})
     router.update_replicas(replicas)
     return router
 
@@ -99,31 +114,36 @@ def test_the_class_loads_by_path_and_pickles():
     from ray.serve.config import RequestRouterConfig
 
     config = RequestRouterConfig(request_router_class="folio.router.ray_router:PrefixAwareRequestRouter",
-                                 request_router_kwargs={"imbalance_threshold": 4})
+                                 request_router_kwargs={"shortlist_size": 4})
     assert config.get_request_router_class() is PrefixAwareRequestRouter
     assert pickle.loads(pickle.dumps(PrefixAwareRequestRouter)) is PrefixAwareRequestRouter
 
 
 def test_unknown_policy_option_is_an_error():
     router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-    with pytest.raises(TypeError, match="imbalance"):
-        router.initialize_state(imbalance=3)
+    with pytest.raises(TypeError, match="no_such_option"):
+        router.initialize_state(no_such_option=3)
 
 
-def test_reported_pages_attract_their_prefix():
+@pytest.mark.parametrize("sampled", [8, 2])
+def test_reported_pages_attract_their_prefix(sampled):
+    """With every candidate scored, and with the default sampling (a holder is always scored)."""
     async def go():
         replicas = [FakeReplica(f"r{i}") for i in range(3)]
-        replicas[2].pool = FakePool(page_hashes(prompt(1), PAGE_SIZE)[:4])
+        replicas[2].hold(page_hashes(prompt(1), PAGE_SIZE)[:4])
         for r in replicas:
             r.report()
-        router = make_router(replicas)
+        router = make_router(replicas, sampled=sampled)
         ranking = await router.choose_replicas(replicas, pending(prompt(1)))
         assert names(ranking)[0] == ["r2"]
         assert all(len(rank) == 1 for rank in ranking) and len(ranking) == 3  # one replica per rank
         assert router.decision_modes["affinity"] == 1
         # Another prefix is cached nowhere: ranked by load alone; r2 has a request on its way.
         ranking = await router.choose_replicas(replicas, pending(prompt(2)))
-        assert router.decision_modes["load"] == 1 and names(ranking)[-1] == ["r2"]
+        assert router.decision_modes["load"] == 1 and names(ranking)[0] != ["r2"]
+        assert sorted(names(ranking)) == [["r0"], ["r1"], ["r2"]]
+        if sampled == 8:
+            assert names(ranking)[-1] == ["r2"]
 
     run(go())
 
@@ -140,10 +160,12 @@ def test_a_burst_spreads_and_followers_find_their_leaders_pages_before_any_repor
             follower = pending(prompt(group), as_kwarg=True)
             assert names(await router.choose_replicas(replicas, follower))[0] == [chosen[group]]
         # Serve sent the first leader elsewhere (its replica was full): the record follows it.
-        router.on_request_routed(leaders[0], replicas[3].replica_id, None)
-        router.replica_queue_len_cache.update(replicas[0].replica_id, 16)
+        by_name = {r.replica_id.unique_id: r for r in replicas}
+        elsewhere = next(name for name in by_name if name != chosen[0])
+        router.on_request_routed(leaders[0], by_name[elsewhere].replica_id, None)
+        router.replica_queue_len_cache.update(by_name[chosen[0]].replica_id, 16)
         ranking = await router.choose_replicas(replicas, pending(prompt(0)))
-        assert names(ranking)[0] == ["r3"]
+        assert names(ranking)[0] == [elsewhere]
         assert router.policy.num_rejected_reports == 0  # empty routing stats are not reports
 
     run(go())
@@ -203,7 +225,7 @@ def test_dead_and_new_replicas():
     async def go():
         replicas = [FakeReplica(f"r{i}") for i in range(3)]
         group = prompt(7)
-        replicas[1].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        replicas[1].hold(page_hashes(group, PAGE_SIZE)[:4])
         for r in replicas:
             r.report()
         router = make_router(replicas)
@@ -220,7 +242,7 @@ def test_dead_and_new_replicas():
         ranking = await router.choose_replicas([*alive, newcomer], pending(prompt(10)))
         assert {"r3"} <= {name for rank in names(ranking) for name in rank}
         # Its first report, broadcast through update_replicas, makes it the prefix's holder.
-        newcomer.pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        newcomer.hold(page_hashes(group, PAGE_SIZE)[:4])
         newcomer.report()
         router.update_replicas([*alive, newcomer])
         assert names(await router.choose_replicas([*alive, newcomer], pending(group)))[0] == ["r3"]
@@ -228,16 +250,20 @@ def test_dead_and_new_replicas():
     run(go())
 
 
-def test_imbalance_falls_back_to_load():
+def test_a_busy_holder_loses_to_an_idle_replica():
+    """The holder's 64 cached tokens save less than its queue costs (10 jobs wait for its 8 batch slots): ranked
+    second, in an affinity decision."""
     async def go():
         replicas = [FakeReplica(f"r{i}") for i in range(2)]
         group = prompt(8)
-        replicas[0].pool = FakePool(page_hashes(group, PAGE_SIZE)[:4])
+        replicas[0].hold(page_hashes(group, PAGE_SIZE)[:4])
         replicas[0].report(running=8, queued=10)
         replicas[1].report()
-        router = make_router(replicas, imbalance_threshold=4)
-        assert names(await router.choose_replicas(replicas, pending(group)))[0] == ["r1"]
-        assert router.decision_modes["imbalanced"] == 1
+        router = make_router(replicas, shortlist_size=1, sampled=1)
+        decision = router.policy.choose([r.replica_id for r in replicas], group)
+        assert decision.num_cached_tokens[replicas[0].replica_id] == 4 * PAGE_SIZE
+        assert names(await router.choose_replicas(replicas, pending(group))) == [["r1"], ["r0"]]
+        assert router.decision_modes["affinity"] == 1
 
     run(go())
 

@@ -264,6 +264,18 @@ def test_num_prefill_tokens_counts_the_backlog():
     assert h.sched.num_prefill_tokens() == (20 - 8) + 6
 
 
+def test_num_prefill_tokens_of_a_queued_prompt_excludes_the_pages_the_pool_holds():
+    """A queued job whose leading pages another job already computed counts only what its admission would compute:
+    the router's backlog estimate (folio.router.cost) must not charge cache hits as work."""
+    h = Harness(num_pages=32, page_size=4, max_batch_size=1, max_chunk_size=64)
+    first = h.enqueue(list(range(13)), 8)
+    h.step()  # the first prefills all 13 tokens: pages 0..2 become ready; it keeps the only batch slot
+    assert first.num_cached_tokens == 13
+    h.enqueue(list(range(13)) + [77, 78, 79], 2)  # 16 tokens, pages 0..2 shared: 12 reusable, 4 to compute
+    h.enqueue(list(range(100, 110)), 2)  # nothing shared: 10 to compute
+    assert h.sched.num_prefill_tokens() == 4 + 10
+
+
 def test_preempted_in_the_step_of_its_partial_copy_records_no_slots():
     """A sequence admitted, given a partial-page copy and preempted within one step: the copy is dropped from the
     plan, so releasing it must not record that page as holding the copied tokens. (Found by the state machine:

@@ -200,7 +200,7 @@ def test_cancel_mid_stream_frees_pages(served):
     assert any(s["num_allocatable_pages"] > s["num_free_pages"] for s in stats.values()), \
         "released pages stay cached for reuse"
     one = parse_digest(next(iter(stats.values())))
-    assert one.page_keys and one.page_size == 16 and one.epoch >= 1
+    assert one.page_size == 16 and one.epoch >= 1 and one.seq >= 1 and one.batches
 
 
 @pytest.mark.parametrize("text, fields, field", [

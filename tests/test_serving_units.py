@@ -112,10 +112,10 @@ def test_app_builder_attaches_the_configured_router():
     from folio.serve.app import request_router_config
 
     config = ServeConfig(num_gpus=0, cache_tokens=4096, page_size=16, routing_stats_period_s=0.5,
-                         router_options={"imbalance_threshold": 4})
+                         router_options={"shortlist_size": 4})
     ours = request_router_config(config)
     assert ours.get_request_router_class() is PrefixAwareRequestRouter
-    assert ours.request_router_kwargs == {"default_page_size": 16, "imbalance_threshold": 4}
+    assert ours.request_router_kwargs == {"default_page_size": 16, "shortlist_size": 4}
     assert ours.request_routing_stats_period_s == 0.5
     PolicyConfig(**ours.request_router_kwargs)  # what initialize_state makes of them
     ray_prefix = request_router_config(config.replace(router="ray_prefix", router_options=None))
@@ -313,21 +313,37 @@ def test_engine_streams_exact_lengths(engine):
 
 
 def test_engine_routing_digest_lists_the_prompt_pages(engine):
+    """The engine's report carries its pool's routing keys (folio.router.keys: at 16-token pages, the page ending at
+    token 64 carries one): a router that applies it holds the prompt's keys, and a second report carries the next
+    batch."""
     from folio.hashing import page_hashes
     from folio.router.digest import page_keys, parse_digest
+    from folio.router.index import PrefixIndex
+    from folio.router.keys import KeyGeometry
 
-    prompt = tuple(range(3, 43))  # 2 full pages of 16 and 8 tokens
+    prompt = tuple(range(3, 3 + 72))  # 4 full pages of 16 and 8 tokens
 
     async def run():
         job = engine.start_job(_request(4, prompt=prompt))
         [c async for c in engine.stream(job, time.monotonic())]
-        return await engine.routing_digest(epoch=7, instance_id="x", max_hashes=64)
+        return [await engine.routing_digest(epoch=epoch, instance_id="x") for epoch in (7, 8)]
 
-    digest = parse_digest(asyncio.run(run()))
-    assert (digest.epoch, digest.instance_id, digest.page_size, digest.max_running) == (7, "x", 16, 2)
-    assert set(page_keys(page_hashes(list(prompt), 16))) <= digest.page_keys
-    assert digest.num_running == digest.num_queued == digest.num_prefill_tokens == 0
-    assert digest.num_pages == 64 and digest.num_allocatable_pages == 64
+    first, second = (parse_digest(stats) for stats in asyncio.run(run()))
+    assert (first.epoch, first.instance_id, first.page_size, first.max_running) == (7, "x", 16, 2)
+    assert first.block_tokens == engine.config.routing_block_tokens
+    geometry = KeyGeometry(16, first.block_tokens, first.dense_tokens, first.dense_key_tokens)
+    all_keys = page_keys(page_hashes(list(prompt), 16))
+    keys = {all_keys[depth] for depth in geometry.depths(len(all_keys))}
+    assert len(keys) == 1  # page 3's
+    assert first.snapshot is not None and keys <= set(first.snapshot.keys)
+    assert first.num_running == first.num_queued == first.num_prefill_tokens == 0
+    assert first.num_pages == 64 and first.num_allocatable_pages == 64
+    assert first.prefill_tokens_per_s > 0 and first.decode_step_s > 0  # measured on the job's steps
+    assert second.epoch == 8 and second.seq == first.seq + 1 and second.batches[-1].seq == second.seq
+    index = PrefixIndex(clock=time.monotonic)
+    for digest in (first, second):
+        assert index.report("replica", digest)
+    assert keys <= index.held_keys("replica") and index.is_synced("replica")
 
 
 def test_engine_stream_closed_early_cancels_the_job(engine):
@@ -410,7 +426,7 @@ def test_engine_timings_count_prefill_from_the_first_prompt_chunk(demo_dir, max_
     engine = Engine.build(config)
 
     async def run():
-        await engine.routing_digest(0, "x", 8)  # the engine thread is up and idle
+        await engine.routing_digest(0, "x")  # the engine thread is up and idle
         arrival_s = time.monotonic()
         job = engine.start_job(_request(8, prompt=[(7 * i) % 997 + 2 for i in range(1251)]))
         return Completion.from_chunks([chunk async for chunk in engine.stream(job, arrival_s)])
@@ -471,7 +487,7 @@ def test_check_health_counts_jobs_not_engine_calls(demo_dir):
         blocked = asyncio.ensure_future(engine.runner.run_in_engine(block))
         while not entered.is_set():
             await asyncio.sleep(0.01)
-        digests = [asyncio.ensure_future(engine.routing_digest(epoch, "x", 8)) for epoch in range(3)]
+        digests = [asyncio.ensure_future(engine.routing_digest(epoch, "x")) for epoch in range(3)]
         await asyncio.sleep(1.0)  # past stall_timeout_s, with the engine thread inside a call and 3 more waiting
         assert engine.num_remaining == 0
         replica.check_health()
@@ -683,7 +699,7 @@ def test_every_routing_stats_poll_sets_every_gauge_again(fake_ray_metrics):
     replica.metrics = GeneratorMetrics("app", "r1")
     digest = {"num_pages": 64, "num_allocatable_pages": 60, "num_free_pages": 50}
 
-    async def routing_digest(epoch, instance_id, max_hashes):
+    async def routing_digest(epoch, instance_id):
         return digest
 
     replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(num_running=1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class PageEventKind(enum.Enum):
@@ -13,8 +13,13 @@ class PageEventKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PageEvent:
+    """depth: the page's index in its sequence (its tokens are [depth * page_size, (depth + 1) * page_size)), or -1
+    when the pool could not tell (the page's parent was not ready when it became ready). Not part of equality: two
+    events about the same hash are the same event."""
+
     kind: PageEventKind
     hash: bytes
+    depth: int = field(default=-1, compare=False)
 
 
 class EventLog:
@@ -24,9 +29,9 @@ class EventLog:
         self._enabled = enabled
         self._events: list[PageEvent] = []
 
-    def log(self, kind: PageEventKind, page_hash: bytes) -> None:
+    def log(self, kind: PageEventKind, page_hash: bytes, depth: int = -1) -> None:
         if self._enabled:
-            self._events.append(PageEvent(kind, page_hash))
+            self._events.append(PageEvent(kind, page_hash, depth))
 
     def drain(self) -> list[PageEvent]:
         """Every event logged since the last drain, oldest first; clears them."""

@@ -77,6 +77,15 @@ class KVCacheManager:
 
     # --- counts ---
 
+    def num_cached_prefix_tokens(self, page_hashes: list[bytes], num_tokens: int) -> int:
+        """Tokens of a prompt of num_tokens whose leading full pages (`page_hashes`) the pool holds or is filling
+        now: what its admission would reuse if it came now (the last token is always computed)."""
+        if not self.prefix_cache:
+            return 0
+        reusable = page_hashes[:max(num_tokens - 1, 0) // self.page_size]
+        found = self._pool.lookup(reusable)
+        return (found.num_ready + found.num_pending) * self.page_size
+
     @property
     def num_pages(self) -> int:
         return self._pool.num_pages

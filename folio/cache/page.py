@@ -22,11 +22,12 @@ class PageRecord:
     holds that hash's K/V. has_parent/parent: the page names `parent` (None = it is a sequence's first page) as the
     hash of the page before it; set once the page has a claim, a ready hash or recorded tokens. tokens/namespace:
     token ids whose K/V are written in slots [0, len(tokens)), for partial-page reuse. stamp: pool clock when the
-    page was last acquired or released (recency for eviction).
+    page was last acquired or released (recency for eviction). depth: the page's index in its sequence while it is
+    ready (-1: unknown), for the router's events.
     """
 
     __slots__ = ("page_id", "state", "refcount", "hash", "ready", "has_parent", "parent", "tokens", "namespace",
-                 "stamp")
+                 "stamp", "depth")
 
     def __init__(self, page_id: int) -> None:
         self.page_id = page_id
@@ -39,6 +40,7 @@ class PageRecord:
         self.tokens: tuple[int, ...] | None = None
         self.namespace = b""
         self.stamp = 0
+        self.depth = -1
 
     @property
     def is_pending(self) -> bool:

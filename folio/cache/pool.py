@@ -247,9 +247,21 @@ class PagePool:
         self._partial_index.set_tokens(page, token_ids, namespace)
         page.hash = page_hash
         page.ready = True
+        page.depth = self._depth_after(parent_hash)
         self._ready[page_hash] = page_id
-        self._events.log(PageEventKind.STORED, page_hash)
+        self._events.log(PageEventKind.STORED, page_hash, page.depth)
         return True
+
+    def _depth_after(self, parent_hash: bytes | None) -> int:
+        """Depth of a page following `parent_hash`: 0 for a first page, the parent's + 1 while the parent is ready
+        (a sequence holds its earlier pages when it registers the next), -1 otherwise."""
+        if parent_hash is None:
+            return 0
+        parent_id = self._ready.get(parent_hash)
+        if parent_id is None:
+            return -1
+        parent_depth = self._pages[parent_id].depth
+        return -1 if parent_depth < 0 else parent_depth + 1
 
     def record_tokens(self, page_id: int, parent_hash: bytes | None, token_ids: Sequence[int],
                       *, namespace: bytes = b"") -> None:
@@ -311,7 +323,7 @@ class PagePool:
             raise PageStateError(f"reset: {self._num_in_use} pages are in use")
         for page in self._pages:
             if page.ready:
-                self._events.log(PageEventKind.EVICTED, page.hash)
+                self._events.log(PageEventKind.EVICTED, page.hash, page.depth)
         # In place: self._lineage and self._partial_index share the list.
         self._pages[:] = [PageRecord(page_id) for page_id in range(len(self._pages))]
         self._free = list(range(len(self._pages)))
@@ -366,9 +378,10 @@ class PagePool:
         """Cached page -> anonymous in-use page with refcount 1 (the caller hands it out)."""
         if page.ready:
             del self._ready[page.hash]
-            self._events.log(PageEventKind.EVICTED, page.hash)
+            self._events.log(PageEventKind.EVICTED, page.hash, page.depth)
             page.hash = None
             page.ready = False
+            page.depth = -1
         self._partial_index.clear_tokens(page)  # before unlinking: the parent is part of the index key
         self._lineage.unlink(page)  # while still CACHED, so the parent's cached-children count drops too
         page.state = PageState.IN_USE

@@ -1,11 +1,15 @@
 // folio._native_cpu: checks the tensors, releases the GIL, and runs the CPU kernels of native/cpu over
 // torch's intra-op thread pool. Signatures: op_signatures.h (those of folio/reference_ops.py, plus the sampling ops).
 #include <ATen/Parallel.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "../cpu/key_index.h"
 #include "../cpu/kernels.h"
 #include "op_args.h"
 #include "op_signatures.h"
@@ -181,6 +185,20 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
   run_items(p.num_rows, p.num_ids, [&](int64_t b, int64_t e) { cpu::mask_tokens(p, b, e); });
 }
 
+// The router's key index takes batches of keys as buffers of unsigned 64-bit ints (array('Q'), numpy uint64):
+// one-dimensional, contiguous, 8-byte unsigned items.
+std::pair<const uint64_t*, int64_t> u64_items(const pybind11::buffer_info& info, const char* what) {
+  const std::string& f = info.format;
+  const char kind = f.empty() ? '?' : f.back();
+  const bool prefix_ok = f.size() == 1 || (f.size() == 2 && (f[0] == '<' || f[0] == '=' || f[0] == '@'));
+  if (info.ndim != 1 || info.itemsize != 8 || !prefix_ok || (kind != 'Q' && kind != 'L' && kind != 'K') ||
+      (info.shape[0] > 1 && info.strides[0] != 8)) {
+    throw std::invalid_argument(std::string(what) + " must be a contiguous 1-d buffer of uint64, got format '" + f +
+                                "', itemsize " + std::to_string(info.itemsize));
+  }
+  return {static_cast<const uint64_t*>(info.ptr), info.shape[0]};
+}
+
 }  // namespace
 }  // namespace folio::bind
 
@@ -189,4 +207,36 @@ PYBIND11_MODULE(_native_cpu, m) {
   using namespace folio::bind;
   m.doc() = "folio CPU kernels (see native/); signatures match folio.reference_ops";
   FOLIO_NATIVE_OPS(FOLIO_DEF_CPU)
+
+  using folio::cpu::KeyIndex;
+  py::class_<KeyIndex>(m, "KeyIndex", "Routing keys held per replica slot (folio.router.index)")
+      .def(py::init<>())
+      .def(
+          "apply",
+          [](KeyIndex& self, int32_t slot, const py::buffer& stored, const py::buffer& evicted) {
+            const py::buffer_info stored_info = stored.request(), evicted_info = evicted.request();
+            const auto [stored_keys, num_stored] = u64_items(stored_info, "stored");
+            const auto [evicted_keys, num_evicted] = u64_items(evicted_info, "evicted");
+            self.apply(slot, stored_keys, num_stored, evicted_keys, num_evicted);
+          },
+          py::arg("slot"), py::arg("stored"), py::arg("evicted"))
+      .def(
+          "replace",
+          [](KeyIndex& self, int32_t slot, const py::buffer& keys) {
+            const py::buffer_info info = keys.request();
+            const auto [items, num_items] = u64_items(info, "keys");
+            self.replace(slot, items, num_items);
+          },
+          py::arg("slot"), py::arg("keys"))
+      .def("clear", &KeyIndex::clear, py::arg("slot"))
+      .def("holds", &KeyIndex::holds, py::arg("slot"), py::arg("key"))
+      .def("keys_of", &KeyIndex::keys_of, py::arg("slot"))
+      .def("num_keys", &KeyIndex::num_keys, py::arg("slot"))
+      .def("__len__", &KeyIndex::size)
+      .def(
+          "match",
+          [](const KeyIndex& self, const std::vector<uint64_t>& keys) {
+            return self.match(keys.data(), static_cast<int64_t>(keys.size()));
+          },
+          py::arg("keys"));
 }

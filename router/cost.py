@@ -1,0 +1,168 @@
+"""The router's cost of a replica for one request: its predicted time to first token, in seconds.
+
+    ttft(r) = wait(r) + uncached_prompt_tokens(r) / prefill_rate(r)
+    wait(r) = max(0, prefill_busy_until(r) - now)                          prompts ahead of this one
+            + max(0, jobs(r) + 1 - max_running(r)) / max_running(r)
+              * mean_new_tokens(r) * decode_step_s(r)                      waiting for a batch slot to free
+            + jobs(r) / max_running(r) * decode_step_s(r)                   a fuller batch steps slower
+    plus, when r lacks the pages for the uncached part, one job's decode time (it waits for pages to free).
+
+Rates come from the replicas' reports (folio.router.rates, measured on their engine steps); a replica that has not
+measured one yet gets the median of the fleet's, and only a fleet that has measured nothing uses the defaults.
+prefill_busy_until is a FIFO model of the replica's prefill work: a report sets it to the report's arrival plus its
+backlog at the replica's rate, and each request this router sends there pushes it by that request's uncached
+tokens at that rate; it drains as time passes, so work routed half a period ago and prefilled since no longer
+counts as waiting (reports are a period old). jobs are the last report's plus what this router sent the replica
+since, or fresher counts from the caller (Ray's queue-length cache). One unit, seconds, so no weight needs tuning per
+workload: a shared prefix is worth exactly the prefill time it saves, against exactly the wait it costs.
+
+Per-replica values live in flat numpy arrays indexed by the index's slots, so wait() for every replica is a few
+vector operations, and the shortlist (the k replicas that wait least) is one argpartition.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from folio.router.digest import ReplicaDigest
+
+
+@dataclass(frozen=True)
+class CostDefaults:
+    """Rates assumed before any replica of the fleet has measured its own."""
+
+    prefill_tokens_per_s: float = 4096.0
+    decode_step_s: float = 0.02
+    mean_new_tokens: float = 128.0
+
+
+class LoadTable:
+    """Per-slot load and speed. Slots come from folio.router.index.PrefixIndex; times are `clock()` seconds.
+
+    The part of every slot's wait that does not drain with time (`settled`: slot waits and batch size) is kept as
+    a vector, recomputed for all slots (vectorised) after reports changed the fleet, at most once per decision, and
+    for one slot in Python scalars when this router routes a request there."""
+
+    _FIELDS = ("known", "jobs", "routed_jobs", "busy_until", "max_running", "prefill_rate", "decode_step",
+               "new_tokens", "allocatable_pages", "page_size", "eff_prefill", "eff_step", "eff_new", "settled")
+
+    def __init__(self, defaults: CostDefaults | None = None, *, clock: Callable[[], float],
+                 capacity: int = 64) -> None:
+        self.defaults = defaults or CostDefaults()
+        self._clock = clock
+        for name in self._FIELDS:
+            setattr(self, name, np.zeros(capacity))
+        self._stale = True  # reports changed something since `settled` and the effective rates were computed
+        self._reported_backlog: dict[int, tuple[float, int]] = {}  # slot -> (report time, prefill tokens)
+
+    def ensure(self, slot: int) -> None:
+        size = len(self.known)
+        if slot < size:
+            return
+        new_size = max(slot + 1, 2 * size)
+        for name in self._FIELDS:
+            grown = np.zeros(new_size)
+            grown[:size] = getattr(self, name)
+            setattr(self, name, grown)
+        self._stale = True
+
+    def clear(self, slot: int) -> None:
+        self.ensure(slot)
+        for name in self._FIELDS:
+            getattr(self, name)[slot] = 0.0
+        self._reported_backlog.pop(slot, None)
+        self._stale = True
+
+    def set_report(self, slot: int, digest: ReplicaDigest) -> None:
+        self.ensure(slot)
+        self.known[slot] = 1.0
+        self.jobs[slot] = digest.num_jobs
+        self.routed_jobs[slot] = 0.0
+        self.max_running[slot] = digest.max_running
+        self.prefill_rate[slot] = digest.prefill_tokens_per_s
+        self.decode_step[slot] = digest.decode_step_s
+        self.new_tokens[slot] = digest.mean_new_tokens
+        self.allocatable_pages[slot] = digest.num_allocatable_pages
+        self.page_size[slot] = digest.page_size
+        self._stale = True
+        # Converted to time at the next refresh, with the rates as of all the reports that came together.
+        self._reported_backlog[slot] = (self._clock(), digest.num_prefill_tokens)
+
+    def add_routed(self, slot: int, num_prefill_tokens: int) -> None:
+        """This router sent the replica a request with about num_prefill_tokens to prefill."""
+        self.ensure(slot)
+        self.refresh()
+        self.routed_jobs[slot] += 1
+        now = self._clock()
+        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + num_prefill_tokens / float(
+            self.eff_prefill[slot])
+        jobs = float(self.jobs[slot] + self.routed_jobs[slot])
+        max_running = max(float(self.max_running[slot]), 1.0)
+        step, new = float(self.eff_step[slot]), float(self.eff_new[slot])
+        self.settled[slot] = max(jobs + 1.0 - max_running, 0.0) / max_running * new * step + jobs / max_running * step
+
+    def refresh(self) -> None:
+        """Recompute the effective rates (the fleet's median where a replica measured none; the defaults where no
+        replica did) and every slot's settled wait, if reports changed anything."""
+        if not self._stale:
+            return
+        known = self.known > 0
+        for values, default, target in ((self.prefill_rate, self.defaults.prefill_tokens_per_s, self.eff_prefill),
+                                        (self.decode_step, self.defaults.decode_step_s, self.eff_step),
+                                        (self.new_tokens, self.defaults.mean_new_tokens, self.eff_new)):
+            measured = values[known & (values > 0)]
+            fleet = float(np.median(measured)) if len(measured) else default
+            target[:] = np.where(values > 0, values, fleet)
+        for slot, (reported_at, tokens) in self._reported_backlog.items():
+            self.busy_until[slot] = reported_at + tokens / float(self.eff_prefill[slot])
+        self._reported_backlog.clear()
+        self.settled[:] = self._settled(slice(None), self.jobs + self.routed_jobs)
+        self._stale = False
+
+    def _settled(self, slots, jobs: np.ndarray) -> np.ndarray:
+        max_running = np.maximum(self.max_running[slots], 1.0)
+        step = self.eff_step[slots]
+        slot_wait = np.maximum(jobs + 1.0 - max_running, 0.0) / max_running * self.eff_new[slots] * step
+        return slot_wait + jobs / max_running * step
+
+    def wait_s(self, slots: np.ndarray, fresh_jobs: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds before a new request's own prefill could start on each of `slots`. fresh_jobs:
+        current job counts (NaN where unknown) that replace the report-based estimate."""
+        self.refresh()
+        prefill_wait = np.maximum(self.busy_until[slots] - self._clock(), 0.0)
+        if fresh_jobs is None:
+            return prefill_wait + self.settled[slots]
+        estimated = self.jobs[slots] + self.routed_jobs[slots]
+        return prefill_wait + self._settled(slots, np.where(np.isnan(fresh_jobs), estimated, fresh_jobs))
+
+    def prefill_wait_of(self, slot: int) -> float:
+        """Seconds of prefill queued on the slot now (the draining part of its wait)."""
+        self.refresh()
+        return max(float(self.busy_until[slot]) - self._clock(), 0.0)
+
+    def shortfall_s(self, slots: np.ndarray, uncached_tokens: float) -> np.ndarray:
+        """Per slot, the wait for a job to finish and free pages when the slot lacks the pages for uncached_tokens
+        (request_s's page term, vectorised: the shortlist is chosen with it)."""
+        self.refresh()
+        pages_needed = np.ceil(uncached_tokens / np.maximum(self.page_size[slots], 1.0)) + 1
+        short = (self.known[slots] > 0) & (pages_needed > self.allocatable_pages[slots])
+        return np.where(short, self.eff_new[slots] * self.eff_step[slots], 0.0)
+
+    def prefill_rate_of(self, slot: int) -> float:
+        self.refresh()
+        return float(self.eff_prefill[slot])
+
+    def request_s(self, slot: int, uncached_tokens: float) -> float:
+        """Seconds to prefill `uncached_tokens` on the slot, plus one job's decode time where the replica lacks
+        the pages for them (it would wait for a job to finish and free some)."""
+        self.refresh()
+        seconds = uncached_tokens / float(self.eff_prefill[slot])
+        if self.known[slot] > 0:
+            pages_needed = math.ceil(uncached_tokens / max(float(self.page_size[slot]), 1.0)) + 1
+            if pages_needed > self.allocatable_pages[slot]:
+                seconds += float(self.eff_new[slot] * self.eff_step[slot])
+        return seconds

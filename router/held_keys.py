@@ -1,0 +1,134 @@
+"""Which replica slots hold which routing keys, exact, for folio.router.index: applying a replica's batch of stored /
+evicted keys, replacing its keys with a snapshot, and finding, for a prompt's keys, the deepest one each slot holds.
+
+Two implementations with one interface:
+  - NativeHeldKeys: folio._native_cpu.KeyIndex (native/cpu/key_index.cpp), a hash map from key to the slots holding
+    it plus a set of keys per slot. A router applies every replica's events every report period: at 512 replicas
+    that is tens of thousands of keys a second, which costs microseconds each in Python dicts and tens of
+    nanoseconds in C++.
+  - PyHeldKeys: the same in Python (a dict from key to a bitmask of slots, a set per slot), where the native module
+    was not built. Tests run both against the same oracles.
+`make_held_keys()` picks the native one when it is there.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class HeldKeys(Protocol):
+    def apply(self, slot: int, stored: array, evicted: array) -> None: ...
+    def replace(self, slot: int, keys: array) -> None: ...
+    def clear(self, slot: int) -> None: ...
+    def holds(self, slot: int, key: int) -> bool: ...
+    def keys_of(self, slot: int) -> list[int]: ...
+    def num_keys(self, slot: int) -> int: ...
+    def __len__(self) -> int: ...
+    def match(self, keys: Sequence[int]) -> list[tuple[int, int]]: ...
+
+
+class NativeHeldKeys:
+    """folio._native_cpu.KeyIndex behind the HeldKeys interface (batches and snapshots are array('Q'))."""
+
+    def __init__(self, native_class: type) -> None:
+        self._index = native_class()
+
+    def apply(self, slot: int, stored: array, evicted: array) -> None:
+        self._index.apply(slot, stored, evicted)
+
+    def replace(self, slot: int, keys: array) -> None:
+        self._index.replace(slot, keys)
+
+    def clear(self, slot: int) -> None:
+        self._index.clear(slot)
+
+    def holds(self, slot: int, key: int) -> bool:
+        return self._index.holds(slot, key)
+
+    def keys_of(self, slot: int) -> list[int]:
+        return self._index.keys_of(slot)
+
+    def num_keys(self, slot: int) -> int:
+        return self._index.num_keys(slot)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def match(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        return self._index.match(keys if isinstance(keys, list) else list(keys))
+
+
+class PyHeldKeys:
+    def __init__(self) -> None:
+        self._masks: dict[int, int] = {}  # key -> bitmask of slots holding it
+        self._keys: dict[int, set[int]] = {}  # slot -> keys
+
+    def apply(self, slot: int, stored: array, evicted: array) -> None:
+        # Set operations find the keys that change (in C); only those touch the shared masks.
+        bit = 1 << slot
+        keep = ~bit
+        masks, keys = self._masks, self._keys.setdefault(slot, set())
+        gone = keys.intersection(evicted)
+        keys -= gone
+        for key in gone:
+            mask = masks[key] & keep
+            if mask:
+                masks[key] = mask
+            else:
+                del masks[key]
+        new = set(stored)
+        new -= keys
+        keys |= new
+        get = masks.get
+        for key in new:
+            masks[key] = get(key, 0) | bit
+
+    def replace(self, slot: int, keys: Iterable[int]) -> None:
+        held = self._keys.setdefault(slot, set())
+        wanted = set(keys)
+        self.apply(slot, array("Q", wanted - held), array("Q", held - wanted))
+
+    def clear(self, slot: int) -> None:
+        self.apply(slot, array("Q"), array("Q", self._keys.get(slot, ())))
+
+    def holds(self, slot: int, key: int) -> bool:
+        return key in self._keys.get(slot, ())
+
+    def keys_of(self, slot: int) -> list[int]:
+        return list(self._keys.get(slot, ()))
+
+    def num_keys(self, slot: int) -> int:
+        return len(self._keys.get(slot, ()))
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def match(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        masks = self._masks
+        found: list[tuple[int, int]] = []
+        seen = 0
+        for depth in range(len(keys), 0, -1):
+            new = masks.get(keys[depth - 1], 0) & ~seen
+            if new:
+                seen |= new
+                while new:
+                    low = new & -new
+                    found.append((low.bit_length() - 1, depth))
+                    new ^= low
+        return found
+
+
+def make_held_keys(native: bool | None = None) -> HeldKeys:
+    """The native implementation when the CPU module is built (native=None), or the one asked for."""
+    if native is False:
+        return PyHeldKeys()
+    from folio.ops import native_key_index
+
+    native_class = native_key_index()
+    if native_class is None:
+        if native:
+            raise RuntimeError("folio._native_cpu.KeyIndex is not built (pip install --no-build-isolation -e .)")
+        return PyHeldKeys()
+    return NativeHeldKeys(native_class)

@@ -1,0 +1,91 @@
+"""folio.router.held_keys: the native key index (folio._native_cpu.KeyIndex) and its Python twin against a plain
+model (a set of keys per slot), under random batches, snapshots and clears."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import numpy as np
+import pytest
+
+from folio.ops import native_key_index
+from folio.router.held_keys import NativeHeldKeys, PyHeldKeys, make_held_keys
+
+IMPLEMENTATIONS = ["python", "native"]
+
+
+def build(kind: str):
+    if kind == "python":
+        return PyHeldKeys()
+    native = native_key_index()
+    if native is None:
+        pytest.skip("folio._native_cpu is not built")
+    return NativeHeldKeys(native)
+
+
+def model_match(model: dict[int, set[int]], keys: list[int]) -> set[tuple[int, int]]:
+    """Per slot holding any of keys: the 1-based position of the deepest one it holds."""
+    found = set()
+    for slot, held in model.items():
+        depths = [d for d in range(1, len(keys) + 1) if keys[d - 1] in held]
+        if depths:
+            found.add((slot, max(depths)))
+    return found
+
+
+@pytest.mark.parametrize("kind", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(4))
+def test_against_a_set_per_slot(kind, seed):
+    rng = random.Random(seed)
+    universe = [rng.getrandbits(64) for _ in range(300)] + [0, 2**64 - 1]  # the extremes of uint64 too
+    held = build(kind)
+    model: dict[int, set[int]] = {}
+    for _ in range(400):
+        slot = rng.randrange(40)  # slots beyond 31 and 63: wider than a machine word of bits
+        keys = model.setdefault(slot, set())
+        action = rng.random()
+        if action < 0.7:
+            stored = rng.sample(universe, rng.randrange(0, 12))
+            evicted = rng.sample(universe, rng.randrange(0, 12))  # some held, some not
+            held.apply(slot, array("Q", stored), np.array(evicted, dtype=np.uint64))
+            keys -= set(evicted)
+            keys |= set(stored)
+        elif action < 0.9:
+            snapshot = rng.sample(universe, rng.randrange(0, 30))
+            held.replace(slot, array("Q", snapshot))
+            model[slot] = set(snapshot)
+        else:
+            held.clear(slot)
+            model[slot] = set()
+        probe = rng.sample(universe, 10)
+        assert set(held.match(probe)) == model_match(model, probe)
+        assert sorted(held.keys_of(slot)) == sorted(model[slot]) and held.num_keys(slot) == len(model[slot])
+        key = rng.choice(universe)
+        assert held.holds(slot, key) == (key in model[slot])
+        assert len(held) == len(set().union(*model.values()))
+
+
+@pytest.mark.parametrize("kind", IMPLEMENTATIONS)
+def test_a_batch_that_stores_and_evicts_one_key_holds_it(kind):
+    """Evictions apply before stores: a batch is net changes, and a key in both lists is held after it."""
+    held = build(kind)
+    held.apply(0, array("Q", [7]), array("Q", [7]))
+    assert held.holds(0, 7)
+
+
+def test_the_native_index_refuses_buffers_that_are_not_uint64():
+    held = build("native")
+    for wrong in (array("d", [1.0]), array("i", [1]), np.zeros((2, 2), dtype=np.uint64), np.zeros(4, np.uint64)[::2]):
+        with pytest.raises(ValueError, match="uint64"):
+            held.apply(0, wrong, array("Q"))
+
+
+def test_make_held_keys_prefers_the_native_index_and_honours_a_request():
+    assert isinstance(make_held_keys(native=False), PyHeldKeys)
+    if native_key_index() is None:
+        assert isinstance(make_held_keys(), PyHeldKeys)
+        with pytest.raises(RuntimeError, match="not built"):
+            make_held_keys(native=True)
+    else:
+        assert isinstance(make_held_keys(), NativeHeldKeys)
