@@ -52,6 +52,22 @@ def idle_while_waiting_s(samples: list, records: list[CallRecord], period_s: flo
     return idle
 
 
+def timeline(records: list[CallRecord], bin_s: float = 1.0) -> str:
+    """OK completions' tokens per bin_s since the flood's first send, and when the first and last OK answers came:
+    where the flood's span went (getting the calls in, the steady part, the drain)."""
+    ok = [r for r in records if r.code == "OK"]
+    if not ok:
+        return "no OK answers"
+    start = min(r.start_s for r in records)
+    bins = [0] * (int((max(r.end_s for r in ok) - start) / bin_s) + 1)
+    for r in ok:
+        bins[int((r.end_s - start) / bin_s)] += r.completion_tokens
+    last_send = max(r.start_s for r in records) - start
+    first_ok = min(r.end_s for r in ok) - start
+    return (f"last send at {last_send:.2f} s, first OK answer at {first_ok:.2f} s; tok/s per {bin_s:g} s: "
+            + " ".join(f"{b / bin_s:.0f}" for b in bins))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -114,6 +130,7 @@ def main() -> int:
         print(f"  refused in p50 {percentile([r.latency_s for r in refused], 50) * 1000:.0f} ms; retry hints "
               f"{len(hints)}/{len(refused)}, median {percentile(hints, 50):.2f} s")
     print(f"  admitted throughput {flood_tps:.0f} tok/s = {flood_tps / max(loop_tps, 1e-9):.2f} x the closed loop")
+    print(f"  timeline: {timeline(flood_records)}")
     print(f"  replica idle while admitted requests waited: {idle_s:.2f} s ({len(samples)} samples)")
     others = sorted(set(codes) - {"OK", "RESOURCE_EXHAUSTED"})
     for code in others:
