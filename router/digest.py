@@ -128,22 +128,23 @@ def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int,
     }
 
 
-def parse_digest(stats: Mapping[str, Any]) -> ReplicaDigest:
+def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDigest:
     """Decode a dict from build_digest. Raises DigestError if it is not one (wrong version, missing or mistyped
-    field, malformed keys)."""
+    field, malformed keys). applied_seq: the reader already applied this instance's batches up to that seq; those
+    are left out (not checked either): a report repeats its last batches, and decoding them again at every report
+    would cost more than applying the new one."""
     if not isinstance(stats, Mapping):
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
         raise DigestError(f"unsupported digest version {stats.get('v')!r} (expected {DIGEST_VERSION})")
-    values: dict[str, Any] = {}
-    for name in _INT_FIELDS:
-        value = stats.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    # (Exact type checks: a bool is not a count. One pass each: a router parses every replica's report per period.)
+    values: dict[str, Any] = {name: stats.get(name) for name in _INT_FIELDS}
+    for name, value in values.items():
+        if type(value) is not int or value < 0:
             raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
-        values[name] = value
     for name in _FLOAT_FIELDS:
         value = stats.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+        if (type(value) is not float and type(value) is not int) or not 0 <= value < math.inf:
             raise DigestError(f"digest field {name!r} must be a finite non-negative number, got {value!r}")
         values[name] = float(value)
     if values["page_size"] == 0 or values["block_tokens"] == 0 or values["dense_key_tokens"] == 0:
@@ -152,7 +153,7 @@ def parse_digest(stats: Mapping[str, Any]) -> ReplicaDigest:
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
     try:
-        batches = tuple(_batch(b) for b in _list(stats.get("batches"), "batches"))
+        batches = tuple(_batch(b) for b in _list(stats.get("batches"), "batches") if _is_after(b, applied_seq))
         snapshot = _snapshot(stats.get("snapshot"))
     except EventsError as e:
         raise DigestError(str(e)) from None
@@ -165,6 +166,16 @@ def _list(value: Any, what: str) -> list:
     if not isinstance(value, list):
         raise EventsError(f"digest field {what!r} must be a list, got {type(value).__name__}")
     return value
+
+
+def _is_after(value: Any, applied_seq: int) -> bool:
+    """False for a batch at or before applied_seq; anything else (malformed ones included) goes on to _batch."""
+    if not applied_seq:
+        return True
+    try:
+        return not value[0] <= applied_seq
+    except (TypeError, IndexError, KeyError):
+        return True
 
 
 def _batch(value: Any) -> Batch:

@@ -132,6 +132,13 @@ class PrefixIndex:
         state = self._replicas.get(replica_id)
         return None if state is None else state.digest
 
+    def applied_seq(self, replica_id: ReplicaId, instance_id: str) -> int:
+        """The last batch of `instance_id` applied for the replica (0: none, or another instance)."""
+        state = self._replicas.get(replica_id)
+        if state is None or state.digest is None or state.digest.instance_id != instance_id:
+            return 0
+        return state.seq
+
     def is_synced(self, replica_id: ReplicaId) -> bool:
         state = self._replicas.get(replica_id)
         return state is not None and state.synced

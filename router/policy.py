@@ -153,7 +153,8 @@ class PrefixRouterPolicy:
             if not self._is_news(replica_id, stats):
                 return False  # the same report again (routers see each one many times): skip decoding it
             try:
-                stats = parse_digest(stats)
+                instance_id = stats.get("instance_id", "") if isinstance(stats, Mapping) else ""
+                stats = parse_digest(stats, self.index.applied_seq(replica_id, instance_id))
             except DigestError:
                 self._num_rejected_reports += 1
                 return False
