@@ -9,13 +9,14 @@ tick, as Serve's controller broadcasts one record to every router: a replica's r
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
 from array import array
 
-from folio.router.digest import Batch, ReplicaDigest, Snapshot, build_digest
-from folio.router.events import CacheEvents
+from folio.router.digest import DIGEST_VERSION, ReplicaDigest, Snapshot, build_digest
+from folio.router.events import DEFAULT_HISTORY, CacheEvents, pack
 from folio.router.keys import KeyGeometry
 from folio.router.policy import PolicyConfig, PrefixRouterPolicy
 from folio.router.rates import ReplicaRates
@@ -102,8 +103,6 @@ class OurRouter:
         for replica, reporter in zip(self.replicas, self.reporters):
             digest = reporter.report(replica, now)
             if reporter.epoch % 16 == 1:  # sampled: encoding JSON costs more than the report itself
-                import json
-
                 self.digest_bytes = max(self.digest_bytes, len(json.dumps(digest)))
             self.policy.report(replica.replica_id, digest)
 
@@ -116,6 +115,7 @@ class DecisionState:
                  rng: random.Random) -> None:
         self.policy, self.ids, self.prefixes, self.block_tokens, self.rng = policy, ids, prefixes, block_tokens, rng
         self.epoch = 1
+        self.history: dict[int, list] = {}  # replica -> its last batches, as reports carry them
 
 
 def _digest(replica: int, epoch: int, keys: array, batches: tuple, page_size: int, rng: random.Random,
@@ -165,20 +165,26 @@ def time_decisions(state: DecisionState, num_decisions: int) -> list[float]:
 
 
 def time_event_apply(state: DecisionState, events_per_replica: int) -> float:
-    """Seconds to apply one report per replica carrying events_per_replica events (half stored, half evicted: a
-    replica's events of one period), as a router does each period."""
+    """Seconds to apply one report per replica, each carrying events_per_replica new events (half stored, half
+    evicted: a replica's events of one period) among its last DEFAULT_HISTORY batches, as the JSON-able dict a
+    router receives from Serve (decoding included), as a router does each period."""
     rng, policy = state.rng, state.policy
     state.epoch += 1
-    digests = []
+    reports = []
     for replica in state.ids:
-        held = list(policy.index.held_keys(replica))
+        held = sorted(policy.index.held_keys(replica))
         evicted = rng.sample(held, min(len(held), events_per_replica // 2))
         stored = [rng.getrandbits(64) for _ in range(events_per_replica - len(evicted))]
-        batch = Batch(state.epoch, array("Q", stored), array("Q", evicted))
-        digests.append(_digest(replica, state.epoch, array("Q"), (batch,), 16, rng, False))
+        history = state.history.setdefault(replica, [])
+        history.append([state.epoch, pack(stored), pack(evicted)])
+        del history[:-DEFAULT_HISTORY]
+        digest = _digest(replica, state.epoch, array("Q"), (), 16, rng, False)
+        report = {field: getattr(digest, field) for field in digest.__slots__ if field not in ("batches", "snapshot")}
+        reports.append(json.loads(json.dumps({"v": DIGEST_VERSION, **report, "batches": list(history),
+                                              "snapshot": None})))
     start = time.perf_counter()
-    for replica, digest in zip(state.ids, digests):
-        policy.report(replica, digest)
+    for replica, report in zip(state.ids, reports):
+        policy.report(replica, report)
     return time.perf_counter() - start
 
 
