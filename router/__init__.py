@@ -1,8 +1,18 @@
-"""The prefix-aware router: send each request to the replica most likely to hold its prompt's pages.
+"""The prefix-aware router: send each request to the replica where its first token would come soonest, which is
+mostly the one already holding its prompt's pages.
 
-    digest.py   what a replica reports about its cache and load (record_routing_stats), bounded in size
-    index.py    per-replica page index: reported digests reconciled with what this router routed recently
-    policy.py   the cost of a request on each replica, and the ranking a RequestRouter returns
+Replica side (run by the generator replicas, engine-free):
+    keys.py       routing keys: page-hash keys every 64 tokens of a sequence's first 256, then every 256 tokens
+    events.py     the pool's stored / evicted pages as numbered batches of routing keys, with snapshots
+    rates.py      measured prefill speed, decode step time, tokens per job
+    digest.py     the report (record_routing_stats): load, rates, recent batches; and its decoding
+Router side (one per process holding a handle to the generator deployment):
+    index.py      which replica holds which keys: exact from the batches, plus what this router routed recently
+    held_keys.py  the key -> replicas store behind it (folio._native_cpu.KeyIndex when built, else Python)
+    cost.py       predicted time to first token per replica, in seconds
+    policy.py     the decision: prompt keys, matches, shortlist, ranking
+    ray_router.py Ray Serve's RequestRouter around the policy
 
-Pure Python: imports folio.hashing (the engine's page hashes) and nothing else of the engine, no torch, no Ray.
+Imports folio.hashing and, for the native key index, folio.ops (the one module that loads compiled code); no Ray
+except ray_router.py.
 """
