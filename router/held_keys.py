@@ -106,18 +106,23 @@ class PyHeldKeys:
         return len(self._masks)
 
     def match(self, keys: Sequence[int]) -> list[tuple[int, int]]:
-        masks = self._masks
-        found: list[tuple[int, int]] = []
-        seen = 0
-        for depth in range(len(keys), 0, -1):
-            new = masks.get(keys[depth - 1], 0) & ~seen
-            if new:
-                seen |= new
-                while new:
-                    low = new & -new
-                    found.append((low.bit_length() - 1, depth))
-                    new ^= low
-        return found
+        return deepest_in_masks(self._masks, keys)
+
+
+def deepest_in_masks(masks: dict[int, int], keys: Sequence[int]) -> list[tuple[int, int]]:
+    """For each slot whose bit is set in the mask of any of `keys`: (slot, 1-based position of the deepest such
+    key)."""
+    found: list[tuple[int, int]] = []
+    seen = 0
+    for depth in range(len(keys), 0, -1):
+        new = masks.get(keys[depth - 1], 0) & ~seen
+        if new:
+            seen |= new
+            while new:
+                low = new & -new
+                found.append((low.bit_length() - 1, depth))
+                new ^= low
+    return found
 
 
 def make_held_keys(native: bool | None = None) -> HeldKeys:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from folio.router.digest import Batch, ReplicaDigest
-from folio.router.held_keys import HeldKeys, make_held_keys
+from folio.router.held_keys import HeldKeys, deepest_in_masks, make_held_keys
 
 ReplicaId = Hashable
 
@@ -247,19 +247,9 @@ class PrefixIndex:
         it holds. O(len(keys) + replicas found)."""
         reported_of = dict(self._held.match(keys))
         depth_of = dict(reported_of)
-        routed = self._routed
-        if routed:
-            found = 0
-            for depth in range(len(keys), 0, -1):
-                new = routed.get(keys[depth - 1], 0) & ~found
-                if new:
-                    found |= new
-                    while new:
-                        low = new & -new
-                        slot = low.bit_length() - 1
-                        if depth > depth_of.get(slot, 0):
-                            depth_of[slot] = depth
-                        new ^= low
+        for slot, depth in deepest_in_masks(self._routed, keys) if self._routed else ():
+            if depth > depth_of.get(slot, 0):
+                depth_of[slot] = depth
         return {slot: Match(depth, reported_of.get(slot, 0)) for slot, depth in depth_of.items()}
 
 

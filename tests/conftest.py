@@ -77,3 +77,21 @@ def peaked(peaked_dir) -> EngineParts:
 @pytest.fixture(scope="session")
 def demo(demo_dir) -> EngineParts:
     return EngineParts(demo_dir)
+
+
+@pytest.fixture(params=["native", "python"])
+def held_keys_implementation(request, monkeypatch):
+    """folio.router.index builds its held-key store (folio.router.held_keys) as the native one or its Python twin;
+    tests that use this fixture run over both."""
+    from folio.ops import native_key_index
+    from folio.router import index
+    from folio.router.held_keys import NativeHeldKeys, PyHeldKeys
+
+    if request.param == "native":
+        native = native_key_index()
+        if native is None:
+            pytest.skip("folio._native_cpu is not built")
+        monkeypatch.setattr(index, "make_held_keys", lambda: NativeHeldKeys(native))
+    else:
+        monkeypatch.setattr(index, "make_held_keys", PyHeldKeys)
+    return request.param

@@ -47,21 +47,8 @@ GEOMETRIES = [(16, 0, DENSE_KEY_TOKENS), (8, 8, DENSE_KEY_TOKENS), (4, 0, DENSE_
 
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def held_keys_implementation(request, monkeypatch):
-    """Every test here runs over both held-key stores (folio.router.held_keys): the native one and its Python twin."""
-    from folio.ops import native_key_index
-    from folio.router import index
-    from folio.router.held_keys import NativeHeldKeys, PyHeldKeys
-
-    if request.param == "native":
-        native = native_key_index()
-        if native is None:
-            pytest.skip("folio._native_cpu is not built")
-        monkeypatch.setattr(index, "make_held_keys", lambda: NativeHeldKeys(native))
-    else:
-        monkeypatch.setattr(index, "make_held_keys", PyHeldKeys)
-    return request.param
+# Every test here runs over both held-key stores (folio.router.held_keys): the native one and its Python twin.
+pytestmark = pytest.mark.usefixtures("held_keys_implementation")
 
 def is_key_depth(depth: int, block_tokens: int, dense_tokens: int, dense_key_tokens: int = DENSE_KEY_TOKENS) -> bool:
     """The oracle's rule, written out here: in the first dense_tokens, every dense_key_tokens-th page (the page ending

@@ -54,21 +54,8 @@ DEFAULTS = PolicyConfig()  # default_prefill_tokens_per_s, default_decode_step_s
 
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def held_keys_implementation(request, monkeypatch):
-    """Every test here runs over both held-key stores (folio.router.held_keys): the native one and its Python twin."""
-    from folio.ops import native_key_index
-    from folio.router import index
-    from folio.router.held_keys import NativeHeldKeys, PyHeldKeys
-
-    if request.param == "native":
-        native = native_key_index()
-        if native is None:
-            pytest.skip("folio._native_cpu is not built")
-        monkeypatch.setattr(index, "make_held_keys", lambda: NativeHeldKeys(native))
-    else:
-        monkeypatch.setattr(index, "make_held_keys", PyHeldKeys)
-    return request.param
+# Every test here runs over both held-key stores (folio.router.held_keys): the native one and its Python twin.
+pytestmark = pytest.mark.usefixtures("held_keys_implementation")
 
 def is_key_depth(depth: int) -> bool:
     """Written out: the page ends at a multiple of BLOCK_TOKENS, or lies in the first DENSE_TOKENS and ends at a
