@@ -43,7 +43,8 @@ class _Reporter:
         self.epoch += 1
         digest = build_digest(replica.pool, self.events, replica.num_running, len(replica.waiting), self.epoch,
                               instance_id=f"sim-{replica.replica_id}", max_running=replica.max_running,
-                              num_prefill_tokens=replica.num_prefill_tokens(now), rates=self.rates)
+                              num_prefill_tokens=replica.num_prefill_tokens(now),
+                              num_received=replica.num_requests, rates=self.rates)
         self.last = (now, digest)
         return digest
 
@@ -122,7 +123,7 @@ def _digest(replica: int, epoch: int, keys: array, batches: tuple, page_size: in
             snapshot: bool) -> ReplicaDigest:
     return ReplicaDigest(
         instance_id=f"r{replica}", epoch=epoch, num_running=rng.randint(0, 32), num_queued=rng.randint(0, 4),
-        max_running=32, num_prefill_tokens=rng.randint(0, 8192), page_size=page_size, num_pages=8192,
+        max_running=32, num_prefill_tokens=rng.randint(0, 8192), num_received=0, page_size=page_size, num_pages=8192,
         num_free_pages=0, num_allocatable_pages=4096, prefill_tokens_per_s=rng.uniform(6000, 10000),
         decode_step_s=0.03, mean_new_tokens=200.0, block_tokens=256, dense_tokens=0, dense_key_tokens=64, seq=epoch,
         batches=batches, snapshot=Snapshot(epoch, keys) if snapshot else None)

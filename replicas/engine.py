@@ -106,6 +106,7 @@ class Engine:
     draft_model: Model | None = None  # speculative decoding's draft model (config.draft_model_path)
     cache_events: CacheEvents | None = None  # the pool's routing keys, batched for routers (engine thread only)
     _num_dropped_page_events: int = 0
+    num_received: int = 0  # requests start_job was given (routers tell their share of the traffic from it)
 
     def __post_init__(self) -> None:
         if self.cache_events is None:
@@ -179,7 +180,8 @@ class Engine:
             queued = runner.num_remaining_jobs - running  # the scheduler's queue + enqueues not applied yet
             return build_digest(snapshot, events, running=running, queued=queued, epoch=epoch,
                                 instance_id=instance_id, max_running=generator.max_batch_size,
-                                num_prefill_tokens=num_prefill_tokens(generator), rates=self.totals.rates)
+                                num_prefill_tokens=num_prefill_tokens(generator),
+                                num_received=self.num_received, rates=self.totals.rates)
 
         return await runner.run_in_engine(build)
 
@@ -189,6 +191,7 @@ class Engine:
         """Enqueue; raises InvalidRequest (the engine rejects it), Unimplemented (a feature this engine lacks),
         Overloaded (queue full), ReplicaUnavailable. The response_format's filter compiles at enqueue, on the engine
         thread: one that does not compile ends the stream with InvalidRequest before any chunk (see stream)."""
+        self.num_received += 1
         job_kwargs = job_kwargs_of(request)
         try:
             ajob = DynamicJobAsync(self.runner, **job_kwargs)

@@ -16,6 +16,11 @@ counts as waiting (reports are a period old). jobs are the last report's plus wh
 since, or fresher counts from the caller (Ray's queue-length cache). One unit, seconds, so no weight needs tuning per
 workload: a shared prefix is worth exactly the prefill time it saves, against exactly the wait it costs.
 
+Several routers (one per ingress replica) share a fleet and see the same reports, but each knows only its own
+requests between them. Each counts the routers sharing the fleet (num_routers: what the replicas report receiving
+against what it sent them, over the last half minute of reports) and weighs a request it routes that many times
+until the next report, since the others, seeing what it sees, send as many meanwhile.
+
 Per-replica values live in flat numpy arrays indexed by the index's slots, so wait() for every replica is a few
 vector operations, and the shortlist (the k replicas that wait least) is one argpartition.
 """
@@ -40,6 +45,11 @@ class CostDefaults:
     mean_new_tokens: float = 128.0
 
 
+# Routers sharing a fleet (one per ingress replica) are counted from the last SHARE_WINDOW_S seconds of reports.
+SHARE_WINDOW_S = 30.0
+MAX_ROUTERS = 256.0
+
+
 class LoadTable:
     """Per-slot load and speed. Slots come from folio.router.index.PrefixIndex; times are `clock()` seconds.
 
@@ -47,8 +57,9 @@ class LoadTable:
     a vector, recomputed for all slots (vectorised) after reports changed the fleet, at most once per decision, and
     for one slot in Python scalars when this router routes a request there."""
 
-    _FIELDS = ("known", "jobs", "routed_jobs", "busy_until", "max_running", "prefill_rate", "decode_step",
-               "new_tokens", "allocatable_pages", "page_size", "eff_prefill", "eff_step", "eff_new", "settled")
+    _FIELDS = ("known", "jobs", "routed_jobs", "routed_load", "received", "busy_until", "max_running",
+               "prefill_rate", "decode_step", "new_tokens", "allocatable_pages", "page_size", "eff_prefill", "eff_step",
+               "eff_new", "settled")
 
     def __init__(self, defaults: CostDefaults | None = None, *, clock: Callable[[], float],
                  capacity: int = 64) -> None:
@@ -58,6 +69,10 @@ class LoadTable:
             setattr(self, name, np.zeros(capacity))
         self._stale = True  # reports changed something since `settled` and the effective rates were computed
         self._reported_backlog: dict[int, tuple[float, int]] = {}  # slot -> (report time, prefill tokens)
+        # Decaying sums over the fleet's reports: requests this router sent, and requests the replicas received.
+        self._own_sent = self._all_received = 0.0
+        self._sums_at = clock()
+        self.num_routers = 1.0  # routers sharing the fleet, as estimated from those sums
 
     def ensure(self, slot: int) -> None:
         size = len(self.known)
@@ -79,9 +94,12 @@ class LoadTable:
 
     def set_report(self, slot: int, digest: ReplicaDigest) -> None:
         self.ensure(slot)
+        if self.known[slot] and digest.num_received >= self.received[slot]:
+            self._count_share(float(self.routed_jobs[slot]), digest.num_received - float(self.received[slot]))
         self.known[slot] = 1.0
         self.jobs[slot] = digest.num_jobs
-        self.routed_jobs[slot] = 0.0
+        self.received[slot] = digest.num_received
+        self.routed_jobs[slot] = self.routed_load[slot] = 0.0
         self.max_running[slot] = digest.max_running
         self.prefill_rate[slot] = digest.prefill_tokens_per_s
         self.decode_step[slot] = digest.decode_step_s
@@ -92,15 +110,27 @@ class LoadTable:
         # Converted to time at the next refresh, with the rates as of all the reports that came together.
         self._reported_backlog[slot] = (self._clock(), digest.num_prefill_tokens)
 
+    def _count_share(self, own_sent: float, received: float) -> None:
+        now = self._clock()
+        decay = math.exp(-(now - self._sums_at) / SHARE_WINDOW_S)
+        self._own_sent = self._own_sent * decay + own_sent
+        self._all_received = self._all_received * decay + received
+        self._sums_at = now
+        if self._own_sent >= 1.0:
+            self.num_routers = min(max(self._all_received / self._own_sent, 1.0), MAX_ROUTERS)
+
     def add_routed(self, slot: int, num_prefill_tokens: int) -> None:
-        """This router sent the replica a request with about num_prefill_tokens to prefill."""
+        """This router sent the replica a request with about num_prefill_tokens to prefill. Until the next report
+        it counts num_routers times: routers that share the fleet and see the same reports make the same choices
+        in expectation, so while this one sends a request to the replica, the others send as many."""
         self.ensure(slot)
         self.refresh()
         self.routed_jobs[slot] += 1
+        self.routed_load[slot] += self.num_routers
         now = self._clock()
-        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + num_prefill_tokens / float(
+        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + self.num_routers * num_prefill_tokens / float(
             self.eff_prefill[slot])
-        jobs = float(self.jobs[slot] + self.routed_jobs[slot])
+        jobs = float(self.jobs[slot] + self.routed_load[slot])
         max_running = max(float(self.max_running[slot]), 1.0)
         step, new = float(self.eff_step[slot]), float(self.eff_new[slot])
         self.settled[slot] = max(jobs + 1.0 - max_running, 0.0) / max_running * new * step + jobs / max_running * step
@@ -120,7 +150,7 @@ class LoadTable:
         for slot, (reported_at, tokens) in self._reported_backlog.items():
             self.busy_until[slot] = reported_at + tokens / float(self.eff_prefill[slot])
         self._reported_backlog.clear()
-        self.settled[:] = self._settled(slice(None), self.jobs + self.routed_jobs)
+        self.settled[:] = self._settled(slice(None), self.jobs + self.routed_load)
         self._stale = False
 
     def _settled(self, slots, jobs: np.ndarray) -> np.ndarray:
@@ -136,7 +166,7 @@ class LoadTable:
         prefill_wait = np.maximum(self.busy_until[slots] - self._clock(), 0.0)
         if fresh_jobs is None:
             return prefill_wait + self.settled[slots]
-        estimated = self.jobs[slots] + self.routed_jobs[slots]
+        estimated = self.jobs[slots] + self.routed_load[slots]
         return prefill_wait + self._settled(slots, np.where(np.isnan(fresh_jobs), estimated, fresh_jobs))
 
     def prefill_wait_of(self, slot: int) -> float:

@@ -13,6 +13,8 @@ reports for routers that missed batches. Format (plain JSON-able types, version 
     num_queued             int: jobs waiting inside the replica
     max_running            int: jobs the engine runs at once (its max batch size); 0 if unknown
     num_prefill_tokens     int: prompt tokens of running and queued jobs not prefilled yet
+    num_received           int: requests the replica received since it started (every router's: a router tells
+                           its share of the traffic from it, folio.router.cost)
     page_size              int: tokens per page
     num_pages              int: pages in the pool
     num_free_pages         int: pages with no content
@@ -43,7 +45,8 @@ from folio.router.rates import ReplicaRates
 
 DIGEST_VERSION = 2
 
-_INT_FIELDS = ("epoch", "num_running", "num_queued", "max_running", "num_prefill_tokens", "page_size", "num_pages",
+_INT_FIELDS = ("epoch", "num_running", "num_queued", "max_running", "num_prefill_tokens", "num_received", "page_size",
+               "num_pages",
                "num_free_pages", "num_allocatable_pages", "block_tokens", "dense_tokens", "dense_key_tokens",
                "seq")
 _FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_step_s", "mean_new_tokens")
@@ -85,6 +88,7 @@ class ReplicaDigest:
     num_queued: int
     max_running: int
     num_prefill_tokens: int
+    num_received: int
     page_size: int
     num_pages: int
     num_free_pages: int
@@ -105,7 +109,7 @@ class ReplicaDigest:
 
 
 def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int, epoch: int, *,
-                 instance_id: str = "", max_running: int = 0, num_prefill_tokens: int = 0,
+                 instance_id: str = "", max_running: int = 0, num_prefill_tokens: int = 0, num_received: int = 0,
                  rates: ReplicaRates | None = None) -> dict[str, Any]:
     """The report of a replica whose pool is `pool` and whose pool events went into `events` (this closes a batch
     of them). Call where the pool and the job counts are consistent (the engine thread, between steps)."""
@@ -119,6 +123,7 @@ def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int,
         "num_queued": int(queued),
         "max_running": int(max_running),
         "num_prefill_tokens": int(num_prefill_tokens),
+        "num_received": int(num_received),
         "page_size": int(pool.page_size),
         "num_pages": int(pool.num_pages),
         "num_free_pages": int(pool.num_free),

@@ -54,8 +54,9 @@ class Mode(enum.Enum):
 @dataclass(frozen=True)
 class PolicyConfig:
     """shortlist_size / sampled: besides the replicas holding part of the prompt, `sampled` replicas drawn at random
-        from the `shortlist_size` that wait least are scored. Drawn, not the least waiting: several ingress routers
-        share a view of the fleet a report period old, and all would send their next requests to the same replica.
+        from the `shortlist_size` that wait least (times the routers sharing the fleet, folio.router.cost) are
+        scored. Drawn, not the least waiting: several ingress routers share a view of the fleet a report period old,
+        and all would send their next requests to the same replica.
     routed_ttl_s / max_routed_keys: the index's record of prompts routed but not reported yet.
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
@@ -225,7 +226,8 @@ class PrefixRouterPolicy:
             if slot < len(position_of) and position_of[slot] >= 0:
                 shortlist[int(position_of[slot])] = match
         mode = Mode.AFFINITY if shortlist else Mode.LOAD
-        k = self.config.shortlist_size
+        # Several routers choosing at once from the same view spread over as many times the candidates.
+        k = min(len(slots), round(self.config.shortlist_size * self.loads.num_routers))
         # Chosen by what a request sharing nothing would wait there, page shortfall included.
         unshared = wait + self.loads.shortfall_s(slots, prompt_len)
         least = (np.argpartition(unshared, k)[:k] if len(slots) > k else np.arange(len(slots))).tolist()

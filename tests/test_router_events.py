@@ -713,14 +713,15 @@ def test_digest_round_trips_through_json():
     pool.num_free, pool.num_allocatable = 11, 40
     rates = ReplicaRates(prefill_tokens_per_s=1234.5, decode_step_s=0.025, mean_new_tokens=77.0)
     stats = build_digest(pool, events, running=3, queued=1, epoch=7, instance_id="x", max_running=8,
-                         num_prefill_tokens=100, rates=rates)
+                         num_prefill_tokens=100, num_received=42, rates=rates)
     assert set(stats) == {"v", "instance_id", "epoch", "num_running", "num_queued", "max_running",
-                          "num_prefill_tokens", "page_size", "num_pages", "num_free_pages", "num_allocatable_pages",
+                          "num_prefill_tokens", "num_received", "page_size", "num_pages", "num_free_pages",
+                          "num_allocatable_pages",
                           "prefill_tokens_per_s", "decode_step_s", "mean_new_tokens", "block_tokens", "dense_tokens",
                           "dense_key_tokens", "seq", "batches", "snapshot"}
     digest = parse_digest(json.loads(json.dumps(stats)))
     assert (digest.instance_id, digest.epoch, digest.num_running, digest.num_queued, digest.num_jobs,
-            digest.max_running, digest.num_prefill_tokens) == ("x", 7, 3, 1, 4, 8, 100)
+            digest.max_running, digest.num_prefill_tokens, digest.num_received) == ("x", 7, 3, 1, 4, 8, 100, 42)
     assert (digest.page_size, digest.num_pages, digest.num_free_pages, digest.num_allocatable_pages) == (
         PAGE_SIZE, 77, 11, 40)
     assert (digest.prefill_tokens_per_s, digest.decode_step_s, digest.mean_new_tokens) == (1234.5, 0.025, 77.0)

@@ -28,12 +28,15 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from fakes import FakePool
 
 from folio.cache import PageEvent, PageEventKind
 from folio.hashing import page_hashes
+from folio.router.cost import LoadTable
 from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.keys import page_key
@@ -784,3 +787,48 @@ def test_key_geometry_comes_from_the_reports(clock):
     assert policy.prompt_keys(tokens) == [page_key(hashes[2]), page_key(hashes[3])]
     decision = policy.choose(["r0", "r1", "r2", "r3"], tokens)  # r3 has not reported
     assert decision.best == "r0" and decision.num_cached_tokens["r0"] == 3 * 32
+
+
+# ---- several routers sharing a fleet ----------------------------------------------------------------------------
+
+
+def _load_report(received: int, backlog: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(num_jobs=0, num_received=received, max_running=8, prefill_tokens_per_s=1000.0,
+                           decode_step_s=0.02, mean_new_tokens=50.0, num_allocatable_pages=100, page_size=16,
+                           num_prefill_tokens=backlog)
+
+
+def test_a_router_counts_the_routers_sharing_the_fleet_from_what_the_replicas_received():
+    """Its own requests against what the replicas report receiving: with three routers sending alike, it counts
+    three, and a request it routes weighs three until the next report (the others send as many meanwhile)."""
+    clock = Clock()
+    loads = LoadTable(clock=clock)
+    loads.set_report(0, _load_report(received=0))
+    assert loads.num_routers == 1.0
+    for _ in range(10):
+        loads.add_routed(0, 0)
+    clock.now += 1.0
+    loads.set_report(0, _load_report(received=30))  # 10 of ours, 20 from two other routers
+    assert loads.num_routers == pytest.approx(3.0)
+    before = loads.wait_s(np.array([0]))[0]
+    loads.add_routed(0, 500)
+    assert loads.wait_s(np.array([0]))[0] - before == pytest.approx(3 * 500 / 1000.0 + 3 * 0.02 / 8)
+    for _ in range(10):  # alone from now on: the estimate follows within its window
+        clock.now += 1.0
+        for _ in range(10):
+            loads.add_routed(0, 0)
+        clock.now += 1.0
+        loads.set_report(0, _load_report(received=int(loads.received[0]) + 10))
+    assert 1.0 <= loads.num_routers < 3.0
+
+
+def test_a_lone_router_counts_one():
+    clock = Clock()
+    loads = LoadTable(clock=clock)
+    loads.set_report(0, _load_report(received=5))
+    for step in range(1, 6):
+        for _ in range(4):
+            loads.add_routed(0, 100)
+        clock.now += 1.0
+        loads.set_report(0, _load_report(received=5 + 4 * step))
+        assert loads.num_routers == 1.0
