@@ -32,7 +32,7 @@ class _Reporter:
         self.epoch = 0
         self.last: tuple[float, dict] | None = None
         self.num_events = 0
-        self._finished = _observe_finished(replica, self.rates)
+        _observe_finished(replica, self.rates)
 
     def report(self, replica, now: float) -> dict:
         if self.last is not None and self.last[0] == now:
@@ -49,30 +49,22 @@ class _Reporter:
         return digest
 
 
-def _observe_finished(replica, rates: ReplicaRates):
+def _observe_finished(replica, rates: ReplicaRates) -> None:
     """Wrap the replica's finish() to measure tokens generated per job, as the engine's replica does."""
     finish = replica.finish
-    if getattr(finish, "folio_observed", False):
-        return finish
 
     def observed(job) -> None:
         rates.observe_finished(job.req.num_response_tokens)
         finish(job)
 
-    observed.folio_observed = True
     replica.finish = observed
-    return observed
-
-
-_REPORTERS: dict[int, _Reporter] = {}
 
 
 def reporter_of(replica, args: argparse.Namespace) -> _Reporter:
-    key = id(replica)
-    found = _REPORTERS.get(key)
-    if found is None or found.replica_ref is not replica:
-        found = _REPORTERS[key] = _Reporter(replica, args)
-        found.replica_ref = replica
+    """The replica's report source, one per replica however many routers read it (kept on the replica)."""
+    found = getattr(replica, "folio_reporter", None)
+    if found is None:
+        found = replica.folio_reporter = _Reporter(replica, args)
     return found
 
 

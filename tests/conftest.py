@@ -85,13 +85,13 @@ def held_keys_implementation(request, monkeypatch):
     tests that use this fixture run over both."""
     from folio.ops import native_key_index
     from folio.router import index
-    from folio.router.held_keys import NativeHeldKeys, PyHeldKeys
+    from folio.router.held_keys import PyHeldKeys
 
     if request.param == "native":
         native = native_key_index()
         if native is None:
             pytest.skip("folio._native_cpu is not built")
-        monkeypatch.setattr(index, "make_held_keys", lambda: NativeHeldKeys(native))
+        monkeypatch.setattr(index, "make_held_keys", native)
     else:
         monkeypatch.setattr(index, "make_held_keys", PyHeldKeys)
     return request.param

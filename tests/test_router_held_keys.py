@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from folio.ops import native_key_index
-from folio.router.held_keys import NativeHeldKeys, PyHeldKeys, make_held_keys
+from folio.router.held_keys import PyHeldKeys, make_held_keys
 
 IMPLEMENTATIONS = ["python", "native"]
 
@@ -21,7 +21,7 @@ def build(kind: str):
     native = native_key_index()
     if native is None:
         pytest.skip("folio._native_cpu is not built")
-    return NativeHeldKeys(native)
+    return native()
 
 
 def model_match(model: dict[int, set[int]], keys: list[int]) -> set[tuple[int, int]]:
@@ -88,4 +88,4 @@ def test_make_held_keys_prefers_the_native_index_and_honours_a_request():
         with pytest.raises(RuntimeError, match="not built"):
             make_held_keys(native=True)
     else:
-        assert isinstance(make_held_keys(), NativeHeldKeys)
+        assert isinstance(make_held_keys(), native_key_index())
