@@ -97,3 +97,15 @@ def _chained_hashes(token_ids: Sequence[int], num_pages: int, page_size: int, na
         prev_hash = _digest(prev_hash, packed[page_idx * page_bytes : (page_idx + 1) * page_bytes], namespace)
         hashes.append(prev_hash)
     return hashes
+
+
+def sequence_namespace(adapter_id: bytes | None = None, embeddings_digest: bytes | None = None) -> bytes:
+    """The hash namespace of a sequence: empty for the base model with token ids only, else a length-prefixed
+    record of the LoRA adapter's identity (its content digest, not its name: an adapter reloaded under the same
+    name with other weights must not match) and the digest of the embeddings injected into the prompt. Each part
+    is tagged, so an adapter id can never read as an embeddings digest."""
+    parts = []
+    for tag, value in ((b"lora", adapter_id), (b"embeddings", embeddings_digest)):
+        if value:
+            parts.append(tag + struct.pack("<Q", len(value)) + value)
+    return b"".join(parts)
