@@ -3,6 +3,7 @@
     python bench/engine.py [--workloads W4,W2,W3,W5,W1] [--no-peers] [--peer-requests 64] [--groups 16]
                            [--peer-reference W2:455,W3:218] [--chunk-size 8192] [--no-overlap] [--profile-host]
                            [--no-pdl] [--decode-attention simt] [--no-prefill-cudnn] [--no-residual-gemm]
+                           [--loras 8 [--lora-rank 16]]
     python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
     ENGINE_BENCH=1 bash bench/gpu.sh                  (after the build, the GPU tests and the kernel benchmark)
 
@@ -52,6 +53,7 @@ from folio import (  # noqa: E402
     Tokenizer,
     activation_reserve_bytes,
 )
+from folio.lora import random_adapter  # noqa: E402
 from folio.model import flash  # noqa: E402
 from folio.options import EngineOptions  # noqa: E402
 from folio.stats import PHASES  # noqa: E402
@@ -66,6 +68,7 @@ SHAPES = {
 }
 COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=0,
               eos_token_id=None, architectures=["LlamaForCausalLM"])
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.8)
 OPTIONS: dict = {}  # command-line switches that reach into helpers (no_overlap, engine_options)
 FLASH_STATES: list[flash.FlashState] = []  # every model's prefill-attention probes, for engine.json
@@ -259,8 +262,10 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
 
 
 def run_folio(gen: DynamicGenerator, prompts: list[list[int]], new_tokens: list[int], settings: SamplerSettings,
-              device: torch.device) -> RunResult:
-    jobs = [DynamicJob(input_ids=p, max_new_tokens=n, stop_conditions=[], gen_settings=settings, seed=i)
+              device: torch.device, loras: int = 0) -> RunResult:
+    """loras: job i runs with adapter f"lora{i % loras}" (registered beforehand; 0: none)."""
+    jobs = [DynamicJob(input_ids=p, max_new_tokens=n, stop_conditions=[], gen_settings=settings, seed=i,
+                       lora=f"lora{i % loras}" if loras else None)
             for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     profile = StepProfile()
     sync(device)
@@ -625,15 +630,20 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
     if OPTIONS.get("chunk_size"):
         note += f", max_chunk_size {OPTIONS['chunk_size']}"
     row = None
-    for prefill_ahead in OPTIONS.get("prefill_ahead") or [True]:  # several: an A/B in one process
-        res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead)
-        variant = Row(workload, "folio", note + ("" if prefill_ahead else ", prefill ahead off"), res.tokens_per_s,
+    variants = [(p, 0) for p in OPTIONS.get("prefill_ahead") or [True]]  # several: an A/B in one process
+    if workload == "W2" and args.loras:  # the same workload again, its jobs spread over random LoRA adapters
+        variants.append((True, args.loras))
+    for prefill_ahead, loras in variants:
+        res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead, loras)
+        label = ("" if prefill_ahead else ", prefill ahead off") + (
+            f", {loras} LoRA adapters r{args.lora_rank} q/k/v/o/gate/up/down" if loras else "")
+        variant = Row(workload, "folio", note + label, res.tokens_per_s,
                       median_ms(res.ttft_s), median_ms(res.tpot_s), vs_limit=res.tokens_per_s / limit,
                       extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
                              "decode_graph_gpu_ms_batch256": gpu_ms, "weights_only_limit_tok_s": limit})
         rows.append(variant)
         row = row or variant
-        log(f"  folio {workload}{'' if prefill_ahead else ' (prefill ahead off)'}: {res.tokens_per_s:.0f} tok/s, "
+        log(f"  folio {workload}{label}: {res.tokens_per_s:.0f} tok/s, "
             f"{res.output_tokens} tokens in {res.wall_s:.1f} s, profile {res.profile}, graph step {gpu_ms} ms")
     reference = dict(item.split(":") for item in args.peer_reference.split(",") if item)
     if workload in reference:
@@ -654,19 +664,27 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
 
 
 def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq_len: int,
-                   prefill_ahead: bool) -> tuple[RunResult, float | None]:
+                   prefill_ahead: bool, loras: int = 0) -> tuple[RunResult, float | None]:
     """One folio run of a throughput workload on a fresh generator: its result and the graph decode step's GPU
-    time at batch 256 (ms)."""
+    time at batch 256 (ms). loras: that many random adapters (folio.lora.random_adapter), jobs spread over them."""
     settings = SamplerSettings()
     gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts),
                                 prefill_ahead=prefill_ahead)
+    model = pair.model
+    for k in range(loras):
+        gen.loras.add(random_adapter(f"lora{k}", model.config, args.lora_rank, LORA_TARGETS, model.device,
+                                     model.dtype, seed=k))
+    if loras:
+        log(f"  {loras} LoRA adapters of rank {args.lora_rank}; grouped_mm {'on' if gen.loras.grouped else 'off'}")
     gen.warmup()
     dense_before = pair.model.flash_state.dense_calls
-    res = run_folio(gen, prompts, new_tokens, settings, pair.model.device)
+    res = run_folio(gen, prompts, new_tokens, settings, pair.model.device, loras)
     log(f"  {workload}: {gen.num_steps} steps, {res.profile['launched_ahead']} launched ahead "
         f"({res.profile['prompt_steps_ahead']} with prompt tokens); prompt attention on cuDNN's dense path in "
         f"{pair.model.flash_state.dense_calls - dense_before} layer calls")
-    gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
+    # (steps with adapter rows run eagerly: the captured graph's time says nothing about them)
+    gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" and not loras \
+        else None
     if args.profile_host:
         import cProfile
         import pstats
@@ -822,6 +840,9 @@ def main() -> None:
                         "comma list (e.g. on,off,on,off) runs the workload once per entry, an A/B in one process")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
+    parser.add_argument("--loras", type=int, default=0, help="W2: run it again with its jobs spread over this many "
+                        "random LoRA adapters on q/k/v/o/gate/up/down (e.g. 8)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the --loras adapters")
     parser.add_argument("--trace-steps", default="", help="A:B: profile steps [A, B) of each workload's first "
                         "folio run and print the device timeline (busy share, idle gaps, top kernels)")
     # EngineOptions for A/B timing (bench/ab.sh's variants pass these)

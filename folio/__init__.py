@@ -25,6 +25,7 @@ _PUBLIC = {
     "CacheSnapshot": "folio.cache.manager",
     "PrefixCacheStats": "folio.cache.manager",
     "DynamicJob": "folio.job",
+    "InjectedEmbeddings": "folio.embeddings",
     "JobState": "folio.job",
     "SamplerSettings": "folio.sampling",
     "SAMPLER_LIMITS": "folio.limits",

@@ -17,12 +17,16 @@ from typing import Any, NamedTuple
 import torch
 
 from folio import cfg, convenience, isolation
+from folio import embeddings as injected
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
+from folio.hashing import sequence_namespace
 from folio.job import DynamicJob, JobState
 from folio.kv_cache import Cache
+from folio.lora import LoraInfo, LoraRegistry
 from folio.model.model import Model
+from folio.model.windows import released_window
 from folio.options import EngineOptions
 from folio.pipeline import LaunchAhead
 from folio.results import Result
@@ -92,7 +96,9 @@ class DynamicGenerator:
         self.max_q_size = positive_int("max_q_size", max_q_size)
         self.max_queued_jobs = None if max_queued_jobs is None else positive_int("max_queued_jobs", max_queued_jobs)
         self.vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
-        self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache)
+        # (a draft model reads the same block tables: pages go back early only where neither model reads them)
+        window = released_window(*(m.config.layer_windows for m in (model, draft_model) if m is not None))
+        self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window)
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
         if cuda_graphs is None and self.options.ops_backend == "reference":
             cuda_graphs = False  # the reference ops synchronize: they cannot be captured
@@ -107,6 +113,7 @@ class DynamicGenerator:
         graph_rows = target_graph_rows(self.max_batch_size, num_draft_tokens if self.speculator else None)
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, self.vocab_size,
                                   self.max_q_size, cuda_graphs, max_graph_rows=graph_rows)
+        self.loras = self.runner.loras = LoraRegistry(model)  # LoRA adapters (folio.lora)
         if self.speculator is not None and self.speculator.draft_runner is not None:
             self.runner.on_forward = self.speculator.draft_runner.mirror
         graphs = self.runner.graphs is not None
@@ -142,6 +149,8 @@ class DynamicGenerator:
                      page_size=self.page_size)
         cfg.validate(job, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, num_pages=self.cache.num_pages,
                      page_size=self.page_size, max_batch_size=self.max_batch_size)
+        injected.check_engine(job, hidden_size=self.model.config.hidden_size, draft_model=self.draft_model is not None)
+        self.loras.resolve(job.lora)
 
     def enqueue(self, job: DynamicJob | Iterable[DynamicJob]) -> int | list[int]:
         if isinstance(job, DynamicJob):
@@ -155,8 +164,15 @@ class DynamicGenerator:
         if self.max_queued_jobs is not None and self.num_pending_jobs() >= self.max_queued_jobs:
             raise QueueFull(f"the generator's queue is full ({self.max_queued_jobs} waiting jobs); "
                             f"raise max_queued_jobs or wait for jobs to start")
+        injected.bind(job, self.model.device, self.model.dtype)
+        job.lora_adapter = self.loras.resolve(job.lora)
         job.bind(next(self._serials), self.tokenizer, self.vocab_size)
         job.sequence = cfg.sequences(job)  # (with a CFG job's negative sequence as its cfg_partner)
+        # part of every page hash: what besides the token ids changes the job's K/V (LoRA adapter, embeddings)
+        namespace = sequence_namespace(adapter_id=job.lora_adapter and job.lora_adapter.adapter_id,
+                                       embeddings_digest=injected.digest(job))
+        for seq in cfg.group(job.sequence):
+            seq.namespace = namespace
         self.emitter.add(job.sequence)
         return job.serial
 
@@ -183,6 +199,19 @@ class DynamicGenerator:
             self.cancel(job)
         self.pipeline.clear()
         self._deferred.clear()
+
+    # --- LoRA adapters (folio.lora): between steps, like every call on this object ---
+
+    def load_lora(self, name: str, path: str) -> LoraInfo:
+        """Load a PEFT adapter directory as `name`, for jobs with DynamicJob(lora=name)."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`. Refused (RuntimeError) while a queued or running job uses it."""
+        self.loras.unload(name, list(self.emitter.live))
+
+    def list_loras(self) -> list[LoraInfo]:
+        return self.loras.infos()
 
     # --- the cache ---
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from folio import cfg
+from folio import embeddings as injected
 from folio.banned import BannedStrings, BannedTextStream, validate_banned_strings
 from folio.constrain.base import Filter
 from folio.constrain.healing import HealingFilter
@@ -26,6 +27,7 @@ from folio.text import TextStream
 if TYPE_CHECKING:
     import torch
 
+    from folio.embeddings import InjectedEmbeddings
     from folio.sequence import Sequence
     from folio.tokenizer import Tokenizer
 
@@ -69,6 +71,10 @@ class DynamicJob:
     again as a token whose bytes start with its bytes (folio.constrain.healing); only the bytes it adds are output
     as text. The healed token is not counted in max_new_tokens, min_new_tokens nor the final `new_tokens`; the
     job's filters start at the token after it. A prompt of one token cannot heal: ValueError.
+    `embeddings`: folio.InjectedEmbeddings whose rows replace their placeholder ids in input_ids (multimodal front
+    ends; folio.embeddings says how, and which combinations are refused).
+    `lora`: the name of a LoRA adapter loaded into the generator (`load_lora`) that this job runs with (None: the
+    base model). Unknown names are refused at enqueue; the job keeps the adapter until it ends (folio.lora).
     """
 
     def __init__(
@@ -89,9 +95,17 @@ class DynamicJob:
         filter_prefer_eos: bool = False,
         banned_strings: Sequence[str] | None = None,
         token_healing: bool = False,
+        embeddings: Sequence[InjectedEmbeddings] | None = None,
+        lora: str | None = None,
     ):
         # two prompts (positive, negative): classifier-free guidance (folio.cfg)
         self.input_ids, self.cfg_negative_ids = cfg.split_prompts(input_ids, as_token_list)
+        self.embeddings = injected.for_prompt(embeddings, self.input_ids, token_healing=token_healing,
+                                              cfg=self.cfg_negative_ids is not None)
+        if lora is not None and not isinstance(lora, str):
+            raise ValueError(f"lora must be an adapter name (str) or None, got {type(lora).__name__}")
+        self.lora = lora
+        self.lora_adapter = None  # the folio.lora.LoraAdapter named by `lora`, resolved at enqueue
         self.healing_token_id: int | None = None
         if token_healing:
             if len(self.input_ids) < 2:

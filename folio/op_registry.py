@@ -69,10 +69,11 @@ OPS: tuple[OpSpec, ...] = (
     _op("silu_and_mul", "x", launch=_PDL),
     _op("rotary_cache_write", "q", "k", "v", "positions", "inv_freq", "k_cache", "v_cache", "slot_mapping",
         launch=_PDL),
+    # window: int tokens, 0 = the whole context; softcap: float, 0.0 = none (see folio.reference_ops)
     _op("paged_attention", "q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "scale",
-        "max_q_len", launch=_PDL),
-    _op("paged_attention_decode", "q", "k_cache", "v_cache", "block_tables", "context_lens", "scale",
-        launch=("pdl", "use_mma")),
+        "max_q_len", "window", "softcap", launch=_PDL),
+    _op("paged_attention_decode", "q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "window",
+        "softcap", launch=("pdl", "use_mma")),
     _op("copy_page_slots", "k_cache", "v_cache", "src_page", "dst_page", "num_slots"),
     # The CUDA module's decode GEMV (at most LINEAR_MAX_ROWS rows); the reference is F.linear itself.
     _op("linear", "x", "weight", "bias", "silu_gate", native=("cuda",), launch=_PDL, bias=None, silu_gate=False),

@@ -91,21 +91,44 @@ def rotary_cache_write(
     v_slots[slots] = v[keep].to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """cache: [P, S, Hkv, D], block_table: [max_blocks] -> [context_len, Hkv, D] fp32 in position order."""
+def _check_window_softcap(window: int, softcap: float) -> None:
+    """The attention ops' `window` (int tokens >= 0, 0 = the whole context) and `softcap` (finite float >= 0,
+    0 = none)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: the whole context), got {window!r}")
+    if not (isinstance(softcap, (int, float)) and 0.0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite float >= 0 (0.0: none), got {softcap!r}")
+
+
+def _first_visible_key(first_query_pos: int, window: int) -> int:
+    """The first key position a query at first_query_pos (or later) can see: 0 without a window. Keys before it
+    are never read, so their pages may have been released (folio.cache.manager)."""
+    return max(0, first_query_pos - window + 1) if window > 0 else 0
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """cache: [P, S, Hkv, D], block_table: [max_blocks] -> positions [begin, end) as [end - begin, Hkv, D] fp32.
+    Only the pages holding those positions are read."""
     page_size = cache.shape[1]
-    num_blocks = -(-context_len // page_size)
-    pages = cache[block_table[:num_blocks].long()]  # [num_blocks, S, Hkv, D]
-    return pages.reshape(-1, *cache.shape[2:])[:context_len].float()
+    pos = torch.arange(begin, end, device=cache.device)
+    pages = block_table.to(cache.device).long()[pos // page_size]
+    return cache[pages, pos % page_size].float()
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, equation: str, scale: float, softcap: float) -> torch.Tensor:
+    """scale * q.k, soft-capped (softcap * tanh(s / softcap)) when softcap > 0."""
+    scores = torch.einsum(equation, q, k) * scale
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
     """q: [Q, Hq, D], k/v: [K, Hkv, D] fp32, mask: [Q, K] bool (True = may attend) -> [Q, Hq, D] fp32."""
     group = q.shape[1] // k.shape[1]
     # q head h reads kv head h // group
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = _scores(q, k, "qhd,khd->hqk", scale, softcap)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
@@ -119,13 +142,18 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_q_len: int,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """Causal attention of new queries over paged K/V.
 
     q: [T, Hq, D]; k_cache, v_cache: [P, S, Hkv, D]; block_tables: [B, max_blocks] int32;
     cu_seqlens_q: [B+1] int32; context_lens: [B] int32 -> out [T, Hq, D].
     Sequence b's queries are rows cu[b]..cu[b+1]-1 at positions context_lens[b]-qlen_b .. context_lens[b]-1.
+    window: 0, or the query at position i sees keys j with i - window < j <= i (pages wholly before its first
+    query's window are never read); softcap: 0.0, or each score s = scale * q.k becomes softcap * tanh(s / softcap).
     """
+    _check_window_softcap(window, softcap)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
@@ -138,12 +166,15 @@ def paged_attention(
             raise ValueError(
                 f"sequence {b}: {q_len} queries but max_q_len={max_q_len}, context_len={context_len}"
             )
-        k = _gather_context(k_cache, block_tables[b], context_len)
-        v = _gather_context(v_cache, block_tables[b], context_len)
+        k_begin = _first_visible_key(context_len - q_len, window)
+        k = _gather_context(k_cache, block_tables[b], k_begin, context_len)
+        v = _gather_context(v_cache, block_tables[b], k_begin, context_len)
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
+        k_pos = torch.arange(k_begin, context_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
-        out[q_begin:q_end] = _attend(q[q_begin:q_end].float(), k, v, mask, scale).to(q.dtype)
+        if window > 0:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        out[q_begin:q_end] = _attend(q[q_begin:q_end].float(), k, v, mask, scale, softcap).to(q.dtype)
     return out
 
 
@@ -154,24 +185,31 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
-    """One query per sequence, at position context_lens[b]-1, attending to all positions < context_lens[b].
+    """One query per sequence, at position context_lens[b]-1, attending to all positions < context_lens[b]
+    (with a window: only the last `window` of them; softcap as in paged_attention).
 
     q: [B, Hq, D]; block_tables: [B, max_blocks] int32; context_lens: [B] int32 -> out [B, Hq, D].
-    Computed for the whole batch at once (padded to max_blocks pages, masked by length), independently of
-    paged_attention's per-sequence loop so the two check each other.
+    Computed for the whole batch at once (each row's keys padded to one width, masked by length), independently
+    of paged_attention's per-sequence loop so the two check each other.
     """
+    _check_window_softcap(window, softcap)
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    pages = block_tables.long()
-    k = k_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_dim).float()  # [B, max_blocks*S, Hkv, D]
-    v = v_cache[pages].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,bkhd->bhk", q.float(), k) * scale
-    k_pos = torch.arange(k.shape[1], device=q.device)
-    valid = k_pos[None, :] < context_lens.long()[:, None]  # [B, K]
+    max_blocks = block_tables.shape[1]
+    width = max_blocks * page_size if window == 0 else min(window, max_blocks * page_size)
+    lens = context_lens.long().to(q.device)[:, None]  # [B, 1]
+    pos = (lens - width).clamp(min=0) + torch.arange(width, device=q.device)[None, :]  # [B, K] key positions
+    valid = pos < lens  # [B, K]
+    blocks = (pos // page_size).clamp(max=max_blocks - 1)
+    pages = block_tables.to(q.device).long().gather(1, blocks)  # only pages at or after each window's start
+    slots = (pos % page_size)
+    k = k_cache[pages, slots].float().repeat_interleave(group, dim=2)  # [B, K, Hq, D]
+    v = v_cache[pages, slots].float().repeat_interleave(group, dim=2)
+    scores = _scores(q.float(), k, "bhd,bkhd->bhk", scale, softcap)
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     # slots past the context may hold anything (NaN included); 0 * NaN would leak into the sum
     v = v.masked_fill(~valid[:, :, None, None], 0.0)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from folio.constrain.masks import MaskWorker
+from folio.embeddings import chunk_spans
 from folio.kv_cache import Cache
+from folio.lora import LoraBatch, LoraRegistry
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
@@ -125,6 +127,7 @@ class ModelRunner:
         # the token bitmasks of filtered jobs (set by the generator), and the errors their filters raised
         self.masks: MaskWorker | None = None
         self.mask_errors: dict[Sequence, BaseException] = {}
+        self.loras: LoraRegistry | None = None  # the LoRA adapters jobs may use (set by the generator)
 
     def _capture_graphs(self, cuda_graphs: bool | None, max_rows: int, max_seq_len: int) -> DecodeGraphs | None:
         on_cuda = self.model.device.type == "cuda"
@@ -170,19 +173,31 @@ class ModelRunner:
         # a fed row's token is not in its sequence yet, so its chunk cannot tell that it wants logits
         modes = ["last" if k < num_fed else ("all" if c.verify else ("last" if c.wants_logits else "none"))
                  for k, c in enumerate(rows)]
-        if self.graphs is not None and all(m == "all" or (m == "last" and c.num_tokens == 1)
-                                           for m, c in zip(modes, rows)):
+        # embedding rows injected at placeholder tokens (folio.embeddings): the captured graphs feed token ids only
+        injected = [chunk_spans(c.seq.job, c.start, c.end) for c in rows]
+        lora = self._lora_rows(rows, num_fed)  # steps with LoRA rows run eagerly: see folio/lora/apply.py
+        if self.graphs is not None and not any(injected) and lora is None and all(
+                m == "all" or (m == "last" and c.num_tokens == 1) for m, c in zip(modes, rows)):
             if self.graphs.bucket_for(sum(c.num_tokens for c in rows)) is not None:
                 return self._replay(rows, fed_ids, num_fed), True
         chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.token_ids, start_pos=c.start,
-                           block_table=c.seq.block_table, logits=mode)
-                  for k, (c, mode) in enumerate(zip(rows, modes))]
+                           block_table=c.seq.block_table, logits=mode, injected=spans)
+                  for k, (c, mode, spans) in enumerate(zip(rows, modes, injected))]
         batch = ForwardBatch.build(chunks, self.page_size, self.model.device)
         if num_fed:
             fed = fed_ids.to(batch.input_ids.dtype)
             input_ids = fed if num_fed == len(chunks) else torch.cat([fed, batch.input_ids[num_fed:]])
             batch = dataclasses.replace(batch, input_ids=input_ids)
+        if lora is not None:
+            batch = dataclasses.replace(batch, lora=lora)
         return self.model.forward(batch, self.cache), False
+
+    def _lora_rows(self, rows: list[Chunk], num_fed: int) -> LoraBatch | None:
+        """The rows grouped by LoRA adapter (None: no adapter is loaded, or no row uses one)."""
+        if self.loras is None or not self.loras.loaded:
+            return None
+        return self.loras.batch([(c.seq.job.lora_adapter, 1 if k < num_fed else c.num_tokens)
+                                 for k, c in enumerate(rows)], self.model.device)
 
     def _replay(self, rows: list[Chunk], fed_ids: torch.Tensor | None, num_fed: int) -> torch.Tensor:
         """Decode and verify rows through a captured graph: a verify row of n tokens runs as n one-token rows over

@@ -45,6 +45,8 @@ class Sequence:
     # page_hashes[k] names full page k; the prompt's are known up front, later ones as pages fill
     page_hashes: list[bytes] = field(default_factory=list)
     claimed_page_idx: set[int] = field(default_factory=set)  # prompt pages this sequence promised to fill
+    # leading block_table entries given back to the pool while running (RELEASED_PAGE: before every layer's window)
+    num_released_pages: int = 0
     num_prefix_hit_tokens: int = 0  # prompt tokens reused from the cache at the first admission
     num_prefix_hit_pages: int = 0
 

@@ -61,7 +61,10 @@ def _pages_for_tokens(num_tokens: int, page_size: int) -> int:
 
 def _check_vocabulary(job: DynamicJob, vocab_size: int) -> None:
     prompt = job.input_ids if job.healing_token_id is None else [*job.input_ids, job.healing_token_id]
-    bad = next((t for t in prompt if t >= vocab_size), None)  # DynamicJob has checked they are >= 0
+    from folio.embeddings import PLACEHOLDER_BASE  # (loads torch: see _check_new)
+
+    # DynamicJob has checked they are >= 0, and that ids from PLACEHOLDER_BASE on are its embeddings' placeholders
+    bad = next((t for t in prompt if vocab_size <= t < PLACEHOLDER_BASE), None)
     if bad is not None:
         raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab_size}")
     if job.return_top_tokens > vocab_size:

@@ -37,6 +37,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from folio.serve.adapters import AdapterInfo
 from folio.serve.errors import InvalidRequest, RequestError
 from folio.serve.ingress import cancel_quietly
 from folio.serve.schema import Chunk, Completion, GenerationRequest, ModelInfo, Sampling, make_request
@@ -100,6 +101,23 @@ class Client:
     async def model_info(self) -> ModelInfo:
         try:
             return await self._handle.model_info.remote()
+        except Exception as error:  # noqa: BLE001
+            raise _unwrap(error) from None
+
+    async def list_loras(self) -> list[AdapterInfo]:
+        """The LoRA adapters requests may name (`lora=`)."""
+        return await self._call("list_loras")
+
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Admin (the server's lora_admin): load a PEFT adapter directory, on the replicas' disks, under `name`."""
+        return await self._call("load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call("unload_lora", name)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._handle, method).remote(*args)
         except Exception as error:  # noqa: BLE001
             raise _unwrap(error) from None
 

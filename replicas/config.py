@@ -83,6 +83,14 @@ class ServeConfig:
     routing_stats_period_s / routing_stats_timeout_s: how often Serve polls each replica's record_routing_stats
         (the digest routers rank by), and how long one poll may take.
     warmup: run a short generation when a replica starts.
+    lora_adapters: LoRA adapters every replica loads at start, {name: PEFT adapter directory} (readable on every
+        node); requests name one in their `lora` field. ListLoras lists these and those loaded at run time.
+    lora_admin: allow the admin RPCs LoadLora / UnloadLora (load or drop adapters while serving). Off by default:
+        a client that may call them can make every replica read a path of its choosing.
+    max_loras: most adapters loaded at once (config and run time together); LoadLora beyond it fails
+        RESOURCE_EXHAUSTED.
+    max_embedding_bytes: the most bytes of injected embeddings one request may carry (all its payloads). gRPC's
+        own message limit (4 MiB by default in Serve's proxy) may refuse a large request first.
     max_constraint_chars: the largest constraint a request may carry, in characters: its response_format (JSON
         Schema text, pattern, grammar, or all its choices) and its banned_strings together. Larger ones fail with
         INVALID_ARGUMENT at the ingress, before a replica spends time compiling them.
@@ -127,6 +135,10 @@ class ServeConfig:
     routing_stats_timeout_s: float = 5.0
     warmup: bool = True
     max_constraint_chars: int = 65536
+    lora_adapters: dict | None = None
+    lora_admin: bool = False
+    max_loras: int = 16
+    max_embedding_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -193,6 +205,22 @@ class ServeConfig:
         positive("routing_stats_period_s", self.routing_stats_period_s)
         positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
         positive("max_constraint_chars", self.max_constraint_chars)
+        positive("max_embedding_bytes", self.max_embedding_bytes)
+        self._check_adapters()
+
+    def _check_adapters(self) -> None:
+        from folio.serve.adapters import ADAPTER_NAME
+
+        positive("max_loras", self.max_loras)
+        adapters = self.lora_adapters or {}
+        for name, path in adapters.items():
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ConfigError(f"lora_adapters: {name!r} is not an adapter name (1-64 letters, digits, '.', '_', "
+                                  "'-')")
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"lora_adapters: {name}: must be an adapter directory, got {path!r}")
+        if len(adapters) > self.max_loras:
+            raise ConfigError(f"lora_adapters: {len(adapters)} adapters, more than max_loras ({self.max_loras})")
 
     def _check_deployment(self) -> None:
         positive("num_replicas", self.num_replicas)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,13 @@ from folio import (
     Tokenizer,
 )
 from folio.constrain.base import FilterError
+from folio.lora import LoraInfo, load_peft_adapter
+from folio.model.architectures import SUPPORTED_ARCHITECTURES
 from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.rates import ReplicaRates
 from folio.serve import speculation
+from folio.serve.adapters import AdapterInfo
 from folio.serve.config import ServeConfig
 from folio.serve.errors import (
     InvalidRequest,
@@ -107,6 +110,7 @@ class Engine:
     cache_events: CacheEvents | None = None  # the pool's routing keys, batched for routers (engine thread only)
     _num_dropped_page_events: int = 0
     num_received: int = 0  # requests start_job was given (routers tell their share of the traffic from it)
+    static_adapters: tuple[AdapterInfo, ...] = ()  # the config's LoRA adapters, loaded by build
 
     def __post_init__(self) -> None:
         if self.cache_events is None:
@@ -139,7 +143,10 @@ class Engine:
         totals = StepTotals()
         runner = DynamicGeneratorAsync(generator=generator, on_step=totals.add)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
-        return cls(config, model, tokenizer, cache, generator, runner, info, totals, draft_model)
+        static = tuple(replace(adapter_info(generator.load_lora(name, path), path), static=True)
+                       for name, path in (config.lora_adapters or {}).items())
+        return cls(config, model, tokenizer, cache, generator, runner, info, totals, draft_model,
+                   static_adapters=static)
 
     # --- state (attribute reads from the event loop; the page pool is read on the engine thread) ---
 
@@ -184,6 +191,30 @@ class Engine:
                                 num_received=self.num_received, rates=self.totals.rates)
 
         return await runner.run_in_engine(build)
+
+    # --- LoRA adapters (folio.serve.adapters decides which; these run them) ---
+
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Read and check the adapter off the engine thread (its files may take a while), then add it between two
+        steps. InvalidRequest naming `path` when it is not an adapter folio can apply to this model."""
+        model = self.model
+        try:
+            adapter = await asyncio.to_thread(load_peft_adapter, name, path, model.config, model.device, model.dtype)
+        except (OSError, ValueError) as error:  # AdapterError is a ValueError
+            raise InvalidRequest("path", f"{path}: {error}") from None
+        info = await self.runner.run_in_engine(lambda generator: generator.loras.add(adapter))
+        return adapter_info(info, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        """Drop the adapter between two steps; False (kept) while queued or running jobs use it."""
+        def unload(generator: DynamicGenerator) -> bool:
+            try:
+                generator.unload_lora(name)
+            except RuntimeError:  # jobs use it
+                return False
+            return True
+
+        return await self.runner.run_in_engine(unload)
 
     # --- requests ---
 
@@ -320,6 +351,11 @@ def load_model(config: ServeConfig) -> Model:
     return Model.from_pretrained(config.model_path, device=device, dtype=dtype, progress=False)
 
 
+def adapter_info(info: LoraInfo, path: str) -> AdapterInfo:
+    return AdapterInfo(name=info.name, path=str(path), rank=info.rank, scale=info.scale,
+                       target_modules=tuple(info.target_modules), adapter_id=info.adapter_id)
+
+
 def describe(config: ServeConfig, model: Model, tokenizer: Tokenizer, generator: DynamicGenerator,
              num_replicas: int) -> ModelInfo:
     return ModelInfo(
@@ -335,4 +371,6 @@ def describe(config: ServeConfig, model: Model, tokenizer: Tokenizer, generator:
         eos_token_ids=tuple(tokenizer.eos_token_ids),
         bos_token_id=tokenizer.bos_token_id,
         add_bos_token=tokenizer.add_bos_token,
+        supported_architectures=SUPPORTED_ARCHITECTURES,
+        hidden_size=model.config.hidden_size,
     )

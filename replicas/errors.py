@@ -72,6 +72,22 @@ class InternalError(RequestError):
     status = "INTERNAL"
 
 
+class NotFound(FieldError):
+    """A request names something the server does not have (a LoRA adapter)."""
+
+    status = "NOT_FOUND"
+
+
+class AlreadyExists(FieldError):
+    status = "ALREADY_EXISTS"
+
+
+class PermissionDenied(RequestError):
+    """An admin RPC on a server whose config does not allow it."""
+
+    status = "PERMISSION_DENIED"
+
+
 class Unimplemented(FieldError):
     """The request uses a feature this server's engine lacks."""
 

@@ -5,6 +5,8 @@ Methods (called through a DeploymentHandle; arguments and results are folio.serv
                                  cancels the job and releases its pages
     tokenize(text, ...)          token ids
     model_info()                 ModelInfo
+    load_lora(name, path)        LoadLora: load an adapter here, then record it in the application's registry
+                                 (folio.serve.adapters), from which the other replicas load it
     record_routing_stats()       what routers learn about this replica (polled by the Serve controller; the
                                  prefix-aware router, folio.router.ray_router, reads it)
     check_health()               raises when the engine thread died or made no progress while it had work
@@ -19,8 +21,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
+from folio.serve.adapters import AdapterInfo, ReplicaAdapters, registry_handle
 from folio.serve.config import ServeConfig
 from folio.serve.schema import Chunk, EngineRequest, ModelInfo
 
@@ -40,12 +44,19 @@ class Generator:
         self.replica_tag = _replica_tag()
         self.metrics = GeneratorMetrics(config.app_name, self.replica_tag)
         self._last_enqueue_s = time.monotonic()
+        # the config's adapters were loaded by Engine.build (a bad one fails the replica's start); recorded here
+        registry = registry_handle(config.app_name, config.max_loras)
+        self.adapters = ReplicaAdapters(registry, self.engine.load_lora, self.engine.unload_lora,
+                                        self.engine.static_adapters)
+        ray.get([registry.add.remote(info) for info in self.engine.static_adapters])
         logger.info("generator replica ready: %s", self.engine.info)
 
     # --- requests ---
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         arrival_s = time.monotonic()
+        if request.lora is not None:
+            await self.adapters.ensure(request.lora, request.lora_adapter_id)
         job = self.engine.start_job(request)
         self._last_enqueue_s = time.monotonic()
         try:
@@ -76,6 +87,9 @@ class Generator:
     def model_info(self) -> ModelInfo:
         return self.engine.info
 
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        return await self.adapters.load_new(name, path)
+
     # --- Serve hooks ---
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -83,6 +97,7 @@ class Generator:
         request_routing_stats_period_s): job counts, page counts, measured speeds, an instance id and epoch, and the
         routing keys its cache stored and evicted since the last reports. Built on the engine thread."""
         self.epoch += 1
+        await self.adapters.sync()  # adapters loaded or unloaded elsewhere, before the report that lists them
         digest = await self.engine.routing_digest(self.epoch, self.instance_id)
         num_pages, num_allocatable = digest["num_pages"], digest["num_allocatable_pages"]
         self.metrics.record_pages(num_in_use=num_pages - num_allocatable,

@@ -60,7 +60,23 @@ class GrpcClient:
                          num_pages=m.num_pages, max_batch_size=m.max_batch_size, num_replicas=m.num_replicas,
                          eos_token_ids=tuple(m.eos_token_ids),
                          bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
-                         add_bos_token=m.add_bos_token)
+                         add_bos_token=m.add_bos_token, supported_architectures=tuple(m.supported_architectures),
+                         adapters=tuple(grpc_convert.adapter_from_proto(a) for a in m.adapters),
+                         hidden_size=m.hidden_size)
+
+    def list_loras(self) -> list[dict]:
+        """The adapters requests may name (`lora=`): name, path, rank, scale, target_modules."""
+        response = self._stub.ListLoras(pb.ListLorasRequest(), metadata=self._metadata, timeout=self._timeout_s)
+        return [grpc_convert.adapter_from_proto(a) for a in response.adapters]
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """Admin (the server's lora_admin): load a PEFT adapter directory, on the replicas' disks, under `name`."""
+        response = self._stub.LoadLora(pb.LoadLoraRequest(name=name, path=path), metadata=self._metadata,
+                                       timeout=self._timeout_s)
+        return grpc_convert.adapter_from_proto(response.adapter)
+
+    def unload_lora(self, name: str) -> None:
+        self._stub.UnloadLora(pb.UnloadLoraRequest(name=name), metadata=self._metadata, timeout=self._timeout_s)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the channel connects (grpc.FutureTimeoutError after timeout_s)."""

@@ -6,6 +6,8 @@ import json
 
 from folio import EosReason
 from folio.proto.folio.v1 import generation_pb2 as pb
+from folio.serve.adapters import AdapterInfo
+from folio.serve.embedding_payloads import EmbeddingPayload
 from folio.serve.errors import InvalidRequest
 from folio.serve.schema import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -62,6 +64,8 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerationRequest:
         token_healing=message.token_healing,
         negative_text=message.negative_text if negative == "negative_text" else None,
         negative_token_ids=list(message.negative_token_ids.ids) if negative == "negative_token_ids" else None,
+        lora=message.lora or None,
+        embeddings=tuple(EmbeddingPayload(e.position, e.rows, e.dtype, e.data) for e in message.embeddings),
     )
 
 
@@ -89,7 +93,10 @@ def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
         stop_on_eos=request.stop_on_eos, encode_special_tokens=request.encode_special_tokens,
         decode_special_tokens=request.decode_special_tokens, return_probs=request.return_probs,
         return_top_tokens=request.return_top_tokens, filter_prefer_eos=request.filter_prefer_eos,
-        banned_strings=list(request.banned_strings), token_healing=request.token_healing)
+        banned_strings=list(request.banned_strings), token_healing=request.token_healing, lora=request.lora or "")
+    for payload in request.embeddings:
+        message.embeddings.add(position=payload.position, rows=payload.rows, dtype=payload.dtype,
+                               data=payload.data)
     if request.text is not None:
         message.text = request.text
     if request.token_ids is not None:
@@ -197,7 +204,21 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:
         model_name=info.model_name, architecture=info.architecture, dtype=info.dtype, vocab_size=info.vocab_size,
         max_seq_len=info.max_request_tokens, page_size=info.page_size, num_pages=info.num_pages,
         max_batch_size=info.max_batch_size, num_replicas=info.num_replicas, eos_token_ids=list(info.eos_token_ids),
-        add_bos_token=info.add_bos_token)
+        add_bos_token=info.add_bos_token, supported_architectures=list(info.supported_architectures),
+        adapters=[adapter_to_proto(a) for a in info.adapters], hidden_size=info.hidden_size)
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
     return message
+
+
+# --- LoRA adapters ---
+
+def adapter_to_proto(info: AdapterInfo) -> pb.LoraAdapter:
+    return pb.LoraAdapter(name=info.name, path=info.path, rank=info.rank, scale=info.scale,
+                          target_modules=list(info.target_modules))
+
+
+def adapter_from_proto(message: pb.LoraAdapter) -> dict:
+    """A LoraAdapter as a plain dict (what clients read; the adapter id stays on the server)."""
+    return {"name": message.name, "path": message.path, "rank": message.rank, "scale": message.scale,
+            "target_modules": tuple(message.target_modules)}

@@ -36,6 +36,8 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from folio import Tokenizer
+from folio.serve.adapter_rpcs import AdapterRpcs
+from folio.serve.adapters import IngressAdapters
 from folio.serve.admission import Admission
 from folio.serve.config import ServeConfig
 from folio.serve.errors import (
@@ -69,7 +71,7 @@ _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDie
 
 @serve.deployment(name="Ingress")
 @serve.ingress()  # HTTP: the OpenAI-compatible API, built per replica by __serve_build_asgi_app__
-class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
+class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch, List; LoRA admin RPCs
     def __init__(self, generator: DeploymentHandle, config: ServeConfig):
         from folio.serve.metrics import IngressMetrics
 
@@ -80,6 +82,7 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
         self._info_lock = asyncio.Lock()
         self._metrics = IngressMetrics(config.app_name)
         self._admission = Admission(config.ingress_admission_limit, config.ingress_queue_limit)
+        self._adapters: IngressAdapters | None = None  # the LoRA registry's view, made at first use (needs Ray)
         self._limits: RequestLimits | None = None  # once the replicas' model info is known (its context)
         # Tokenizing and validating a request takes up to milliseconds per kilobyte of prompt: done off the event
         # loop, so that one large request never stalls the others' streams.
@@ -121,7 +124,8 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
         from folio.serve import grpc_convert
 
         try:
-            return grpc_convert.model_info_to_proto(await self.model_info())
+            info = dataclasses.replace(await self.model_info(), adapters=tuple(await self.list_loras()))
+            return grpc_convert.model_info_to_proto(info)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
             return _answer_failure(grpc_context, error, "ModelInfoResponse")
 
@@ -233,6 +237,7 @@ class Ingress(HealthMixin):  # grpc.health.v1.Health: Check, Watch, List
             self._validation_pool, self._engine_request, request, info, request_id)
         if not stream:
             engine_request = dataclasses.replace(engine_request, stream=False)
+        engine_request = await self._with_adapter(request, engine_request)
         response = self._generator.options(stream=True).generate.remote(engine_request)
         ended = False  # the stream finished or failed: nothing left to cancel
         first_token_s: float | None = None

@@ -50,6 +50,12 @@ def job_kwargs_of(request: EngineRequest) -> dict[str, Any]:
     if request.token_healing:
         _require_job_option("token_healing", "token_healing")
         kwargs["token_healing"] = True
+    if request.embeddings:
+        _require_job_option("embeddings", "embeddings")
+        kwargs["embeddings"] = list(request.embeddings)
+    if request.lora is not None:
+        _require_job_option("lora", "lora")
+        kwargs["lora"] = request.lora
     if request.negative_input_ids is not None:
         # classifier-free guidance: the positive and the negative prompt, one batch row each
         kwargs["input_ids"] = [list(request.input_ids), list(request.negative_input_ids)]

@@ -148,6 +148,9 @@ class GenerationRequest:
     # classifier-free guidance (with sampling.cfg_scale): the negative prompt, in the prompt's form
     negative_text: str | None = None
     negative_token_ids: Sequence[int] | None = None
+    lora: str | None = None  # a loaded LoRA adapter's name (ListLoras); None: the base model
+    # injected embeddings (folio.serve.embedding_payloads.EmbeddingPayload), with a token_ids prompt only
+    embeddings: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,11 @@ class EngineRequest:
     banned_strings: tuple[str, ...] = ()
     token_healing: bool = False
     negative_input_ids: tuple[int, ...] | None = None  # classifier-free guidance's negative prompt
+    lora: str | None = None  # the adapter's name, and its id as the ingress saw it in the registry: the replica
+    lora_adapter_id: str = ""  # runs the job only with that adapter, and the router hashes the prompt with it
+    # folio.InjectedEmbeddings placed in input_ids by the ingress, and their digest (hex; the router's namespace)
+    embeddings: tuple[Any, ...] = ()
+    embeddings_digest: str = ""
     # The prompt as text, for routers that match text: Ray's PrefixCacheAffinityRouter reads `.prompt` of the first
     # argument. The ingress fills it only when the configured router needs it (ours hashes input_ids).
     prompt: str = ""
@@ -271,6 +279,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     add_bos_token: bool
+    supported_architectures: tuple[str, ...] = ()  # what this server's folio can load
+    hidden_size: int = 0  # values per row of injected embeddings
+    adapters: tuple[Any, ...] = ()  # folio.serve.adapters.AdapterInfo: filled by the ingress, per call
 
     @property
     def max_request_tokens(self) -> int:

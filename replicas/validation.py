@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from folio import SAMPLER_LIMITS, SamplerSettings, Tokenizer
-from folio.serve.errors import InvalidRequest
+from folio.serve.embedding_payloads import PlacedEmbeddings, place
+from folio.serve.errors import InvalidRequest, Unimplemented
 from folio.serve.schema import (
     RESPONSE_FORMATS,
     SAMPLER_FIELDS,
@@ -45,6 +46,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_list_items: int = 1024
     max_constraint_chars: int = DEFAULT_MAX_CONSTRAINT_CHARS
+    max_embedding_bytes: int = 64 << 20
 
 
 def request_limits(config: Any, tokenizer: Tokenizer, info: ModelInfo) -> RequestLimits:
@@ -55,7 +57,8 @@ def request_limits(config: Any, tokenizer: Tokenizer, info: ModelInfo) -> Reques
         max_bytes = info.max_request_tokens * max(MIN_BYTES_PER_TOKEN_BOUND, tokenizer.longest_token_bytes())
     return RequestLimits(max_prompt_bytes=max_bytes, max_stop_strings=config.max_stop_strings,
                          max_stop_string_chars=config.max_stop_string_chars, max_list_items=config.max_list_items,
-                         max_constraint_chars=config.max_constraint_chars)
+                         max_constraint_chars=config.max_constraint_chars,
+                         max_embedding_bytes=config.max_embedding_bytes)
 
 
 def check_prompt_bytes(request: GenerationRequest, limits: RequestLimits) -> None:
@@ -120,6 +123,9 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         raise InvalidRequest("return_top_tokens", f"must be in [0, {limit}], got {request.return_top_tokens!r}")
     for name in ("decode_special_tokens", "return_probs"):
         _check_bool(name, getattr(request, name))
+    placed = _placed_embeddings(request, input_ids, info, limits, negative_ids is not None)
+    if placed is not None:
+        input_ids = list(placed.input_ids)
     return EngineRequest(
         input_ids=tuple(input_ids), max_new_tokens=request.max_new_tokens, min_new_tokens=request.min_new_tokens,
         sampler=sampler, stop_conditions=stop_conditions, seed=request.seed,
@@ -127,7 +133,26 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         return_top_tokens=request.return_top_tokens, request_id=request_id, response_format=response_format,
         filter_prefer_eos=request.filter_prefer_eos, banned_strings=tuple(banned),
         token_healing=request.token_healing,
-        negative_input_ids=None if negative_ids is None else tuple(negative_ids))
+        negative_input_ids=None if negative_ids is None else tuple(negative_ids),
+        embeddings=() if placed is None else placed.payloads,
+        embeddings_digest="" if placed is None else placed.digest)
+
+
+def _placed_embeddings(request: GenerationRequest, input_ids: list[int], info: ModelInfo, limits: RequestLimits,
+                       cfg: bool) -> PlacedEmbeddings | None:
+    payloads = request.embeddings
+    if not payloads:
+        return None
+    if isinstance(payloads, (str, bytes)) or not isinstance(payloads, Sequence):
+        raise InvalidRequest("embeddings", "must be a list of EmbeddingPayload")
+    if request.token_ids is None:
+        raise InvalidRequest("embeddings", "need a token_ids prompt (the placeholders' positions are token indices)")
+    if cfg:
+        raise InvalidRequest("embeddings", "cannot be combined with classifier-free guidance (the negative prompt "
+                                           "would need payloads of its own)")
+    if not info.hidden_size:
+        raise Unimplemented("embeddings", "this server's replicas do not take injected embeddings")
+    return place(payloads, input_ids, info.hidden_size, limits.max_embedding_bytes, request.token_healing)
 
 
 def _check_list_sizes(request: GenerationRequest, limits: RequestLimits) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from folio.hashing import sequence_namespace
 from folio.router.policy import Decision, PolicyConfig, PrefixRouterPolicy
 
 # Decisions waiting for on_request_routed. A request cancelled while routing never gets that call, so the map is
@@ -93,7 +94,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             by_id[replica.replica_id] = replica
             self._apply_report(replica)
         token_ids = prompt_token_ids(pending_request)
-        decision = self.policy.choose(list(by_id), token_ids, num_jobs=self._job_counts(by_id))
+        decision = self.policy.choose(list(by_id), token_ids, prompt_namespace(pending_request),
+                                      num_jobs=self._job_counts(by_id))
         self.decision_modes[decision.mode.value if token_ids else "no_prompt"] += 1
         if pending_request is not None and decision.best is not None:
             self._expect(pending_request, decision, bool(token_ids))
@@ -164,6 +166,21 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> Sequence[int]:
         if input_ids is not None:
             return input_ids
     return ()
+
+
+def prompt_namespace(pending_request: PendingRequest | None) -> bytes:
+    """The hash namespace the replica will file the prompt's pages under (folio.hashing.sequence_namespace): the
+    LoRA adapter's id and the injected embeddings' digest that the ingress put on the request (hex strings); b""
+    for the base model and a prompt of tokens only."""
+    if pending_request is None:
+        return b""
+    for value in (*pending_request.args, *pending_request.kwargs.values()):
+        adapter_id = getattr(value, "lora_adapter_id", None)
+        if adapter_id is not None:
+            embeddings = getattr(value, "embeddings_digest", "")
+            return sequence_namespace(adapter_id=bytes.fromhex(adapter_id) if adapter_id else None,
+                                      embeddings_digest=bytes.fromhex(embeddings) if embeddings else None)
+    return b""
 
 
 def _request_key(pending_request: PendingRequest) -> str:

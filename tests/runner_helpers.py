@@ -21,6 +21,7 @@ VERIFY_CASES = [(list(range(5, 40)), [11, 12, 13, 14]), (list(range(60, 77)), [3
 @dataclass(eq=False)
 class _Job:
     prompt_tokens: int
+    embeddings: None = None  # (folio.embeddings: none injected)
 
 
 def _runner(model: folio.Model, graphs: bool, max_rows: int) -> tuple[ModelRunner, KVCacheManager]:

@@ -375,6 +375,16 @@ def test_chart_passes_the_drafter_to_the_application(helm, crd_validator, drafte
     assert args["num_draft_tokens"] == drafter.get("numDraftTokens", 4)
 
 
+def test_chart_passes_lora_adapters_to_the_application(helm, crd_validator):
+    adapters = {"support": "/models/lora/support", "sql-v2": "/models/lora/sql"}
+    rayservice, _ = render(helm, {"model": {"loraAdapters": adapters, "loraAdmin": True, "maxLoras": 4}})
+    args = check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)["applications"][0]["args"]
+    assert args["lora_adapters"] == adapters and args["lora_admin"] is True and args["max_loras"] == 4
+    default_args = check_rayservice(render(helm, {})[0], crd_validator, "folio", grpc_port=50051)[
+        "applications"][0]["args"]
+    assert "lora_adapters" not in default_args and "lora_admin" not in default_args  # admin RPCs stay off
+
+
 @pytest.mark.parametrize("router", ["pow2", "ray_prefix"])
 def test_chart_renders_each_router(helm, crd_validator, router):
     """The chart's router table and kwargs equal folio.serve.app's (check_serve_config compares them)."""
@@ -411,6 +421,7 @@ SCHEMA_VIOLATIONS = {
     "GPUs given as a resource": {"workers": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
     "unknown auth mode": {"rayAuthMode": "basic"},
     "no draft tokens": {"model": {"numDraftTokens": 0}},
+    "adapter name with a space": {"model": {"loraAdapters": {"my adapter": "/models/a"}}},
 }
 
 

@@ -4,6 +4,8 @@ cumulative lengths (the GPU test in test_model_gpu.py runs the real FA2)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,8 +20,9 @@ def new_state(dense_cudnn: bool = True) -> flash.FlashState:
     return flash.FlashState(OpSet(), dense_cudnn=dense_cudnn)
 
 
-def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
-    """Bottom-right aligned causal attention over packed sequences (FA2 varlen's semantics), with GQA."""
+def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None, window=0):
+    """Bottom-right aligned causal attention over packed sequences (FA2 varlen's semantics), with GQA; window > 0:
+    FA2's left window of window - 1 keys before the query's own."""
     assert block_table is None
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
@@ -31,6 +34,8 @@ def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, block_table=None):
         assert n_q <= max_q and n_k <= max_k
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+        if window:
+            mask &= torch.arange(n_k)[None, :] > torch.arange(n_k - n_q, n_k)[:, None] - window
         out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, -torch.inf).softmax(-1),
                                                 vs)
     return out
@@ -84,7 +89,7 @@ def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> No
     assert prefill.long_span == ((long_rows[0], long_rows[-1] + 1) if contiguous else None)
     assert prefill.fresh == all(ctx == new for ctx, new in lens if new > 1)
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, 0.25, batch.max_q_len)
+                                         batch.context_lens, 0.25, batch.max_q_len, 0, 0.0)
     for new_kv in ({}, {"k_new": k_new, "v_new": v_new}):
         got = flash.attention(state, q, k_cache, v_cache, batch, prefill, 0.25, **new_kv)
         assert got.shape == q.shape and got.is_contiguous()
@@ -95,6 +100,30 @@ def test_flash_gather_plan_matches_reference(monkeypatch, page_size, lens) -> No
         poisoned.view(-1, 32)[batch.slot_mapping[long_rows]] = float("nan")
         got = flash.attention(state, q, poisoned, v_cache, batch, prefill, 0.25, k_new=k_new, v_new=v_new)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window,softcap", [(9, 0.0), (40, 0.0), (9, 2.0)])
+def test_flash_gather_with_window_over_released_pages(monkeypatch, window, softcap) -> None:
+    """Every layer windowed: the gather starts at each sequence's window (the pages before it are released: their
+    entries RELEASED_PAGE, their slots NaN), FA2 gets the window; soft-capping runs on the paged op instead."""
+    from folio.cache.window_release import RELEASED_PAGE
+
+    monkeypatch.setattr(flash, "_flash", varlen_causal)
+    lens = [(300, 45), (37, 37), (290, 1), (100, 3)]
+    batch, k_cache, v_cache, (q, _, _) = build(lens, 16, seed=window)
+    tables = batch.block_tables.clone()
+    for b, (ctx, new) in enumerate(lens):
+        for j in range(max(0, ctx - new - window + 1) // 16):
+            k_cache[tables[b, j]] = float("nan")
+            v_cache[tables[b, j]] = float("nan")
+            tables[b, j] = RELEASED_PAGE
+    want = reference_ops.paged_attention(q, k_cache, v_cache, tables, batch.cu_seqlens_q, batch.context_lens, 0.25,
+                                         batch.max_q_len, window, softcap)
+    assert not want.isnan().any()
+    batch = dataclasses.replace(batch, block_tables=tables)
+    prefill = flash.plan(new_state(), "flash_gather", batch, 16, released_window=window)
+    got = flash.attention(new_state(), q, k_cache, v_cache, batch, prefill, 0.25, window=window, softcap=softcap)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_flash_gather_declines_decode_only_and_huge_batches(monkeypatch) -> None:
@@ -145,7 +174,7 @@ def test_equal_length_fresh_prompts_go_dense_from_their_second_step(dense_on_cpu
     batch, k_cache, v_cache, (q, k_new, v_new) = build(lens)
     state = new_state()
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, 0.25, batch.max_q_len)
+                                         batch.context_lens, 0.25, batch.max_q_len, 0, 0.0)
     prompts = sum(new > 1 for _, new in lens)
     for step in range(3):
         prefill = flash.plan(state, "flash_gather", batch, 16)
@@ -176,7 +205,7 @@ def test_a_shape_cudnn_refuses_falls_back_to_fa2_for_good(dense_on_cpu, monkeypa
     batch, k_cache, v_cache, (q, k_new, v_new) = build([(40, 40)] * 2)
     state = new_state()
     want = reference_ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, 0.25, batch.max_q_len)
+                                         batch.context_lens, 0.25, batch.max_q_len, 0, 0.0)
 
     def refuse(*args):
         dense_on_cpu.append("refused")

@@ -105,7 +105,7 @@ def test_flash_prefill_attention_matches_reference(mode, page_size) -> None:
     assert prefill is not None and prefill.mode == mode
     got = flash.attention(state, q, k_cache, v_cache, batch, prefill, scale).float()
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
-                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
+                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len, 0, 0.0)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
@@ -132,7 +132,7 @@ def test_cudnn_dense_prefill_matches_reference(monkeypatch, page_size) -> None:
     assert mode == "flash_gather"
     assert flash.dense_cudnn_ok(state, q.device, q.dtype, 32, 8, 128, scale), "cuDNN's dense attention fails here"
     want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
-                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
+                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len, 0, 0.0)
     outputs = []
     for step in range(2):
         prefill = flash.plan(state, mode, batch, page_size)

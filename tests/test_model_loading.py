@@ -147,22 +147,22 @@ def test_config_errors_name_the_field(llama_copy, change, error, message) -> Non
     assert "config.json" in str(info.value)
 
 
-def test_mistral_sliding_window_is_refused(tmp_path) -> None:
+def test_mistral_sliding_window_becomes_layer_windows(tmp_path) -> None:
+    """Every Mistral layer attends to sliding_window tokens (tests/test_sliding_window.py checks the logits); a
+    window at least max_position_embeddings never masks anything."""
     build_hf_model("mistral", sliding_window=32).config.save_pretrained(tmp_path)
-    with pytest.raises(NotSupportedError, match="sliding_window=32 is smaller than max_position_embeddings=512"):
-        ModelConfig.from_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path).layer_windows == (32, 32, 32)
     build_hf_model("mistral", sliding_window=512).config.save_pretrained(tmp_path)
-    assert ModelConfig.from_pretrained(tmp_path).architecture == "MistralForCausalLM"
+    assert ModelConfig.from_pretrained(tmp_path).layer_windows == (0, 0, 0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_qwen_sliding_window_only_when_enabled(tmp_path, arch) -> None:
     build_hf_model(arch, sliding_window=32, use_sliding_window=False).config.save_pretrained(tmp_path)
-    assert ModelConfig.from_pretrained(tmp_path).architecture.lower().startswith(arch)
+    assert ModelConfig.from_pretrained(tmp_path).layer_windows == (0, 0, 0)
     build_hf_model(arch, sliding_window=32, use_sliding_window=True, max_window_layers=1).config.save_pretrained(
         tmp_path)
-    with pytest.raises(NotSupportedError, match="sliding_window=32"):
-        ModelConfig.from_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path).layer_windows == (0, 32, 32)
 
 
 # ---------------------------------------------------------------- checkpoint errors

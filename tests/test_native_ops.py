@@ -330,8 +330,9 @@ def test_paged_attention_decode(device, dtype, context_lens, group, kv_heads, he
     q = randn(len(context_lens), group * kv_heads, head_dim, dtype=dtype, device=device, g=g)
     scale = head_dim**-0.5
     poison_next_alloc(q.shape, dtype, device)
-    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
-    assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale), dtype)
+    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale, 0, 0.0)
+    want = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale, 0, 0.0)
+    assert_close(out, want, dtype)
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, marks=_marks("cuda"), id="cuda")])
@@ -342,21 +343,21 @@ def test_cuda_paged_attention_split_merge_repeats_and_replays(_):
     g = gen(77)
     k_cache, v_cache, block_tables, lens = make_paged_kv([1, 300, 2049, 64], 16, 2, 128, torch.bfloat16, "cuda", g)
     q = randn(4, 8, 128, dtype=torch.bfloat16, device="cuda", g=g)
-    first = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
-    assert_close(first, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1),
+    first = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0)
+    assert_close(first, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1, 0, 0.0),
                  torch.bfloat16)
     other = make_paged_kv([5, 700], 256, 2, 128, torch.bfloat16, "cuda", g)  # fewer rows, other splits
-    native.paged_attention_decode(q[:2], *other, 0.1)
+    native.paged_attention_decode(q[:2], *other, 0.1, 0, 0.0)
     for _ in range(3):
-        assert torch.equal(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1), first)
+        assert torch.equal(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0), first)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -369,8 +370,9 @@ def test_paged_attention_decode_strided_q(device, dtype):
     k_cache, v_cache, block_tables, lens = make_paged_kv([40, 9], 16, 2, 64, dtype, device, g)
     fused = randn(2, 16 * 64, dtype=dtype, device=device, g=g)
     q = fused[:, : 8 * 64].view(2, 8, 64)  # token stride 1024, as a slice of a fused QKV output
-    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125)
-    assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.125), dtype)
+    out = NATIVE[device].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.125, 0, 0.0)
+    want = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.125, 0, 0.0)
+    assert_close(out, want, dtype)
 
 
 PREFILL_SHAPES = [
@@ -392,7 +394,7 @@ def test_paged_attention_prefill(device, dtype, runs, group, kv_heads, head_dim,
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
     q = randn(sum(q_lens), group * kv_heads, head_dim, dtype=dtype, device=device, g=g)
     scale = head_dim**-0.5
-    args = (q, k_cache, v_cache, block_tables, cu, lens, scale, max(q_lens))
+    args = (q, k_cache, v_cache, block_tables, cu, lens, scale, max(q_lens), 0, 0.0)
     poison_next_alloc(q.shape, dtype, device)
     out = NATIVE[device].paged_attention(*args)
     assert_close(out, ref.paged_attention(*on_cpu(*args)), dtype)
@@ -588,13 +590,13 @@ def test_bad_arguments_name_the_argument(device):
     k_cache, v_cache, block_tables, lens = make_paged_kv([20], 16, 2, 64, torch.float32, device, g)
     q = randn(1, 4, 64, dtype=torch.float32, device=device, g=g)
     with pytest.raises(TypeError, match="'k_cache'"):
-        native.paged_attention_decode(q, k_cache.half(), v_cache, block_tables, lens, 1.0)
+        native.paged_attention_decode(q, k_cache.half(), v_cache, block_tables, lens, 1.0, 0, 0.0)
     with pytest.raises(TypeError, match="'block_tables'"):
-        native.paged_attention_decode(q, k_cache, v_cache, block_tables.long(), lens, 1.0)
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables.long(), lens, 1.0, 0, 0.0)
     with pytest.raises(ValueError, match="'context_lens'"):
-        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens[:0], 1.0)
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens[:0], 1.0, 0, 0.0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        native.paged_attention_decode(q[:, :3], k_cache, v_cache, block_tables, lens, 1.0)
+        native.paged_attention_decode(q[:, :3], k_cache, v_cache, block_tables, lens, 1.0, 0, 0.0)
     with pytest.raises(ValueError, match="'weight'"):
         native.rms_norm(q[0], torch.ones(65, device=device), 1e-6)
     with pytest.raises(ValueError, match="'num_slots'"):
@@ -611,11 +613,11 @@ def test_cpu_checks_index_tensors():
     q = randn(1, 4, 64, dtype=torch.float32, device="cpu", g=g)
     block_tables[0, 0] = k_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
-        NATIVE["cpu"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 1.0)
+        NATIVE["cpu"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 1.0, 0, 0.0)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="max_q_len"):
         NATIVE["cpu"].paged_attention(q, k_cache, v_cache, block_tables, cu, torch.tensor([0], dtype=torch.int32),
-                                      1.0, 1)
+                                      1.0, 1, 0, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA only
@@ -641,8 +643,8 @@ def test_cuda_decode_long_contexts_and_wide_groups(_, dtype, context_lens, q_hea
     k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, "cuda", g)
     q = randn(len(context_lens), q_heads, head_dim, dtype=dtype, device="cuda", g=g)
     poison_next_alloc(q.shape, dtype, "cuda")
-    out = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
-    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), head_dim**-0.5)
+    out = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, 0, 0.0)
+    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), head_dim**-0.5, 0, 0.0)
     assert_close(out, expected, dtype)
 
 
@@ -655,7 +657,7 @@ def test_cuda_prefill_chunk_over_long_context(_):
     k_cache, v_cache, block_tables, lens = make_paged_kv([c for _, c in runs], 16, 2, 128, dtype, "cuda", g)
     cu = torch.tensor([0, 64, 69], dtype=torch.int32, device="cuda")
     q = randn(69, 8, 128, dtype=dtype, device="cuda", g=g)
-    args = (q, k_cache, v_cache, block_tables, cu, lens, 128**-0.5, 64)
+    args = (q, k_cache, v_cache, block_tables, cu, lens, 128**-0.5, 64, 0, 0.0)
     assert_close(NATIVE["cuda"].paged_attention(*args), ref.paged_attention(*on_cpu(*args)), dtype)
 
 
@@ -670,16 +672,17 @@ def test_cuda_decode_replays_in_a_cuda_graph(_):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)  # warm up outside capture
+        native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0)  # warm up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1)
+        out = native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, 0.1, 0, 0.0)
     for step in range(3):
         q.copy_(randn(3, 32, 128, dtype=dtype, device="cuda", g=g))
         lens.copy_(torch.tensor([3000 - step, 40 + step, 700], dtype=torch.int32))
         graph.replay()
-        assert_close(out, ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1), dtype)
+        want = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), 0.1, 0, 0.0)
+        assert_close(out, want, dtype)
 
 
 # Decode shapes for both CUDA decode kernels: the tensor-core kernel takes 16-bit caches with head_dim 64 or 128
@@ -703,15 +706,15 @@ def test_cuda_decode_tensor_core_and_cuda_core_kernels(_, dtype, context_lens, g
     k_cache, v_cache, block_tables, lens = make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, "cuda", g)
     q = randn(len(context_lens), group * kv_heads, head_dim, dtype=dtype, device="cuda", g=g)
     scale = head_dim**-0.5
-    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale)
+    expected = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, block_tables, lens), scale, 0, 0.0)
     outs = {}
     for kernel in ("mma", "simt"):
         poison_next_alloc(q.shape, dtype, "cuda")
-        outs[kernel] = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale,
+        outs[kernel] = NATIVE["cuda"].paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale, 0, 0.0,
                                                              use_mma=kernel == "mma")
         assert_close(outs[kernel], expected, dtype)
         via_op_set = ops.OpSet(decode_attention=kernel).paged_attention_decode(q, k_cache, v_cache, block_tables,
-                                                                               lens, scale)
+                                                                               lens, scale, 0, 0.0)
         assert torch.equal(via_op_set, outs[kernel])
     if head_dim in (64, 128) and group <= 16:
         assert not torch.equal(outs["mma"], outs["simt"]), "the tensor-core kernel did not run"
@@ -744,8 +747,8 @@ def test_cuda_dependent_kernel_chain_matches_serialized_calls(_, pdl):
 
         for _ in range(layers):
             q = done(native.linear(x, w_q, pdl=pdl)).view(2, heads, head_dim)
-            attn = done(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5,
-                                                      pdl=pdl))
+            attn = done(native.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, 0,
+                                                      0.0, pdl=pdl))
             h = done(native.linear(attn.view(2, -1), w_o, pdl=pdl))
             done(native.fused_add_rms_norm(h, residual, norm_weight, 1e-6, pdl=pdl))
             gated = done(native.linear(h, w_gate_up, silu_gate=True, pdl=pdl))

@@ -211,7 +211,7 @@ def test_paged_attention_matches_naive(gen, page_size) -> None:
     q = randn(sum(q_lens), num_q_heads, head_dim, gen=gen)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     got = ref.paged_attention(q, setup.k_cache, setup.v_cache, setup.block_tables, cu, setup.context_lens,
-                              scale, max(q_lens))
+                              scale, max(q_lens), 0, 0.0)
     for b in range(len(q_lens)):
         want = naive_causal_attention(q[cu[b] : cu[b + 1]], setup.dense_k[b], setup.dense_v[b], scale)
         torch.testing.assert_close(got[cu[b] : cu[b + 1]], want, rtol=1e-5, atol=1e-5)
@@ -222,7 +222,7 @@ def test_paged_attention_rejects_more_queries_than_context(gen) -> None:
     q = randn(4, 2, 8, gen=gen)
     with pytest.raises(ValueError, match="4 queries but max_q_len=4, context_len=3"):
         ref.paged_attention(q, setup.k_cache, setup.v_cache, setup.block_tables,
-                            torch.tensor([0, 4], dtype=torch.int32), setup.context_lens, 1.0, 4)
+                            torch.tensor([0, 4], dtype=torch.int32), setup.context_lens, 1.0, 4, 0, 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -233,8 +233,8 @@ def test_decode_equals_paged_attention_with_one_query(gen, dtype) -> None:
     k_cache, v_cache = setup.k_cache.to(dtype), setup.v_cache.to(dtype)
     q = randn(len(context_lens), num_q_heads, head_dim, dtype=dtype, gen=gen)
     cu = torch.arange(len(context_lens) + 1, dtype=torch.int32)
-    decode = ref.paged_attention_decode(q, k_cache, v_cache, setup.block_tables, setup.context_lens, scale)
-    general = ref.paged_attention(q, k_cache, v_cache, setup.block_tables, cu, setup.context_lens, scale, 1)
+    decode = ref.paged_attention_decode(q, k_cache, v_cache, setup.block_tables, setup.context_lens, scale, 0, 0.0)
+    general = ref.paged_attention(q, k_cache, v_cache, setup.block_tables, cu, setup.context_lens, scale, 1, 0, 0.0)
     assert decode.dtype == dtype and not decode.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(decode.float(), general.float(), rtol=tol, atol=tol)

@@ -17,6 +17,11 @@ ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 TINY_SIZES: dict[str, Any] = dict(
@@ -32,8 +37,21 @@ TINY_SIZES: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Gemma: windows no shorter than max_position_embeddings (tests that shorten them say so), soft-caps small enough
+# to bite at these sizes, an attention scalar other than head_dim, and (Gemma 3) a local rotary base and linear
+# scaling of the global layers that differ.
+GEMMA_COMMON: dict[str, Any] = dict(sliding_window=512, query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+                                    pad_token_id=0)
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # MistralConfig defaults to a 4096 window
+    "gemma2": {**GEMMA_COMMON, "attn_logit_softcapping": 8.0},
+    "gemma3": {**GEMMA_COMMON, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
+    "phi3": {"pad_token_id": 0},  # Phi3Config's default pad id is past the tiny vocabulary
+    "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
 }
 
 LLAMA3_ROPE = {
@@ -68,6 +86,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("mlp.gate.weight"):
+                param.copy_(noise)  # routers: clear top-k choices, no near-ties that rounding could flip
             elif name.endswith(".bias"):
                 param.copy_(0.3 * noise)
             elif "embed_tokens" in name:
@@ -78,7 +98,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def make_hf_model(path: str | Path, arch: str, dtype: torch.dtype = torch.float32, tie: bool = False, *,
                   seed: int = 0, max_shard_size: str | None = None, **overrides: Any) -> Path:
-    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3) to `path`; returns the path.
+    """Save a tiny random model of `arch` (a key of ARCHS) to `path`; returns the path.
 
     overrides replace config fields (e.g. rope_parameters=LLAMA3_ROPE); max_shard_size saves a sharded checkpoint.
     """

@@ -6,6 +6,9 @@ scheduler then picks whom to preempt), commit tokens whose K/V the forward wrote
 the last n tokens (speculative decoding, banned strings). The router's digest reads a snapshot. Slot copies the
 device must run before the next forward (partial reuse, copy-on-write after a rollback) are handed out as
 `PageCopy` records; the manager never touches tensors.
+
+Sliding windows (`window`): `commit` releases the pages before a running sequence's window (folio.cache.
+window_release); a rollback that reaches back before it takes them back by hash, or computes the sequence again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from folio.cache.errors import OutOfPages
 from folio.cache.events import PageEvent, PageEventKind
 from folio.cache.pool import PagePool
+from folio.cache.window_release import held_pages, release_before_window, restore_window
 from folio.hashing import hash_page, prompt_page_hashes
 from folio.sequence import Sequence
 
@@ -61,9 +65,15 @@ class CacheSnapshot:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True, pool: PagePool | None = None):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True, pool: PagePool | None = None,
+                 window: int = 0):
         """prefix_cache False: no page is ever shared or kept after its sequence (to measure what it is worth).
-        pool: a new pool of num_pages pages of page_size by default; tests pass their own to inspect it."""
+        pool: a new pool of num_pages pages of page_size by default; tests pass their own to inspect it.
+        window: > 0 where every layer of every model reading these pages attends to at most this many tokens
+        (folio.model.windows.released_window): pages before a running sequence's window are released."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window must be an int >= 0 (0: no page is released early), got {window!r}")
+        self.window = window
         self._pool = pool if pool is not None else PagePool(num_pages, page_size)
         if (self._pool.num_pages, self._pool.page_size) != (num_pages, page_size):
             raise ValueError(f"pool of {self._pool.num_pages} pages of {self._pool.page_size} given for "
@@ -243,10 +253,8 @@ class KVCacheManager:
     def commit(self, seq: Sequence, end: int) -> None:
         """The K/V of tokens [num_cached_tokens, end) are written: advance and register the pages they filled."""
         start, seq.num_cached_tokens = seq.num_cached_tokens, end
-        if not self.prefix_cache:
-            return
         size = self.page_size
-        for page_idx in range(start // size, end // size):
+        for page_idx in range(start // size, end // size) if self.prefix_cache else ():
             tokens = seq.token_ids[page_idx * size:(page_idx + 1) * size]
             parent = self._parent(seq, page_idx)
             if page_idx == len(seq.page_hashes):
@@ -254,6 +262,7 @@ class KVCacheManager:
             self._pool.set_ready(seq.block_table[page_idx], seq.page_hashes[page_idx], parent, tokens,
                                  namespace=seq.namespace)
             seq.claimed_page_idx.discard(page_idx)
+        release_before_window(self._pool, seq, self.window, self.page_size)
 
     # --- giving pages back ---
 
@@ -276,8 +285,9 @@ class KVCacheManager:
             page_idx = cached // size
             self._pool.record_tokens(seq.block_table[page_idx], self._parent(seq, page_idx),
                                      seq.token_ids[page_idx * size:cached], namespace=seq.namespace)
-        self._pool.release(seq.block_table)
+        self._pool.release(held_pages(seq))
         seq.block_table = []
+        seq.num_released_pages = 0
         seq.claimed_page_idx.clear()
         seq.num_cached_tokens = 0
 
@@ -309,12 +319,17 @@ class KVCacheManager:
         del seq.page_hashes[(new_len - 1) // size:]  # as prompt_page_hashes: pages before the fed token
         keep = -(-new_len // size)
         if len(seq.block_table) > keep:
-            self._pool.release(seq.block_table[keep:])
+            self._pool.release(held_pages(seq, keep))
             del seq.block_table[keep:]
+            seq.num_released_pages = min(seq.num_released_pages, keep)
         seq.claimed_page_idx = {i for i in seq.claimed_page_idx if i < keep}
         write_idx = seq.num_cached_tokens // size
-        if write_idx < len(seq.block_table) and self._pool.is_ready(seq.block_table[write_idx]):
+        if seq.num_released_pages <= write_idx < len(seq.block_table) and self._pool.is_ready(
+                seq.block_table[write_idx]):
             self._copy_on_write(seq, write_idx)
+        if not restore_window(self._pool, seq, self.window, self.page_size, self.prefix_cache):
+            self.free(seq)  # a page the window needs again is gone: compute the sequence again
+            self.start(seq)
 
     def _copy_on_write(self, seq: Sequence, page_idx: int) -> None:
         """Swap registered page page_idx of `seq`, which the next step writes into, for a private page holding

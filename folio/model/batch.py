@@ -5,10 +5,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
+
+from folio.cache.window_release import RELEASED_PAGE
+from folio.model import injection
+
+if TYPE_CHECKING:
+    from folio.lora import LoraBatch
 
 LogitsMode = Literal["none", "last", "all"]
 _LOGITS_MODES = ("none", "last", "all")
@@ -23,6 +29,8 @@ class SeqChunk:
     start_pos: int
     block_table: Sequence[int]
     logits: LogitsMode = "last"
+    # embedding rows that replace some of these tokens' (placeholders of folio.embeddings), in token order
+    injected: Sequence[injection.InjectedSpan] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ class ForwardBatch:
     total_context_len: int = 0  # sum of context_lens (host int; sizes the flash prefill path's K/V gather)
     seq_q_lens: tuple[int, ...] = ()  # host copy of each sequence's new-token count (the flash prefill path)
     seq_context_lens: tuple[int, ...] = ()  # host copy of context_lens
+    # rows of T whose token embeddings are replaced ([R] int64), and by what ([R, hidden_size]); None: no rows
+    injected_rows: torch.Tensor | None = None
+    injected_values: torch.Tensor | None = None
+    lora: LoraBatch | None = None  # the rows' LoRA adapters, grouped (folio.lora); None: no row has one
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +105,8 @@ class ForwardBatch:
             # Pinned source: the copy is queued on the stream instead of making the host wait for the GPU.
             return (t.pin_memory() if on_cuda else t).to(device, non_blocking=True)
 
+        injected_rows, injected_values = injection.gather([c.injected for c in chunks], q_lens, cu_seqlens_q,
+                                                          input_ids, to_device)
         return cls(
             input_ids=to_device(input_ids, torch.int64),
             positions=to_device(positions, torch.int64),
@@ -106,6 +120,8 @@ class ForwardBatch:
             total_context_len=sum(context_lens),
             seq_q_lens=tuple(q_lens),
             seq_context_lens=tuple(context_lens),
+            injected_rows=injected_rows,
+            injected_values=injected_values,
         )
 
 
@@ -124,7 +140,9 @@ def _check_chunk(i: int, chunk: SeqChunk, page_size: int) -> int:
             f"chunk {i}: positions up to {chunk.start_pos + q_len - 1} need {needed} pages of {page_size} "
             f"but block_table has {len(chunk.block_table)}"
         )
-    if min(chunk.block_table[:needed]) < 0:
-        # a negative page id would silently index pages from the end of the cache
+    # Leading RELEASED_PAGE entries: pages released before a sliding window (folio.cache.window_release), which no
+    # kernel reads. Any other negative page id would silently index pages from the end of the cache.
+    released = next((j for j, page in enumerate(chunk.block_table[:needed]) if page != RELEASED_PAGE), needed)
+    if needed > released and min(chunk.block_table[released:needed]) < 0:
         raise ValueError(f"chunk {i}: negative page id in block_table {list(chunk.block_table[:needed])}")
     return q_len

@@ -1,8 +1,8 @@
 """ModelConfig: the frozen, validated view of a Hugging Face model directory's config.json.
 
 Only what the forward pass needs is kept. Anything in the config that would change the model's output and that we
-do not implement (sliding windows, other rope scalings, MLP biases, other activations) raises NotSupportedError
-instead of being ignored.
+do not implement (other rope scalings, MLP biases, other activations) raises NotSupportedError instead of being
+ignored. Sliding windows become one window per layer (folio.model.windows).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from folio.model import windows
 from folio.model.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 CONFIG_FILE = "config.json"
@@ -33,13 +34,26 @@ class NotSupportedError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 ("llama3") rope frequency scaling, the only scaling supported."""
+    """Rope frequency scaling: "linear" (every frequency divided by factor) or Llama 3's "llama3" (the fields
+    after factor are llama3's)."""
 
     rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts (Mixtral, Qwen3-MoE; folio.model.moe): each token's MLP is the routing-weighted sum of the
+    num_experts_per_tok experts whose router probabilities (softmax over num_experts) are highest."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # the top-k weights are divided by their sum
+    layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP of intermediate_size
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,32 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: torch.dtype  # the checkpoint's dtype; float32 when the config names none (transformers' default)
+    # Sliding-window attention (folio.model.windows): one window per layer in tokens, 0 = the whole context.
+    # Empty (the default for configs built in code): every layer attends to the whole context.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2's attention logit soft-capping: each score s becomes softcap * tanh(s / softcap); 0.0 = none.
+    attn_logit_softcap: float = 0.0
+    # Model families (folio.model.families; the defaults are the Llama family's)
+    hidden_activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
+    final_logit_softcap: float = 0.0  # Gemma: logits become cap * tanh(logits / cap); 0.0 = none
+    local_rope_theta: float | None = None  # Gemma 3: rotary base of local_rope_layers, unscaled
+    local_rope_layers: tuple[int, ...] = ()
+    moe: MoeConfig | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            layer_windows = windows.check_windows(self.layer_windows or (0,) * self.num_layers, self.num_layers)
+        except windows.WindowConfigError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "layer_windows", layer_windows)
+        if not (self.attn_logit_softcap >= 0.0 and self.attn_logit_softcap != float("inf")):
+            raise ConfigError(f"attn_logit_softcap={self.attn_logit_softcap!r} must be finite and >= 0 (0: none)")
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -112,11 +152,18 @@ class ModelConfig:
             raise ConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
         max_position_embeddings = _required(raw, "max_position_embeddings", int)
 
-        _check_activation(raw)
+        # function-level import: families.py imports this module's errors and dataclasses
+        from folio.model.families import family_fields
+
+        family = family_fields(raw, arch, num_layers, hidden_size, max_position_embeddings)
         if raw.get("mlp_bias"):
             raise NotSupportedError("mlp_bias=true (biases on the MLP projections) is not supported")
-        _check_sliding_window(raw, architecture, num_layers, max_position_embeddings)
-        rope_theta, rope_scaling = _rope(raw, max_position_embeddings)
+        try:
+            layer_windows = windows.layer_windows(raw, architecture, num_layers, max_position_embeddings)
+        except windows.WindowConfigError as e:
+            raise ConfigError(str(e)) from None
+        layer_windows = family.pop("layer_windows", layer_windows)
+        rope_theta, rope_scaling = family.pop("rope") if "rope" in family else _rope(raw, max_position_embeddings)
         has_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=architecture,
@@ -131,13 +178,15 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch.tie_word_embeddings_default)),
             attention_bias=arch.qkv_bias if arch.qkv_bias is not None else has_bias,
             o_proj_bias=arch.o_proj_bias if arch.o_proj_bias is not None else has_bias,
             qk_norm=arch.qk_norm,
             bos_token_id=_bos_token_id(raw, generation),
             eos_token_ids=_eos_token_ids(raw, generation),
             torch_dtype=_dtype(raw),
+            layer_windows=layer_windows,
+            **family,
         )
 
 
@@ -184,37 +233,6 @@ def _architecture(raw: dict[str, Any]) -> str:
     return name
 
 
-def _check_activation(raw: dict[str, Any]) -> None:
-    activation = raw.get("hidden_act", "silu")
-    if activation != "silu":
-        raise NotSupportedError(f"hidden_act={activation!r} is not supported (only 'silu')")
-
-
-def _check_sliding_window(
-    raw: dict[str, Any], architecture: str, num_layers: int, max_position_embeddings: int
-) -> None:
-    """Refuse configs whose attention is windowed within the supported context (it would change the output)."""
-    window = raw.get("sliding_window")
-    if window is None or not ARCHITECTURES[architecture].has_sliding_window_option:
-        return
-    if ARCHITECTURES[architecture].sliding_window_needs_opt_in:
-        # Qwen2/Qwen3: the window is only active with use_sliding_window, and only on some layers
-        if not raw.get("use_sliding_window", False):
-            return
-        layer_types = raw.get("layer_types")
-        if layer_types is not None:
-            windowed = "sliding_attention" in layer_types
-        else:
-            windowed = int(raw.get("max_window_layers", num_layers)) < num_layers
-        if not windowed:
-            return
-    if window < max_position_embeddings:
-        raise NotSupportedError(
-            f"sliding_window={window} is smaller than max_position_embeddings={max_position_embeddings}; "
-            "sliding-window attention is not supported"
-        )
-
-
 def _rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from either spelling: transformers 4's rope_theta + rope_scaling or
     transformers 5's rope_parameters (which carries rope_theta inside)."""
@@ -223,15 +241,28 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, Rop
         raise ConfigError(f"rope parameters must be an object, got {params!r}")
     if "full_attention" in params or "sliding_attention" in params:
         raise NotSupportedError("per-layer-type rope parameters are not supported")
-    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    params = {**params, "rope_theta": params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)),
+              "partial_rotary_factor": params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))}
+    return rope_from_params(params, max_position_embeddings, _DEFAULT_ROPE_THETA)
+
+
+def rope_from_params(params: dict[str, Any], max_position_embeddings: int,
+                     default_theta: float) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of one rope parameter set (transformers 5's rope_parameters, or one layer type's)."""
+    theta = params.get("rope_theta", default_theta)
+    partial = params.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise NotSupportedError(f"partial_rotary_factor={partial} is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "linear":
+        if "factor" not in params:
+            raise ConfigError("linear rope scaling is missing field 'factor'")
+        return float(theta), RopeScaling(rope_type, float(params["factor"]))
     if rope_type != "llama3":
-        raise NotSupportedError(f"rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        raise NotSupportedError(f"rope type {rope_type!r} is not supported (rope_parameters / rope_scaling; "
+                                "supported: 'default', 'linear', 'llama3')")
     try:
         scaling = RopeScaling(
             rope_type=rope_type,

@@ -22,6 +22,10 @@ else our kernel ("paged"). EngineOptions.prefill_attention = "paged" | "flash_pa
 (for benchmarks and tests); EngineOptions.prefill_cudnn = False keeps equal-length prompts on FA2 (A/B).
 Decode-only steps never come here (paged_attention_decode, CUDA graphs).
 
+Sliding windows go to FA2 as its left window. Where pages before the widest window may be back in the pool, the
+gather starts at that window and flash_paged's block table has those entries clamped to page 0 (FA2 skips the blocks
+before a window). cuDNN's dense path takes no window and FA2 no soft-capping: such layers run on another path.
+
 What a model learns here (probe results, the shapes seen, counters) lives in its FlashState, which every function
 takes first: nothing is kept in module globals.
 """
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from folio import reference_ops
+from folio.model.windows import first_visible_key
 
 if TYPE_CHECKING:
     from folio.ops import OpSet
@@ -54,6 +59,7 @@ _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a
 # a run took 528 ms where a later process took ~46 ms), and small shapes get another configuration than large ones;
 # probing a large shape pays that compile at warm-up instead of in the middle of the first batch.
 _PROBE_BATCH, _PROBE_LEN = 2, 2048
+_PROBE_WINDOW = 40  # a window narrower than the probe's contexts, so that its mask shows
 
 
 @dataclass(eq=False)
@@ -63,6 +69,7 @@ class FlashState:
 
     ops: OpSet
     dense_cudnn: bool = True
+    windowed: bool = False  # the model has windowed layers: a mode must also pass a windowed probe
     # (device, dtype, heads, head_dim, page_size, requested mode) -> mode that runs
     probed: dict[tuple, str] = field(default_factory=dict)
     # (device, dtype, q heads, kv heads, head_dim) -> cuDNN's dense attention agrees with FA2 here
@@ -84,6 +91,7 @@ class PrefillPlan:
     max_q_len: int
     max_context_len: int
     kv_slots: torch.Tensor | None = None  # flash_gather: [sum of their contexts] int64 flat cache slots
+    block_tables: torch.Tensor | None = None  # flash_paged: what FA2 reads (released entries clamped to page 0)
     # flash_gather with one-token rows beside: which rows go to FA2 and which to the decode kernel (long_rows
     # only when they are not one run, see long_span)
     long_rows: torch.Tensor | None = None  # [T_long] int64
@@ -102,10 +110,12 @@ class PrefillPlan:
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-           max_k: int, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+           max_k: int, scale: float, block_table: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     kwargs = {"scale": scale}
     if block_table is not None:
         kwargs["block_table"] = block_table
+    if window > 0:  # FA2's left window counts the keys before the query's own
+        kwargs.update(window_size_left=window - 1, window_size_right=0)
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kwargs)[0]
 
 
@@ -124,7 +134,7 @@ def choose_mode(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, scale
     if check_mode(requested) == "paged":
         return "paged"
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    key = (q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, page_size, requested)
+    key = (q.device, q.dtype, q.shape[1], num_kv_heads, head_dim, page_size, requested, state.windowed)
     if key not in state.probed:
         candidates = ["flash_paged", "flash_gather"] if requested == "auto" else [requested]
         if page_size % FA2_PAGE_MULTIPLE:
@@ -140,17 +150,23 @@ def _device_ints(values: list[int], dtype: torch.dtype, device: torch.device) ->
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
-def plan(state: FlashState, mode: str, batch, page_size: int) -> PrefillPlan | None:
-    """Per-forward tensors for `mode`, or None when this batch should run on our kernel."""
+def plan(state: FlashState, mode: str, batch, page_size: int, released_window: int = 0) -> PrefillPlan | None:
+    """Per-forward tensors for `mode`, or None when this batch should run on our kernel. released_window: every
+    layer's window is at most this and the pages before it may have been released (0: none are)."""
     if mode == "paged":
         return None
     device = batch.context_lens.device
     if mode == "flash_paged":
         cu_k = torch.zeros(batch.num_seqs + 1, dtype=torch.int32, device=device)
         torch.cumsum(batch.context_lens, 0, dtype=torch.int32, out=cu_k[1:])
-        return PrefillPlan(mode, batch.cu_seqlens_q, cu_k, batch.max_q_len, batch.max_context_len)
-    q_lens, context_lens = batch.seq_q_lens, batch.seq_context_lens
+        tables = batch.block_tables.clamp(min=0) if released_window else batch.block_tables
+        return PrefillPlan(mode, batch.cu_seqlens_q, cu_k, batch.max_q_len, batch.max_context_len,
+                           block_tables=tables)
+    q_lens = batch.seq_q_lens
     long = [i for i, n in enumerate(q_lens) if n > 1]
+    # each long sequence's keys from its first query's widest window on (the whole context without release)
+    k_begin = [first_visible_key(batch.seq_context_lens[i] - q_lens[i], released_window) for i in range(len(q_lens))]
+    context_lens = [n - b for n, b in zip(batch.seq_context_lens, k_begin)]
     total_k = sum(context_lens[i] for i in long)
     if not long or total_k > GATHER_MAX_TOKENS:
         return None
@@ -172,6 +188,8 @@ def plan(state: FlashState, mode: str, batch, page_size: int) -> PrefillPlan | N
     seq_of_k = torch.repeat_interleave(torch.arange(len(long), device=device), cu_k_t.diff().long(),
                                        output_size=total_k)
     pos = torch.arange(total_k, device=device) - cu_k_t.long()[seq_of_k]
+    if released_window:
+        pos += _device_ints([k_begin[i] for i in long], torch.int64, device)[seq_of_k]
     kv_slots = long_tables[seq_of_k, pos // page_size].long() * page_size + pos % page_size
     max_q, max_k = max(q_lens[i] for i in long), max(context_lens[i] for i in long)
     span = (long_rows[0], long_rows[-1] + 1) if long_rows[-1] + 1 - long_rows[0] == len(long_rows) else None
@@ -267,18 +285,24 @@ def _dense_attention(state: FlashState, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
               prefill: PrefillPlan, scale: float, k_new: torch.Tensor | None = None,
-              v_new: torch.Tensor | None = None) -> torch.Tensor:
+              v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
 
     q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
     output) may be strided in their token and head dims. With k_new/v_new given, a plan whose prompt rows are
-    one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache."""
+    one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache.
+    window, softcap: as in folio.reference_ops.paged_attention; FA2 cannot soft-cap, so softcap > 0 runs our
+    paged kernel."""
+    if softcap > 0:
+        return state.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, scale, batch.max_q_len, window, softcap)
     strided = strided_inputs_ok(state, q, k_cache)
     if not strided:
         q = q.contiguous()
     if prefill.mode == "flash_paged":
         return _flash(q.contiguous(), k_cache, v_cache, prefill.cu_seqlens_q, prefill.cu_seqlens_k,
-                      prefill.max_q_len, prefill.max_context_len, scale, block_table=batch.block_tables)
+                      prefill.max_q_len, prefill.max_context_len, scale, block_table=prefill.block_tables,
+                      window=window)
     span = prefill.long_span
     if prefill.short_rows is None:
         q_long = q
@@ -295,22 +319,24 @@ def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache
         num_kv_heads, head_dim = k_cache.shape[2:]
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, prefill.kv_slots)
-    long_out = _dense_attention(state, q_long, k, v, prefill.dense, scale) if new_kv and prefill.dense else None
+    dense = new_kv and prefill.dense and window == 0  # (cuDNN's dense path is causal only)
+    long_out = _dense_attention(state, q_long, k, v, prefill.dense, scale) if dense else None
     if long_out is None:
         long_out = _flash(q_long, k, v, prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_q_len,
-                          prefill.max_context_len, scale)
+                          prefill.max_context_len, scale, window=window)
     if prefill.short_rows is None:
         return long_out.contiguous()  # (FA2 returns a dense output for strided inputs; the caller views it flat)
     if span is not None and (span[0] == 0 or span[1] == q.shape[0]):  # the one-token rows are one run too
         before = span[0] > 0
         short_q = q[:span[0]] if before else q[span[1]:]
         short_out = state.ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
-                                               prefill.short_context_lens, scale)
+                                                     prefill.short_context_lens, scale, window, softcap)
         return torch.cat([short_out, long_out] if before else [long_out, short_out])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.index_copy_(0, prefill.long_rows, long_out)
     short_out = state.ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
-                                           prefill.short_block_tables, prefill.short_context_lens, scale)
+                                                 prefill.short_block_tables, prefill.short_context_lens, scale,
+                                                 window, softcap)
     out.index_copy_(0, prefill.short_rows, short_out)
     return out
 
@@ -340,7 +366,7 @@ def strided_inputs_ok(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor)
 
 def _probe(state: FlashState, mode: str, q_like: torch.Tensor, k_like: torch.Tensor, scale: float) -> bool:
     """Does `mode` run here and agree with the reference on a small batch (a chunk continuing a cached context
-    across pages, a whole prompt, a one-token row)?"""
+    across pages, a whole prompt, a one-token row)? For a windowed model, with a window too."""
     from folio.model.batch import ForwardBatch, SeqChunk
 
     device, dtype = q_like.device, q_like.dtype
@@ -359,12 +385,15 @@ def _probe(state: FlashState, mode: str, q_like: torch.Tensor, k_like: torch.Ten
         used += n
     batch = ForwardBatch.build(chunks, page_size, device)
     q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    try:
-        prefill = plan(state, mode, batch, page_size)
-        got = attention(state, q, k_cache, v_cache, batch, prefill, scale).float()
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
-                                         batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len)
-    err = ((got - want).norm() / want.norm()).item()
-    return err <= _PROBE_MAX_REL_ERR
+    for window in (0, _PROBE_WINDOW) if state.windowed else (0,):
+        try:
+            prefill = plan(state, mode, batch, page_size, released_window=window)
+            got = attention(state, q, k_cache, v_cache, batch, prefill, scale, window=window).float()
+        except (RuntimeError, TypeError, ValueError):
+            return False
+        want = reference_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), batch.block_tables,
+                                             batch.cu_seqlens_q, batch.context_lens, scale, batch.max_q_len,
+                                             window, 0.0)
+        if ((got - want).norm() / want.norm()).item() > _PROBE_MAX_REL_ERR:
+            return False
+    return True

@@ -1,13 +1,16 @@
 """Load a safetensors checkpoint (single file or sharded index) into fused, device-resident weights.
 
 Every expected tensor is checked (present, right shape) before it is loaded; q/k/v are concatenated into one
-qkv projection and gate/up into one gate_up projection so each becomes a single GEMM.
+qkv projection and gate/up into one gate_up projection so each becomes a single GEMM (Phi-3 checkpoints hold them
+fused already). Experts are stacked into one [E, ...] tensor per projection, from either checkpoint layout (one
+tensor per expert, or transformers 5's 3D tensors). Gemma's (1 + weight) norms are folded into fp32 weights.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from folio.model import architectures as names
+from folio.model.architectures import ARCHITECTURES
 from folio.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -35,9 +39,19 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # [D] (Qwen3)
     o_proj: torch.Tensor  # [H, Hq*D]
     o_proj_bias: torch.Tensor | None  # [H]
-    post_attention_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2*I, H], gate rows first
-    down: torch.Tensor  # [H, I]
+    post_attention_norm: torch.Tensor  # [H] the MLP input's norm (Gemma's pre_feedforward_layernorm)
+    gate_up: torch.Tensor | None  # [2*I, H], gate rows first; None in an MoE layer
+    down: torch.Tensor | None  # [H, I]
+    attn_out_norm: torch.Tensor | None = None  # [H] Gemma: the attention output's norm (post_attention_layernorm)
+    mlp_out_norm: torch.Tensor | None = None  # [H] Gemma: the MLP output's norm (post_feedforward_layernorm)
+    experts: ExpertWeights | None = None  # an MoE layer's experts, in place of gate_up and down
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2*I, H], each expert's gate rows first
+    down: torch.Tensor  # [E, H, I]
 
 
 @dataclass(frozen=True)
@@ -80,24 +94,25 @@ class CheckpointIndex:
         return cls(index_path, files_by_name)
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, for every tensor the model reads."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+def expected_shapes(config: ModelConfig, present: Collection[str] = ()) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for every tensor the model reads. present: the names the checkpoint holds,
+    which tell the layout of an MoE layer's experts (3D tensors where it holds them, else one tensor per expert)."""
+    arch = ARCHITECTURES[config.architecture]
+    hidden, head_dim = config.hidden_size, config.head_dim
     shapes: dict[str, tuple[int, ...]] = {names.EMBED_TOKENS: (config.vocab_size, hidden), names.FINAL_NORM: (hidden,)}
     if not config.tie_word_embeddings:
         shapes[names.LM_HEAD] = (config.vocab_size, hidden)
     for layer_idx in range(config.num_layers):
-        layer = {
-            names.INPUT_NORM: (hidden,),
-            names.POST_ATTENTION_NORM: (hidden,),
-            names.Q_PROJ + ".weight": (config.q_size, hidden),
-            names.K_PROJ + ".weight": (config.kv_size, hidden),
-            names.V_PROJ + ".weight": (config.kv_size, hidden),
-            names.O_PROJ + ".weight": (hidden, config.q_size),
-            names.GATE_PROJ: (inter, hidden),
-            names.UP_PROJ: (inter, hidden),
-            names.DOWN_PROJ: (hidden, inter),
-        }
+        prefix = names.layer_prefix(layer_idx)
+        layer = {names.INPUT_NORM: (hidden,), names.POST_ATTENTION_NORM: (hidden,),
+                 names.O_PROJ + ".weight": (hidden, config.q_size)}
+        if arch.sandwich_norms:
+            layer[names.PRE_FEEDFORWARD_NORM] = layer[names.POST_FEEDFORWARD_NORM] = (hidden,)
+        if arch.fused_projections:
+            layer[names.QKV_PROJ] = (config.q_size + 2 * config.kv_size, hidden)
+        else:
+            layer[names.Q_PROJ + ".weight"] = (config.q_size, hidden)
+            layer[names.K_PROJ + ".weight"] = layer[names.V_PROJ + ".weight"] = (config.kv_size, hidden)
         if config.attention_bias:
             layer[names.Q_PROJ + ".bias"] = (config.q_size,)
             layer[names.K_PROJ + ".bias"] = (config.kv_size,)
@@ -107,8 +122,40 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             layer[names.Q_NORM] = (head_dim,)
             layer[names.K_NORM] = (head_dim,)
-        prefix = names.layer_prefix(layer_idx)
+        expert_names = _expert_names(config, layer_idx, prefix, present)
+        if expert_names is not None:
+            layer.update(_expert_shapes(config, expert_names))
+        elif arch.fused_projections:
+            layer[names.GATE_UP_PROJ] = (2 * config.intermediate_size, hidden)
+            layer[names.DOWN_PROJ] = (hidden, config.intermediate_size)
+        else:
+            layer[names.GATE_PROJ] = layer[names.UP_PROJ] = (config.intermediate_size, hidden)
+            layer[names.DOWN_PROJ] = (hidden, config.intermediate_size)
         shapes.update({prefix + name: shape for name, shape in layer.items()})
+    return shapes
+
+
+def _expert_names(config: ModelConfig, layer_idx: int, prefix: str,
+                  present: Collection[str]) -> names.ExpertNames | None:
+    """The names of layer layer_idx's experts in this checkpoint; None where the layer is a dense MLP."""
+    if config.moe is None or not config.moe.layers[layer_idx]:
+        return None
+    if prefix + names.FUSED_EXPERT_NAMES.fused_gate_up in present:
+        return names.FUSED_EXPERT_NAMES
+    return names.PER_EXPERT_NAMES[ARCHITECTURES[config.architecture].moe_layout]
+
+
+def _expert_shapes(config: ModelConfig, expert_names: names.ExpertNames) -> dict[str, tuple[int, ...]]:
+    moe, hidden = config.moe, config.hidden_size
+    inter = moe.expert_intermediate_size
+    shapes = {expert_names.router: (moe.num_experts, hidden)}
+    if expert_names.fused:
+        shapes[expert_names.fused_gate_up] = (moe.num_experts, 2 * inter, hidden)
+        shapes[expert_names.fused_down] = (moe.num_experts, hidden, inter)
+        return shapes
+    for e in range(moe.num_experts):
+        shapes[expert_names.gate.format(e)] = shapes[expert_names.up.format(e)] = (inter, hidden)
+        shapes[expert_names.down.format(e)] = (hidden, inter)
     return shapes
 
 
@@ -135,7 +182,7 @@ def load_tensors(
 ) -> dict[str, torch.Tensor]:
     """Every expected tensor, checked and loaded straight onto `device`, cast to `dtype`."""
     index = CheckpointIndex.open(model_dir)
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config, index.files_by_name.keys())
     _check_names(index, config, shapes)
     names_by_file: dict[Path, list[str]] = defaultdict(list)
     for name in shapes:
@@ -161,7 +208,7 @@ def tensors_from_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The expected tensors of an in-memory state dict (e.g. a transformers model's), checked like a checkpoint's
     and moved to `device` / cast to `dtype` (no copy when they already are). The dict itself is left unchanged."""
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config, state_dict.keys())
     tolerated = {names.LM_HEAD} if config.tie_word_embeddings else set()
     missing = [name for name in shapes if name not in state_dict]
     if missing:
@@ -180,7 +227,15 @@ def tensors_from_state_dict(
 
 
 def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
-    """Group loaded tensors per layer, concatenating q/k/v and gate/up. Consumes `tensors`."""
+    """Group loaded tensors per layer, concatenating q/k/v and gate/up and stacking experts. Consumes `tensors`."""
+    arch = ARCHITECTURES[config.architecture]
+    present = set(tensors)
+
+    def norm(name: str) -> torch.Tensor:
+        # Gemma scales by (1 + weight), computed in fp32 as transformers does; the norm ops take fp32 weights
+        weight = tensors.pop(name)
+        return weight.float() + arch.norm_weight_offset if arch.norm_weight_offset else weight
+
     layers = []
     for layer_idx in range(config.num_layers):
         prefix = names.layer_prefix(layer_idx)
@@ -188,27 +243,57 @@ def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Model
         def take(name: str, prefix: str = prefix) -> torch.Tensor:
             return tensors.pop(prefix + name)
 
-        qkv = torch.cat([take(p + ".weight") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
+        if arch.fused_projections:
+            qkv = take(names.QKV_PROJ)
+        else:
+            qkv = torch.cat([take(p + ".weight") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([take(p + ".bias") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
+        gate_up = down = experts = None
+        expert_names = _expert_names(config, layer_idx, prefix, present)
+        if expert_names is not None:
+            experts = _stack_experts(tensors, prefix, expert_names, config.moe.num_experts)
+        elif arch.fused_projections:
+            gate_up, down = take(names.GATE_UP_PROJ), take(names.DOWN_PROJ)
+        else:
+            gate_up, down = torch.cat([take(names.GATE_PROJ), take(names.UP_PROJ)]), take(names.DOWN_PROJ)
+        sandwich = arch.sandwich_norms
         layers.append(
             LayerWeights(
-                input_norm=take(names.INPUT_NORM),
+                input_norm=norm(prefix + names.INPUT_NORM),
                 qkv=qkv,
                 qkv_bias=qkv_bias,
-                q_norm=take(names.Q_NORM) if config.qk_norm else None,
-                k_norm=take(names.K_NORM) if config.qk_norm else None,
+                q_norm=norm(prefix + names.Q_NORM) if config.qk_norm else None,
+                k_norm=norm(prefix + names.K_NORM) if config.qk_norm else None,
                 o_proj=take(names.O_PROJ + ".weight"),
                 o_proj_bias=take(names.O_PROJ + ".bias") if config.o_proj_bias else None,
-                post_attention_norm=take(names.POST_ATTENTION_NORM),
-                gate_up=torch.cat([take(names.GATE_PROJ), take(names.UP_PROJ)]),
-                down=take(names.DOWN_PROJ),
+                post_attention_norm=norm(prefix + (names.PRE_FEEDFORWARD_NORM if sandwich
+                                                   else names.POST_ATTENTION_NORM)),
+                gate_up=gate_up,
+                down=down,
+                attn_out_norm=norm(prefix + names.POST_ATTENTION_NORM) if sandwich else None,
+                mlp_out_norm=norm(prefix + names.POST_FEEDFORWARD_NORM) if sandwich else None,
+                experts=experts,
             )
         )
     embed_tokens = tensors.pop(names.EMBED_TOKENS)
     lm_head = embed_tokens if config.tie_word_embeddings else tensors.pop(names.LM_HEAD)
-    return ModelWeights(embed_tokens, tuple(layers), tensors.pop(names.FINAL_NORM), lm_head)
+    return ModelWeights(embed_tokens, tuple(layers), norm(names.FINAL_NORM), lm_head)
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], prefix: str, expert_names: names.ExpertNames,
+                   num_experts: int) -> ExpertWeights:
+    router = tensors.pop(prefix + expert_names.router)
+    if expert_names.fused:
+        return ExpertWeights(router, tensors.pop(prefix + expert_names.fused_gate_up),
+                             tensors.pop(prefix + expert_names.fused_down))
+    gate_up, down = [], []
+    for e in range(num_experts):
+        gate = tensors.pop(prefix + expert_names.gate.format(e))
+        gate_up.append(torch.cat([gate, tensors.pop(prefix + expert_names.up.format(e))]))
+        down.append(tensors.pop(prefix + expert_names.down.format(e)))
+    return ExpertWeights(router, torch.stack(gate_up), torch.stack(down))
 
 
 def load_weights(

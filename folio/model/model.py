@@ -1,4 +1,8 @@
-"""Model: a Llama-family decoder running over a paged K/V cache through its op set (folio.ops.OpSet)."""
+"""Model: a Llama-family decoder running over a paged K/V cache through its op set (folio.ops.OpSet).
+
+The other families are variations of its layer (folio.model.families): Gemma's scaled embeddings, norms on each
+sublayer's output, gelu-tanh MLP and soft-capped logits; Gemma 3's local rotary base; routed experts
+(folio.model.moe) in place of the MLP."""
 
 from __future__ import annotations
 
@@ -9,15 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from folio import ops
-from folio.model import flash
+from folio.model import flash, mlp, moe
 from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
-from folio.model.rotary import rope_inv_freq
+from folio.model.rotary import layer_inv_freqs, rope_inv_freq
+from folio.model.windows import released_window
 from folio.options import EngineOptions
 
 if TYPE_CHECKING:
     from folio.kv_cache import Cache
+    from folio.lora.apply import LayerLora
 
 
 # The most logits-sized fp32 buffers sampling holds at once beside the logits: the torch path with a full sort of
@@ -56,10 +62,18 @@ class Model:
         self.device = device
         self.dtype = dtype
         self.inv_freq = rope_inv_freq(config, device)  # [D/2] fp32
-        self.attention_scale = config.head_dim**-0.5
+        self.layer_inv_freq = layer_inv_freqs(config, device)  # per layer (Gemma 3's sliding layers: their own)
+        self.attention_scale = config.attention_scale
+        self.act_and_mul = mlp.act_and_mul(self.ops, config.hidden_activation)
+        # the embedding scale rounded to the model dtype first, as transformers multiplies by it
+        self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
+        self.moe = moe.MoE(config.moe) if config.moe is not None else None
         # Prefill attention on CUDA (see folio.model.flash): options.prefill_attention chooses the path, each
         # probed once per shape family on this device; options.prefill_cudnn lets cuDNN take equal-length prompts.
-        self.flash_state = flash.FlashState(self.ops, dense_cudnn=self.options.prefill_cudnn)
+        self.flash_state = flash.FlashState(self.ops, dense_cudnn=self.options.prefill_cudnn,
+                                            windowed=any(config.layer_windows))
+        # Every layer windowed: the pages before this window may be released while a sequence runs (never read).
+        self.released_window = released_window(config.layer_windows)
         # (device, dtype) -> whether torch.mm(out_dtype=float32) works here (see _logits)
         self._mm_fp32_ok: dict[tuple[torch.device, torch.dtype], bool] = {}
 
@@ -118,16 +132,23 @@ class Model:
         self._check_cache(cache)
         w = self.weights
         residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
+        if self.embed_scale != 1.0:
+            residual.mul_(self.embed_scale)
+        if batch.injected_rows is not None:  # embeddings injected at placeholder tokens (folio.embeddings)
+            residual.index_copy_(0, batch.injected_rows, batch.injected_values)
         prefill = self._prefill_plan(batch, cache)
         mlp_out = None  # embeddings: nothing to add yet
         for layer_idx, layer in enumerate(w.layers):
+            # Gemma normalizes each sublayer's output before the residual add: no GEMM adds itself into it there
+            into = residual if layer.attn_out_norm is None else None
             x = self._add_norm(mlp_out, residual, layer.input_norm)
-            attn_out = self._attention(layer_idx, layer, x, batch, cache, prefill, residual)
-            x = self._add_norm(attn_out, residual, layer.post_attention_norm)
-            mlp_out = self._mlp(layer, x, residual)
+            attn_out = self._attention(layer_idx, layer, x, batch, cache, prefill, into)
+            x = self._add_norm(self._out_norm(attn_out, layer.attn_out_norm), residual, layer.post_attention_norm)
+            mlp_out = self._mlp(layer, x, into, None if batch.lora is None else batch.lora.at(layer_idx))
+            mlp_out = self._out_norm(mlp_out, layer.mlp_out_norm)
         x = self._add_norm(mlp_out, residual, w.final_norm)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
-        return self._logits(x[batch.logits_idx], w.lm_head)
+        return mlp.softcap_(self._logits(x[batch.logits_idx], w.lm_head), self.config.final_logit_softcap)
 
     def step_activation_bytes(self, num_tokens: int, num_logit_rows: int, max_context_tokens: int | None = None,
                               sampling: bool = True) -> int:
@@ -152,13 +173,19 @@ class Model:
         # one-token rows' output; and the context K/V that path may gather from the cache.
         attention = (num_tokens * (stream + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.q_size)
                      + 2 * gathered * cfg.kv_size) * element
-        # MLP: the gate/up product and its SiLU (the largest phase for Llama shapes).
-        mlp = num_tokens * (stream + 3 * cfg.intermediate_size) * element
+        # Gemma: a sublayer's output and its normalized copy beside the stream.
+        stream += cfg.hidden_size if self.weights.layers[0].attn_out_norm is not None else 0
+        # MLP: the gate/up product and its activation (the largest phase for Llama shapes); routed experts' buffers.
+        mlp_bytes = num_tokens * (stream + 3 * cfg.intermediate_size) * element + mlp.act_and_mul_temp_bytes(
+            cfg.hidden_activation, num_tokens, cfg.intermediate_size, self.dtype)
+        if cfg.moe is not None:
+            mlp_bytes = max(mlp_bytes, num_tokens * stream * element
+                            + moe.activation_bytes(cfg.moe, cfg.hidden_size, num_tokens, element))
         # Logits: the selected rows' copy and the fp32 logits; then the sampler's buffers.
         logits = num_logit_rows * (cfg.hidden_size * element + cfg.vocab_size * 4)
         if sampling:
             logits += num_logit_rows * cfg.vocab_size * 4 * SAMPLER_LOGITS_COPIES
-        return max(attention, mlp) + logits
+        return max(attention, mlp_bytes) + logits
 
     def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """residual += out, then RMSNorm(residual). out None: a projection already added itself into the residual
@@ -192,7 +219,7 @@ class Model:
         q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
         mode = flash.choose_mode(self.flash_state, q_like, cache.k[0], self.attention_scale,
                                  self.options.prefill_attention)
-        return flash.plan(self.flash_state, mode, batch, cache.page_size)
+        return flash.plan(self.flash_state, mode, batch, cache.page_size, self.released_window)
 
     def _attention(
         self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch, cache: Cache,
@@ -200,8 +227,11 @@ class Model:
     ) -> torch.Tensor | None:
         """Attention and o_proj; see `_project_into` for `residual`."""
         cfg = self.config
+        window, softcap = cfg.layer_windows[layer_idx], cfg.attn_logit_softcap  # per-layer constants (graphs)
         num_tokens, head_dim = x.shape[0], cfg.head_dim
         qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+        if batch.lora is not None:  # LoRA adapters' q/k/v updates, into their slices of qkv (folio.lora)
+            batch.lora.apply(layer_idx, "qkv", x, qkv)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm:
             q = self.ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)
@@ -212,29 +242,49 @@ class Model:
         k = k.view(num_tokens, cfg.num_kv_heads, head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, head_dim)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
-        self.ops.rotary_cache_write(q, k, v, batch.positions, self.inv_freq, k_cache, v_cache, batch.slot_mapping)
+        self.ops.rotary_cache_write(q, k, v, batch.positions, self.layer_inv_freq[layer_idx], k_cache, v_cache,
+                                    batch.slot_mapping)
         if prefill is not None:
             out = flash.attention(self.flash_state, q, k_cache, v_cache, batch, prefill, self.attention_scale,
-                                  k_new=k, v_new=v)
+                                  k_new=k, v_new=v, window=window, softcap=softcap)
         elif batch.max_q_len == 1:
             out = self.ops.paged_attention_decode(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale, window, softcap
             )
         else:
             out = self.ops.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
-                self.attention_scale, batch.max_q_len,
+                self.attention_scale, batch.max_q_len, window, softcap,
             )
-        return self._project_into(out.view(num_tokens, cfg.q_size), layer.o_proj, layer.o_proj_bias, residual)
+        out = out.view(num_tokens, cfg.q_size)
+        projected = self._project_into(out, layer.o_proj, layer.o_proj_bias, residual)
+        if batch.lora is not None:  # (into the residual when o_proj added itself there)
+            batch.lora.apply(layer_idx, "o_proj", out, residual if projected is None else projected)
+        return projected
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """SwiGLU MLP; see `_project_into` for `residual`."""
-        if x.dtype != torch.float32 and self.ops.linear_supported(x, layer.gate_up):
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None = None,
+             lora: LayerLora | None = None) -> torch.Tensor | None:
+        """Gated MLP (SiLU, or Gemma's gelu-tanh) or routed experts; see `_project_into` for `residual`. lora: the
+        step's LoRA updates at this layer (none in an expert layer: folio.lora is to refuse MoE models' MLP targets)."""
+        if layer.experts is not None:
+            return self.moe.forward(x, layer.experts, self._linear, self.act_and_mul)
+        if (lora is None and x.dtype != torch.float32 and self.config.hidden_activation == "silu"
+                and self.ops.linear_supported(x, layer.gate_up)):
             # decode: the GEMV gates in its epilogue (bit-identical to silu_and_mul after it), one launch fewer
             activation = self.ops.linear(x, layer.gate_up, silu_gate=True)
         else:
-            activation = self.ops.silu_and_mul(self._linear(x, layer.gate_up))
-        return self._project_into(activation, layer.down, None, residual)
+            gate_up = self._linear(x, layer.gate_up)
+            if lora is not None:
+                lora("gate_up", x, gate_up)
+            activation = self.act_and_mul(gate_up)
+        out = self._project_into(activation, layer.down, None, residual)
+        if lora is not None:
+            lora("down", activation, residual if out is None else out)
+        return out
+
+    def _out_norm(self, out: torch.Tensor | None, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """Gemma's norm of a sublayer's output (weight None: out as it is)."""
+        return out if weight is None else self.ops.rms_norm(out, weight, self.config.rms_norm_eps)
 
     def _logits(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CUDA, past the GEMV's few rows, one GEMM that accumulates in fp32 and writes fp32 (not

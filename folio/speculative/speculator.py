@@ -8,6 +8,9 @@ accepted.
 
 from __future__ import annotations
 
+import itertools
+
+from folio.embeddings import is_placeholder
 from folio.scheduler import Chunk, StepPlan
 from folio.sequence import SeqStatus, Sequence
 from folio.speculative.adaptive import DraftLengths
@@ -55,7 +58,8 @@ class Speculator:
                 planned[seq] = (-1,) * k
                 continue
             index = self._ngram_index(seq)
-            proposal = tuple(index.propose(k))
+            # a placeholder of injected embeddings (folio.embeddings) is never sampled: drafting stops before one
+            proposal = tuple(itertools.takewhile(lambda t: not is_placeholder(t), index.propose(k)))
             if proposal:
                 planned[seq] = proposal
         return planned

@@ -79,14 +79,16 @@ void rotary_cache_write(const at::Tensor& q,             // [T, Hq, D] float; ro
             [&](int64_t b, int64_t e) { cpu::rotary_cache_write(p, b, e); });
 }
 
-// Host-side checks the CPU can afford: every sequence's pages exist and every page index is valid.
-void check_sequences(const PagedAttentionParams& p, int64_t num_pages) {
+// Host-side checks the CPU can afford: every sequence's pages exist and every page index that a query reads is
+// valid. With a window, the entries wholly before the window of a sequence's first query are not read (they may
+// name pages released to the pool) and are not checked. first_query_pos: [B] positions of each first query.
+void check_sequences(const PagedAttentionParams& p, int64_t num_pages, const std::vector<int64_t>& first_query_pos) {
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t context_len = p.context_lens[b];
     FOLIO_CHECK_VALUE(0 <= context_len && context_len <= p.max_blocks * p.page_size, "context_lens[", b, "] = ",
                       context_len, " outside [0, max_blocks * page_size = ", p.max_blocks * p.page_size, "]");
     const int64_t used_blocks = (context_len + p.page_size - 1) / p.page_size;
-    for (int64_t j = 0; j < used_blocks; ++j) {
+    for (int64_t j = first_visible_key(p, first_query_pos[b]) / p.page_size; j < used_blocks; ++j) {
       const int64_t page = p.block_tables[b * p.block_table_stride + j];
       FOLIO_CHECK_VALUE(0 <= page && page < num_pages, "block_tables[", b, ", ", j, "] = ", page,
                         " outside [0, num_pages = ", num_pages, ")");
@@ -100,24 +102,29 @@ at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
                            const at::Tensor& block_tables,  // [B, max_blocks] int32
                            const at::Tensor& cu_seqlens_q,  // [B + 1] int32
                            const at::Tensor& context_lens,  // [B] int32
-                           double scale, int64_t max_q_len) {
+                           double scale, int64_t max_q_len,
+                           int64_t window,   // 0 = the whole context; else keys j with i - window < j <= i
+                           double softcap) {  // 0 = none; else scores become softcap * tanh(score / softcap)
   check_all_on(kCpu, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                       {&cu_seqlens_q, "cu_seqlens_q"}, {&context_lens, "context_lens"}});
   const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
-      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
-  check_sequences(p, k_cache.size(0));
+      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len, window,
+                     softcap);
   const int64_t num_tokens = q.size(0);
   FOLIO_CHECK_VALUE(p.cu_seqlens_q[0] == 0 && p.cu_seqlens_q[p.num_seqs] == num_tokens,
                     "cu_seqlens_q must start at 0 and end at num_tokens = ", num_tokens, ", got ",
                     p.cu_seqlens_q[0], " .. ", p.cu_seqlens_q[p.num_seqs]);
   std::vector<int32_t> token_seq(num_tokens);
+  std::vector<int64_t> first_query_pos(p.num_seqs);
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t q_len = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
     FOLIO_CHECK_VALUE(0 <= q_len && q_len <= max_q_len && q_len <= p.context_lens[b], "sequence ", b, ": ", q_len,
                       " queries but max_q_len=", max_q_len, ", context_len=", p.context_lens[b]);
     for (int64_t t = p.cu_seqlens_q[b]; t < p.cu_seqlens_q[b + 1]; ++t) token_seq[t] = static_cast<int32_t>(b);
+    first_query_pos[b] = static_cast<int64_t>(p.context_lens[b]) - q_len;
   }
+  check_sequences(p, k_cache.size(0), first_query_pos);
   run_items(num_tokens * p.num_q_heads, p.max_blocks * p.page_size * p.head_dim,
             [&](int64_t b, int64_t e) { cpu::paged_attention(p, token_seq.data(), b, e); });
   return out;
@@ -128,13 +135,17 @@ at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D]
                                   const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
                                   const at::Tensor& block_tables,  // [B, max_blocks] int32
                                   const at::Tensor& context_lens,  // [B] int32
-                                  double scale) {
+                                  double scale,
+                                  int64_t window,   // 0 = the whole context; else the last `window` positions
+                                  double softcap) {  // 0 = none; else scores become softcap * tanh(score / softcap)
   check_all_on(kCpu, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                       {&context_lens, "context_lens"}});
   const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
-      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1);
-  check_sequences(p, k_cache.size(0));
+      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1, window, softcap);
+  std::vector<int64_t> first_query_pos(p.num_seqs);
+  for (int64_t b = 0; b < p.num_seqs; ++b) first_query_pos[b] = static_cast<int64_t>(p.context_lens[b]) - 1;
+  check_sequences(p, k_cache.size(0), first_query_pos);
   run_items(p.num_seqs * p.num_q_heads, p.max_blocks * p.page_size * p.head_dim,
             [&](int64_t b, int64_t e) { cpu::paged_attention_decode(p, b, e); });
   return out;

@@ -99,13 +99,17 @@ at::Tensor paged_attention(const at::Tensor& q,             // [T, Hq, D] float
                            const at::Tensor& block_tables,  // [B, max_blocks] int32
                            const at::Tensor& cu_seqlens_q,  // [B + 1] int32 (trusted: checked by the CPU op only)
                            const at::Tensor& context_lens,  // [B] int32
-                           double scale, int64_t max_q_len, bool pdl) {
+                           double scale, int64_t max_q_len,
+                           int64_t window,   // 0 = the whole context; else keys j with i - window < j <= i
+                           double softcap,   // 0 = none; else scores become softcap * tanh(score / softcap)
+                           bool pdl) {
   check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                        {&cu_seqlens_q, "cu_seqlens_q"}, {&context_lens, "context_lens"}});
   const c10::cuda::CUDAGuard guard(q.device());
   const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
-      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len);
+      attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens, scale, max_q_len, window,
+                     softcap);
   run_attention(p, q, q.size(0), /*decode_mma=*/false, pdl);  // (prefill rows: the CUDA-core kernel either way)
   return out;
 }
@@ -115,14 +119,17 @@ at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D]
                                   const at::Tensor& v_cache,       // [P, S, Hkv, D] q's dtype
                                   const at::Tensor& block_tables,  // [B, max_blocks] int32
                                   const at::Tensor& context_lens,  // [B] int32
-                                  double scale, bool pdl,
+                                  double scale,
+                                  int64_t window,   // 0 = the whole context; else the last `window` positions
+                                  double softcap,   // 0 = none; else scores become softcap * tanh(score / softcap)
+                                  bool pdl,
                                   bool use_mma) {  // the tensor-core kernel where it applies (else CUDA cores)
   check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
                        {&context_lens, "context_lens"}});
   const c10::cuda::CUDAGuard guard(q.device());
   const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
   const PagedAttentionParams p =
-      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1);
+      attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, 1, window, softcap);
   run_attention(p, q, p.num_seqs, use_mma, pdl);
   return out;
 }

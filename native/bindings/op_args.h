@@ -219,7 +219,7 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
 inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                                            const at::Tensor* cu_seqlens_q, const at::Tensor& context_lens,
-                                           double scale, int64_t max_q_len) {
+                                           double scale, int64_t max_q_len, int64_t window, double softcap) {
   PagedAttentionParams p{};
   p.dtype = float_type(q, "q");
   check_dim(q, "q", 3, cu_seqlens_q ? "[num_tokens, num_q_heads, head_dim]" : "[num_seqs, num_q_heads, head_dim]");
@@ -252,6 +252,9 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
     check_size(q, "q", 0, num_seqs, "num_seqs (block_tables.size(0))");
   }
   FOLIO_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
+  FOLIO_CHECK_VALUE(window >= 0, "argument 'window' must be >= 0 (0: the whole context), got ", window);
+  FOLIO_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, "argument 'softcap' must be finite and >= 0 (0: none), "
+                    "got ", softcap);
 
   p.out = out.data_ptr();
   p.q = q.data_ptr();
@@ -267,6 +270,8 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
   p.max_blocks = block_tables.size(1);
   p.max_q_len = cu_seqlens_q != nullptr ? max_q_len : 1;
   p.scale = static_cast<float>(scale);
+  p.window = window;
+  p.softcap = static_cast<float>(softcap);
   return p;
 }
 

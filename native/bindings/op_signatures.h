@@ -23,9 +23,10 @@
   OP(rotary_cache_write, BOTH, PDL, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),                  \
      py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"))                           \
   OP(paged_attention, BOTH, PDL, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),      \
-     py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"), py::arg("max_q_len"))                       \
+     py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"), py::arg("max_q_len"), py::arg("window"),    \
+     py::arg("softcap"))                                                                                             \
   OP(paged_attention_decode, BOTH, PDL_MMA, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),                    \
-     py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"))                                             \
+     py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"))      \
   OP(copy_page_slots, BOTH, NONE, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"), py::arg("dst_page"),  \
      py::arg("num_slots"))                                                                                           \
   OP(sample_rows, BOTH, NONE, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),         \

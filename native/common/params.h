@@ -84,8 +84,25 @@ struct PagedAttentionParams {
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_blocks;
   int64_t max_q_len;              // prefill: longest query run; decode: 1
   float scale;
+  // Sliding window: 0 = the whole context; else the query at position i sees keys j with i - window < j <= i.
+  // Kernels never read the pages wholly before a row's window (they may have been released to the pool).
+  int64_t window;
+  // Logit soft-capping: 0 = none; else each score s = scale * q.k becomes softcap * tanh(s / softcap).
+  float softcap;
   ScalarType dtype;
 };
+
+#if defined(__CUDACC__)
+#define FOLIO_HOST_DEVICE __host__ __device__
+#else
+#define FOLIO_HOST_DEVICE
+#endif
+
+// The first key position that the query at position last_pos sees (0 without a window). Host and device code.
+FOLIO_HOST_DEVICE inline int64_t first_visible_key(const PagedAttentionParams& p, int64_t last_pos) {
+  const int64_t first = p.window > 0 ? last_pos - p.window + 1 : 0;
+  return first > 0 ? first : 0;
+}
 
 // Copies slots [0, num_slots) of page src_page onto page dst_page, in every layer, for K and V.
 struct PageCopyParams {

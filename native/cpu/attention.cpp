@@ -10,8 +10,9 @@
 namespace folio::cpu {
 namespace {
 
-// out_row = softmax(q . k_j * scale for j <= last_pos) @ v over sequence `seq`'s pages, for one query head.
-// scores is scratch of at least last_pos + 1 floats. last_pos < 0 (nothing to attend to) writes zeros.
+// out_row = softmax(score(q, k_j) for first <= j <= last_pos) @ v over sequence `seq`'s pages, for one query head,
+// where first is the start of last_pos's window (0 without one) and score(q, k) = scale * q.k, soft-capped when
+// p.softcap > 0. Pages before `first` are never touched. last_pos < 0 (nothing to attend to) writes zeros.
 template <typename T>
 void attend_row(const PagedAttentionParams& p, int64_t seq, int64_t q_head, const T* q_row, int64_t last_pos,
                 T* out_row, std::vector<float>& scores, std::vector<float>& acc) {
@@ -25,22 +26,26 @@ void attend_row(const PagedAttentionParams& p, int64_t seq, int64_t q_head, cons
     return page * p.cache_stride_page + (pos % p.page_size) * p.cache_stride_slot + kv_head * p.cache_stride_head;
   };
 
-  const int64_t n = last_pos + 1;
+  const int64_t first = first_visible_key(p, last_pos);
+  const int64_t n = std::max<int64_t>(last_pos + 1 - first, 0);
   scores.resize(std::max<int64_t>(n, 1));
+  const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
   float max_score = -std::numeric_limits<float>::infinity();
-  for (int64_t pos = 0; pos < n; ++pos) {
-    const T* k = k_cache + slot_offset(pos);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* k = k_cache + slot_offset(first + i);
     float dot = 0.0f;
     for (int64_t d = 0; d < p.head_dim; ++d) dot += to_float(q_row[d]) * to_float(k[d]);
-    scores[pos] = dot * p.scale;
-    max_score = std::max(max_score, scores[pos]);
+    float score = dot * p.scale;
+    if (p.softcap > 0.0f) score = p.softcap * std::tanh(score * inv_softcap);
+    scores[i] = score;
+    max_score = std::max(max_score, score);
   }
   acc.assign(p.head_dim, 0.0f);
   float denom = 0.0f;
-  for (int64_t pos = 0; pos < n; ++pos) {
-    const float w = std::exp(scores[pos] - max_score);
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = std::exp(scores[i] - max_score);
     denom += w;
-    const T* v = v_cache + slot_offset(pos);
+    const T* v = v_cache + slot_offset(first + i);
     for (int64_t d = 0; d < p.head_dim; ++d) acc[d] += w * to_float(v[d]);
   }
   const float inv_denom = n > 0 ? 1.0f / denom : 0.0f;
@@ -54,7 +59,7 @@ void prefill_items(const PagedAttentionParams& p, const int32_t* token_seq, int6
     const int64_t token = item / p.num_q_heads;
     const int64_t head = item % p.num_q_heads;
     const int64_t seq = token_seq[token];
-    // Query i of a run of q_len sits at position context_len - q_len + i and sees positions 0..that.
+    // Query i of a run of q_len sits at position context_len - q_len + i and sees positions 0..that (or its window).
     const int64_t q_begin = p.cu_seqlens_q[seq];
     const int64_t q_len = p.cu_seqlens_q[seq + 1] - q_begin;
     const int64_t last_pos = p.context_lens[seq] - q_len + (token - q_begin);

@@ -15,6 +15,10 @@
 //
 // Decode over 16-bit caches with head_dim 64 or 128 (every Llama shape) runs on tensor cores instead
 // (attention_mma.cu), writing the same partials; this kernel covers prefill rows, fp32 and other head dims.
+//
+// Sliding window (p.window > 0): a row's keys start at its window, not at 0, and the splits divide only those, so
+// the pages before the window are never read (nor their block-table entries: the pages may be back in the pool).
+// Soft-capping (p.softcap > 0) maps each score through softcap * tanh(score / softcap) before the softmax.
 #include <algorithm>
 
 #include "attention_mma.cuh"
@@ -42,7 +46,8 @@ struct KernelArgs {
   float* partial_ml;   // [rows, Hq, num_splits, 2] fp32: max (log2 units), sum of exp2
 };
 
-// The sequence a query row belongs to and the number of keys it attends to (causal for prefill rows).
+// The sequence a query row belongs to and the number of keys it attends to (causal for prefill rows), counted
+// from position 0 (the caller starts at its window).
 __device__ __forceinline__ void row_extent(const PagedAttentionParams& p, int64_t row, int64_t& seq,
                                            int64_t& num_keys) {
   if (p.cu_seqlens_q == nullptr) {
@@ -131,10 +136,14 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
   // kernel read past the block-table row.
   num_keys = min(num_keys, min(static_cast<int64_t>(p.context_lens[seq]), p.max_blocks << a.page_shift));
   num_keys = max(num_keys, int64_t{0});
-  const int64_t per_split = (num_keys + a.num_splits - 1) / a.num_splits;
+  const int64_t first_key = first_visible_key(p, num_keys - 1);  // the window's start: earlier pages are not read
+  const int64_t per_split = (num_keys - first_key + a.num_splits - 1) / a.num_splits;
   const int64_t split_len = (per_split + kKeysPerIter - 1) / kKeysPerIter * kKeysPerIter;
-  const int64_t key_begin = split * split_len;
+  const int64_t key_begin = first_key + split * split_len;
   const int64_t key_end = min(num_keys, key_begin + split_len);
+  // Soft-capping in the scores' log2 units: c * tanh(s / c) with c = softcap * log2(e) (q carries scale * log2(e)).
+  const float softcap2 = p.softcap * kLog2e;
+  const float inv_softcap2 = p.softcap > 0.0f ? 1.0f / softcap2 : 0.0f;
 
   // q, pre-scaled so that scores come out in log2 units (exp2f below).
   float q[G_TILE][8];
@@ -221,6 +230,7 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
         for (int offset = LANES_PER_TOKEN / 2; offset > 0; offset >>= 1) {
           dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         }
+        if (p.softcap > 0.0f) dot = softcap2 * tanhf(dot * inv_softcap2);
         s[j][g] = valid[j] ? dot : -INFINITY;
       }
     }
@@ -367,7 +377,8 @@ AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_ro
   const int group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int64_t head_chunks = (group + group_tile(group) - 1) / group_tile(group);
   const int64_t base_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads * head_chunks);
-  const int64_t max_keys = p.max_blocks * p.page_size;
+  // keys one row attends to at most: the block-table width, or the window
+  const int64_t max_keys = p.window > 0 ? std::min(p.max_blocks * p.page_size, p.window) : p.max_blocks * p.page_size;
   const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
   const int64_t by_length = (max_keys + kMinSplitKeys - 1) / kMinSplitKeys;
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min({wanted, by_length, int64_t{kMaxSplits}})));

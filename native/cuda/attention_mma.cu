@@ -16,6 +16,8 @@
 //    as the A operand of O += P V (the C layout of m16n8 is the A layout of m16k16); ldmatrix.trans gives V's
 //    B fragments. Scores and the softmax state stay in fp32.
 //  * Same partial format as the CUDA-core kernel, so its combine kernel merges the splits.
+//  * Sliding window: the keys (and their splits) start at the window, so the pages before it are never read;
+//    soft-capping maps each fp32 score through softcap * tanh(score / softcap) before the softmax.
 #include <type_traits>
 
 #include "attention_mma.cuh"
@@ -131,9 +133,10 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   int64_t num_keys = p.context_lens[row];
   num_keys = min(num_keys, p.max_blocks << a.page_shift);  // malformed inputs cannot read past the table row
   num_keys = max(num_keys, int64_t{0});
-  const int64_t per_split = (num_keys + a.num_splits - 1) / a.num_splits;
+  const int64_t first_key = first_visible_key(p, num_keys - 1);  // the window's start: earlier pages are not read
+  const int64_t per_split = (num_keys - first_key + a.num_splits - 1) / a.num_splits;
   const int64_t split_len = (per_split + kTileKeys - 1) / kTileKeys * kTileKeys;
-  const int64_t key_begin = split * split_len;
+  const int64_t key_begin = first_key + split * split_len;
   const int64_t key_end = min(num_keys, key_begin + split_len);
   const int num_tiles = key_end > key_begin ? static_cast<int>((key_end - key_begin + kTileKeys - 1) / kTileKeys) : 0;
 
@@ -155,6 +158,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
     }
   }
   const float score_scale = p.scale * kLog2e;  // scores in log2 units: exp2 below
+  // Soft-capping in log2 units: c * tanh(s / c) with c = softcap * log2(e).
+  const float softcap2 = p.softcap * kLog2e;
+  const float inv_softcap2 = p.softcap > 0.0f ? 1.0f / softcap2 : 0.0f;
 
   float o[kDimTiles][4];
 #pragma unroll
@@ -221,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool valid = tile_begin + 8 * h + 2 * t + (e & 1) < key_end;
-        sc[h][e] = valid ? sc[h][e] * score_scale : -INFINITY;
+        float score = sc[h][e] * score_scale;
+        if (p.softcap > 0.0f) score = softcap2 * tanhf(score * inv_softcap2);
+        sc[h][e] = valid ? score : -INFINITY;
       }
     }
     uint32_t pa[4];  // P as the A operand of O += P V: keys 0..15 of the tile

@@ -130,6 +130,13 @@ applications:
       ngram: true
       {{- end }}
       num_draft_tokens: {{ .Values.model.numDraftTokens | default 4 | int }}
+      {{- with .Values.model.loraAdapters }}
+      lora_adapters: {{ toJson . }}
+      {{- end }}
+      {{- if .Values.model.loraAdmin }}
+      lora_admin: true
+      {{- end }}
+      max_loras: {{ .Values.model.maxLoras | default 16 | int }}
       {{- if ne .Values.cache.tokens nil }}
       cache_tokens: {{ .Values.cache.tokens | int }}
       {{- else if ne .Values.cache.memoryFraction nil }}
