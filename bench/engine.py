@@ -237,8 +237,11 @@ class RunResult:
 
 
 def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: int, prefix_cache: bool = True,
-                   cache_tokens: int | None = None, prefill_ahead: bool = True) -> tuple[DynamicGenerator, Cache]:
+                   cache_tokens: int | None = None, prefill_ahead: bool = True, loras: int = 0,
+                   lora_rank: int = 16) -> tuple[DynamicGenerator, Cache]:
+    """loras > 0: room for that many LoRA adapters of rank lora_rank (the generator's slots, the reserve)."""
     device = pair.model.device
+    capacity = {"max_loras": loras, "max_lora_rank": lora_rank} if loras else {}
     reserve = 0
     if cache_tokens is not None or device.type != "cuda":
         page = 256
@@ -247,13 +250,14 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
     else:
         gc.collect()
         torch.cuda.empty_cache()
-        reserve = activation_reserve_bytes(pair.model, max_batch_size, OPTIONS.get("chunk_size") or None)
+        reserve = activation_reserve_bytes(pair.model, max_batch_size, OPTIONS.get("chunk_size") or None, **capacity)
         cache = Cache(pair.model, max_memory_fraction=0.85, reserve_bytes=reserve)
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            max_queued_jobs=num_jobs + 1, prefix_cache=prefix_cache,
                            max_chunk_size=OPTIONS.get("chunk_size") or None,
-                           overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead)
+                           overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead,
+                           **capacity)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB"
         f"{f', {reserve / 2**30:.1f} GiB kept for activations' if reserve else ''}), batch {max_batch_size}, "
         f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.runner.graphs else 'off'} "
@@ -669,22 +673,23 @@ def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq
     time at batch 256 (ms). loras: that many random adapters (folio.lora.random_adapter), jobs spread over them."""
     settings = SamplerSettings()
     gen, cache = make_generator(pair, 256 if not args.tiny else 16, max_seq_len, len(prompts),
-                                prefill_ahead=prefill_ahead)
+                                prefill_ahead=prefill_ahead, loras=loras, lora_rank=args.lora_rank)
     model = pair.model
     for k in range(loras):
         gen.loras.add(random_adapter(f"lora{k}", model.config, args.lora_rank, LORA_TARGETS, model.device,
                                      model.dtype, seed=k))
     if loras:
-        log(f"  {loras} LoRA adapters of rank {args.lora_rank}; grouped_mm {'on' if gen.loras.grouped else 'off'}")
+        graphs = gen.runner.graphs
+        log(f"  {loras} LoRA adapters of rank {args.lora_rank}; decode graphs with the LoRA update "
+            f"{'on' if graphs is not None and graphs.lora_slots is not None else 'off'}")
     gen.warmup()
     dense_before = pair.model.flash_state.dense_calls
     res = run_folio(gen, prompts, new_tokens, settings, pair.model.device, loras)
     log(f"  {workload}: {gen.num_steps} steps, {res.profile['launched_ahead']} launched ahead "
         f"({res.profile['prompt_steps_ahead']} with prompt tokens); prompt attention on cuDNN's dense path in "
         f"{pair.model.flash_state.dense_calls - dense_before} layer calls")
-    # (steps with adapter rows run eagerly: the captured graph's time says nothing about them)
-    gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" and not loras \
-        else None
+    # (with adapters: the graph with the LoRA update, on the row slots of the last step that used the bucket)
+    gpu_ms = decode_step_gpu_ms(gen, min(256, len(prompts))) if pair.model.device.type == "cuda" else None
     if args.profile_host:
         import cProfile
         import pstats

@@ -38,6 +38,7 @@ def _engine_bench():
     """bench/engine.py's helpers (ceilings, the synthetic tokenizer, the step loop), loaded from its file."""
     spec = importlib.util.spec_from_file_location("engine_bench", ROOT / "bench" / "engine.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 

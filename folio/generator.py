@@ -16,15 +16,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from folio import cfg, convenience, isolation
-from folio import embeddings as injected
+from folio import cfg, convenience, isolation, job_binding
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
-from folio.hashing import sequence_namespace
 from folio.job import DynamicJob, JobState
 from folio.kv_cache import Cache
-from folio.lora import LoraInfo, LoraRegistry
+from folio.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraInfo, LoraRegistry
 from folio.model.model import Model
 from folio.model.windows import released_window
 from folio.options import EngineOptions
@@ -38,7 +36,6 @@ from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk
 from folio.speculative.build import build_speculator, target_graph_rows
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
-from folio.validation import validate_job
 
 logger = logging.getLogger(__name__)
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
@@ -66,6 +63,7 @@ class DynamicGenerator:
     cuda_graphs: capture decode steps in CUDA graphs (None: on a CUDA device, unless the ops are the reference's).
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
     options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
+    max_loras, max_lora_rank: most LoRA adapters loaded at once and their largest rank (folio.lora.slots).
 
     Speculative decoding (folio.speculative): draft_model (a smaller model with the target's vocabulary; its cache,
     draft_cache, is made to match `cache` when not given) or use_ngram_draft (n-grams and prompt lookup over each
@@ -81,7 +79,8 @@ class DynamicGenerator:
                  cuda_graphs: bool | None = None, overlap_emit: bool | None = None, decode_ahead: bool | None = None,
                  prefill_ahead: bool = True, options: EngineOptions | None = None, draft_model: Model | None = None,
                  draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
-                 max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256):
+                 max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256,
+                 max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         if options is not None and options != model.options:
             raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "
@@ -113,7 +112,7 @@ class DynamicGenerator:
         graph_rows = target_graph_rows(self.max_batch_size, num_draft_tokens if self.speculator else None)
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, self.vocab_size,
                                   self.max_q_size, cuda_graphs, max_graph_rows=graph_rows)
-        self.loras = self.runner.loras = LoraRegistry(model)  # LoRA adapters (folio.lora)
+        self.loras = self.runner.attach_loras(LoraRegistry(model, max_loras, max_lora_rank))  # (folio.lora)
         if self.speculator is not None and self.speculator.draft_runner is not None:
             self.runner.on_forward = self.speculator.draft_runner.mirror
         graphs = self.runner.graphs is not None
@@ -145,12 +144,7 @@ class DynamicGenerator:
 
     def validate_job(self, job: DynamicJob) -> None:
         """Raise ValueError, naming the field, if `job` can never run here."""
-        validate_job(job, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, num_pages=self.cache.num_pages,
-                     page_size=self.page_size)
-        cfg.validate(job, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, num_pages=self.cache.num_pages,
-                     page_size=self.page_size, max_batch_size=self.max_batch_size)
-        injected.check_engine(job, hidden_size=self.model.config.hidden_size, draft_model=self.draft_model is not None)
-        self.loras.resolve(job.lora)
+        job_binding.check(self, job)
 
     def enqueue(self, job: DynamicJob | Iterable[DynamicJob]) -> int | list[int]:
         if isinstance(job, DynamicJob):
@@ -164,15 +158,7 @@ class DynamicGenerator:
         if self.max_queued_jobs is not None and self.num_pending_jobs() >= self.max_queued_jobs:
             raise QueueFull(f"the generator's queue is full ({self.max_queued_jobs} waiting jobs); "
                             f"raise max_queued_jobs or wait for jobs to start")
-        injected.bind(job, self.model.device, self.model.dtype)
-        job.lora_adapter = self.loras.resolve(job.lora)
-        job.bind(next(self._serials), self.tokenizer, self.vocab_size)
-        job.sequence = cfg.sequences(job)  # (with a CFG job's negative sequence as its cfg_partner)
-        # part of every page hash: what besides the token ids changes the job's K/V (LoRA adapter, embeddings)
-        namespace = sequence_namespace(adapter_id=job.lora_adapter and job.lora_adapter.adapter_id,
-                                       embeddings_digest=injected.digest(job))
-        for seq in cfg.group(job.sequence):
-            seq.namespace = namespace
+        job_binding.bind(self, job, next(self._serials))
         self.emitter.add(job.sequence)
         return job.serial
 

@@ -6,6 +6,7 @@ copies, prompt chunks, decode rows and verify rows), samples, and makes the step
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ import torch
 from folio.constrain.masks import MaskWorker
 from folio.embeddings import chunk_spans
 from folio.kv_cache import Cache
-from folio.lora import LoraBatch, LoraRegistry
+from folio.lora import LoraAdapter, LoraRegistry
+from folio.lora.slots import LoraSlots
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
@@ -31,6 +33,8 @@ from folio.scheduler import Chunk, StepPlan
 from folio.sequence import Sequence
 from folio.speculative.acceptance import Verdicts, greedy_verdicts, num_accepted, verdicts
 from folio.speculative.streams import accept_counter, residual_counter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,7 +131,25 @@ class ModelRunner:
         # the token bitmasks of filtered jobs (set by the generator), and the errors their filters raised
         self.masks: MaskWorker | None = None
         self.mask_errors: dict[Sequence, BaseException] = {}
-        self.loras: LoraRegistry | None = None  # the LoRA adapters jobs may use (set by the generator)
+        self.loras: LoraRegistry | None = None  # the LoRA adapters jobs may use (attach_loras)
+
+    def attach_loras(self, registry: LoraRegistry) -> LoraRegistry:
+        """Apply the adapters of `registry` to the rows of jobs that name one; the decode graphs take the LoRA update
+        in once its slots exist (at the first load). Returns the registry."""
+        self.loras = registry
+        registry.on_slots = self._lora_graphs
+        if registry.slots is not None:
+            self._lora_graphs(registry.slots)
+        return registry
+
+    def _lora_graphs(self, slots: LoraSlots) -> None:
+        if self.graphs is None:
+            return
+        try:
+            self.graphs.enable_lora(slots)
+        except Exception:  # noqa: BLE001 - the adapter still applies, in eager steps
+            logger.exception("capturing the decode graphs with the LoRA update failed: steps run eagerly")
+            self.graphs = None
 
     def _capture_graphs(self, cuda_graphs: bool | None, max_rows: int, max_seq_len: int) -> DecodeGraphs | None:
         on_cuda = self.model.device.type == "cuda"
@@ -175,11 +197,13 @@ class ModelRunner:
                  for k, c in enumerate(rows)]
         # embedding rows injected at placeholder tokens (folio.embeddings): the captured graphs feed token ids only
         injected = [chunk_spans(c.seq.job, c.start, c.end) for c in rows]
-        lora = self._lora_rows(rows, num_fed)  # steps with LoRA rows run eagerly: see folio/lora/apply.py
-        if self.graphs is not None and not any(injected) and lora is None and all(
+        adapters = self._row_adapters(rows)
+        # (steps with LoRA rows replay graphs once the graphs read the adapters' slots: folio.lora.slots)
+        if self.graphs is not None and not any(injected) and (
+                adapters is None or self.graphs.lora_slots is self.loras.slots) and all(
                 m == "all" or (m == "last" and c.num_tokens == 1) for m, c in zip(modes, rows)):
             if self.graphs.bucket_for(sum(c.num_tokens for c in rows)) is not None:
-                return self._replay(rows, fed_ids, num_fed), True
+                return self._replay(rows, fed_ids, num_fed, adapters), True
         chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.token_ids, start_pos=c.start,
                            block_table=c.seq.block_table, logits=mode, injected=spans)
                   for k, (c, mode, spans) in enumerate(zip(rows, modes, injected))]
@@ -188,18 +212,21 @@ class ModelRunner:
             fed = fed_ids.to(batch.input_ids.dtype)
             input_ids = fed if num_fed == len(chunks) else torch.cat([fed, batch.input_ids[num_fed:]])
             batch = dataclasses.replace(batch, input_ids=input_ids)
-        if lora is not None:
-            batch = dataclasses.replace(batch, lora=lora)
+        if adapters is not None:
+            num_rows = [1 if k < num_fed else c.num_tokens for k, c in enumerate(rows)]
+            batch = dataclasses.replace(batch, lora=self.loras.batch(list(zip(adapters, num_rows)),
+                                                                    self.model.device))
         return self.model.forward(batch, self.cache), False
 
-    def _lora_rows(self, rows: list[Chunk], num_fed: int) -> LoraBatch | None:
-        """The rows grouped by LoRA adapter (None: no adapter is loaded, or no row uses one)."""
+    def _row_adapters(self, rows: list[Chunk]) -> list[LoraAdapter | None] | None:
+        """Each chunk's LoRA adapter (None: no row uses one)."""
         if self.loras is None or not self.loras.loaded:
             return None
-        return self.loras.batch([(c.seq.job.lora_adapter, 1 if k < num_fed else c.num_tokens)
-                                 for k, c in enumerate(rows)], self.model.device)
+        adapters = [c.seq.job.lora_adapter for c in rows]
+        return adapters if any(a is not None for a in adapters) else None
 
-    def _replay(self, rows: list[Chunk], fed_ids: torch.Tensor | None, num_fed: int) -> torch.Tensor:
+    def _replay(self, rows: list[Chunk], fed_ids: torch.Tensor | None, num_fed: int,
+                adapters: list[LoraAdapter | None] | None) -> torch.Tensor:
         """Decode and verify rows through a captured graph: a verify row of n tokens runs as n one-token rows over
         the same pages, row j attending to positions <= start + j (its K/V and those before are all written by
         the same forward before attention reads them)."""
@@ -209,13 +236,15 @@ class ModelRunner:
                 known.extend(c.token_ids)
             positions.extend(range(c.start, c.stop))
             tables.extend([c.seq.block_table] * c.num_tokens)
+        row_slots = None if adapters is None else [self.loras.slot_of(a) for a, c in zip(adapters, rows)
+                                                   for _ in range(c.num_tokens)]
         if num_fed == 0:
             ids = known
         elif known:
             ids = torch.cat([fed_ids, to_device(known, fed_ids.dtype, fed_ids.device)])
         else:
             ids = fed_ids
-        return self.graphs.run(ids, positions, tables)
+        return self.graphs.run(ids, positions, tables, row_slots)
 
     # --- sampling ---
 

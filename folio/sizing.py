@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from folio.lora.slots import DEFAULT_MAX_LORA_RANK, lora_slot_bytes
+
 if TYPE_CHECKING:
     from folio.model.model import Model
 
@@ -26,14 +28,18 @@ def resolve_max_chunk_size(max_chunk_size: int | None, page_size: int) -> int:
 
 
 def activation_reserve_bytes(model: Model, max_batch_size: int = MAX_DERIVED_BATCH_SIZE,
-                             max_chunk_size: int | None = None, page_size: int = 256) -> int:
+                             max_chunk_size: int | None = None, page_size: int = 256, max_loras: int = 0,
+                             max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> int:
     """Device memory that a DynamicGenerator with these settings needs beside its cache (Cache's reserve_bytes):
     its largest eager step (a full prompt chunk with a decode row for every other running sequence) and, on
     CUDA, the memory pool of its captured decode graphs (one step of max_batch_size rows) and the libraries'
-    own (LIBRARY_RESERVE_BYTES)."""
+    own (LIBRARY_RESERVE_BYTES). max_loras > 0: LoRA adapters will be loaded (the generator's max_loras and
+    max_lora_rank): their slot buffers, and as much again for the adapters' own factors (at most one slot each)."""
     positive_int("max_batch_size", max_batch_size)
     chunk = resolve_max_chunk_size(max_chunk_size, page_size)
     reserve = model.step_activation_bytes(chunk + max_batch_size, max_batch_size)
+    if max_loras:
+        reserve += 2 * lora_slot_bytes(model.config, model.dtype, max_loras, max_lora_rank)
     if model.device.type == "cuda":
         # the decode graphs' pool (a graph runs the forward; the sampler runs eagerly after it), the libraries'
         reserve += model.step_activation_bytes(max_batch_size, max_batch_size, sampling=False)

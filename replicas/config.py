@@ -87,8 +87,10 @@ class ServeConfig:
         node); requests name one in their `lora` field. ListLoras lists these and those loaded at run time.
     lora_admin: allow the admin RPCs LoadLora / UnloadLora (load or drop adapters while serving). Off by default:
         a client that may call them can make every replica read a path of its choosing.
-    max_loras: most adapters loaded at once (config and run time together); LoadLora beyond it fails
-        RESOURCE_EXHAUSTED.
+    max_loras / max_lora_rank: most adapters loaded at once (config and run time together; LoadLora beyond it
+        fails RESOURCE_EXHAUSTED) and their largest rank. A replica that may load adapters (lora_adapters set, or
+        lora_admin) sets aside max_loras x max_lora_rank slots of every projection's factors beside its cache:
+        captured decode steps apply adapters from them, and cost grows with that capacity, not with use.
     max_embedding_bytes: the most bytes of injected embeddings one request may carry (all its payloads). gRPC's
         own message limit (4 MiB by default in Serve's proxy) may refuse a large request first.
     max_constraint_chars: the largest constraint a request may carry, in characters: its response_format (JSON
@@ -137,7 +139,8 @@ class ServeConfig:
     max_constraint_chars: int = 65536
     lora_adapters: dict | None = None
     lora_admin: bool = False
-    max_loras: int = 16
+    max_loras: int = 8
+    max_lora_rank: int = 16
     max_embedding_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -212,6 +215,7 @@ class ServeConfig:
         from folio.serve.adapters import ADAPTER_NAME
 
         positive("max_loras", self.max_loras)
+        positive("max_lora_rank", self.max_lora_rank)
         adapters = self.lora_adapters or {}
         for name, path in adapters.items():
             if not ADAPTER_NAME.fullmatch(name):
@@ -254,6 +258,11 @@ class ServeConfig:
         if self.device == "auto":
             return "cuda" if self.num_gpus > 0 else "cpu"
         return self.device
+
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters a replica makes room for: max_loras where adapters may be loaded at all, else 0."""
+        return self.max_loras if (self.lora_adapters or self.lora_admin) else 0
 
     @property
     def max_ongoing_requests(self) -> int:

@@ -137,14 +137,16 @@ class Engine:
                                      # wait in the engine's queue until a step takes them in, even with free rows,
                                      # so the queue holds them all: the engine never refuses what was admitted.
                                      max_queued_jobs=config.max_ongoing_requests,
+                                     max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
                                      **speculation.generator_kwargs(config, draft_model))
+        # the config's adapters before the warm-up: their first load recaptures the decode graphs with LoRA
+        static = tuple(replace(adapter_info(generator.load_lora(name, path), path), static=True)
+                       for name, path in (config.lora_adapters or {}).items())
         if config.warmup:
             generator.warmup()  # before the engine thread owns the generator
         totals = StepTotals()
         runner = DynamicGeneratorAsync(generator=generator, on_step=totals.add)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
-        static = tuple(replace(adapter_info(generator.load_lora(name, path), path), static=True)
-                       for name, path in (config.lora_adapters or {}).items())
         return cls(config, model, tokenizer, cache, generator, runner, info, totals, draft_model,
                    static_adapters=static)
 
@@ -202,7 +204,10 @@ class Engine:
             adapter = await asyncio.to_thread(load_peft_adapter, name, path, model.config, model.device, model.dtype)
         except (OSError, ValueError) as error:  # AdapterError is a ValueError
             raise InvalidRequest("path", f"{path}: {error}") from None
-        info = await self.runner.run_in_engine(lambda generator: generator.loras.add(adapter))
+        try:
+            info = await self.runner.run_in_engine(lambda generator: generator.loras.add(adapter))
+        except ValueError as error:  # AdapterError: over the replica's max_loras or max_lora_rank
+            raise InvalidRequest("path", f"{path}: {error}") from None
         return adapter_info(info, path)
 
     async def unload_lora(self, name: str) -> bool:

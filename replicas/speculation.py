@@ -57,7 +57,8 @@ def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None)
     with as many pages after it, so with a draft model both caches share what the config gives the cache: a
     memory fraction is split in proportion to their page sizes, and a token count's draft pages are reserved."""
     size = config.cache_size()
-    reserve = activation_reserve_bytes(model, target_rows_per_step(config), config.max_chunk_size, config.page_size)
+    reserve = activation_reserve_bytes(model, target_rows_per_step(config), config.max_chunk_size, config.page_size,
+                                       max_loras=config.lora_capacity, max_lora_rank=config.max_lora_rank)
     if config.speculative and model.device.type == "cuda":
         reserve += SPECULATION_LIBRARY_BYTES
     if draft_model is None:

@@ -218,7 +218,8 @@ class _EagerGraphs:
     def bucket_for(self, num_rows: int) -> int:
         return num_rows
 
-    def run(self, token_ids, positions, block_tables) -> torch.Tensor:
+    def run(self, token_ids, positions, block_tables, row_slots=None) -> torch.Tensor:
+        assert row_slots is None  # (no LoRA adapter here)
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         self.fed_ids += ids
         chunks = [SeqChunk([t], p, table) for t, p, table in zip(ids, positions, block_tables)]

@@ -15,8 +15,7 @@ from tiny_models import build_hf_model, hf_logits
 
 import folio
 from folio.kv_cache import Cache
-from folio.lora import AdapterError, LoraBatch, LoraRegistry, random_adapter
-from folio.lora.apply import LoraStacks
+from folio.lora import AdapterError, LoraRegistry, random_adapter
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
 from folio.tokenizer import Tokenizer
@@ -139,38 +138,6 @@ def test_mixed_adapters_in_one_batch_prefill_and_decode(setup):
             got[i].append(step[i:i + 1])
     for i, (spec, ids) in enumerate(zip(adapters, token_lists)):
         assert rel_err(torch.cat(got[i]), hf_logits(setup.merged[spec], ids)) <= MAX_REL_ERR, (i, spec)
-
-
-def test_stacked_layout_matches_loop(llama):
-    """The stacks the grouped path multiplies (padded ranks, zero slots for untargeted projections) hold the same
-    update as each adapter's own factors (CPU: through torch._grouped_mm's CPU fallback when it has one)."""
-    registry = llama.registry()
-    adapters = [registry.get(n) for n in ADAPTERS]
-    stacks = LoraStacks(tuple(adapters), llama.model.config.num_layers)
-    rows = [(adapters[0], 2), (None, 1), (adapters[2], 3), (adapters[1], 1), (adapters[0], 1)]
-    loop = LoraBatch.build(rows, torch.device("cpu"))
-    total = sum(n for _, n in rows)
-    try:  # (torch has a CPU fallback of _grouped_mm in some versions: then the grouping is checked here too)
-        torch._grouped_mm(torch.ones(2, 8), torch.ones(2, 8, 8), offs=torch.tensor([0, 2], dtype=torch.int32))
-        cpu_grouped = True
-    except (AttributeError, RuntimeError, NotImplementedError):
-        cpu_grouped = False
-    for layer_idx in range(llama.model.config.num_layers):
-        for projection, (a, b) in stacks.layers[layer_idx].items():
-            x = torch.randn(total, a.shape[2])
-            want = torch.zeros(total, b.shape[1])
-            loop.apply(layer_idx, projection, x, want)
-            got = torch.zeros(total, b.shape[1])
-            starts = [0, 2, 3, 6, 7]
-            for (adapter, n), start in zip(rows, starts):
-                if adapter is not None:
-                    g = stacks.slot_of[adapter]
-                    got[start:start + n] = (x[start:start + n] @ a[g].t()) @ b[g].t()
-            assert torch.allclose(got, want, atol=1e-5), (layer_idx, projection)
-            if cpu_grouped:  # the grouping (row order, group offsets, empty groups) through torch._grouped_mm
-                grouped = torch.zeros(total, b.shape[1])
-                LoraBatch.build(rows, torch.device("cpu"), stacks).apply(layer_idx, projection, x, grouped)
-                assert torch.allclose(grouped, want, atol=1e-5), (layer_idx, projection)
 
 
 # --- the generator ---
@@ -377,52 +344,3 @@ def test_random_adapter_registers(llama):
     run(gen, [with_adapter, without])
     assert len(with_adapter.generated_ids) == 4
     assert "rnd" in {i.name for i in gen.list_loras()}
-
-
-# --- the grouped path (CUDA) ---
-
-@pytest.mark.gpu
-def test_grouped_path_matches_loop_on_cuda():
-    """torch._grouped_mm over the stacks against the per-adapter loop, bf16 on CUDA, with rows of several adapters
-    interleaved, base rows, an adapter absent from the step (an empty group) and a long run updated in place."""
-    from folio.lora.apply import grouped_mm_works
-    from folio.model.config import ModelConfig
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    assert grouped_mm_works(device, dtype), "torch._grouped_mm should work for bf16 on this GPU"
-    hf = build_hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32)
-    cfg = ModelConfig.from_dict({**hf.config.to_dict(), "dtype": "bfloat16"})
-    adapters = [random_adapter(f"a{i}", cfg, rank, targets, device, dtype, seed=i, std=0.1)
-                for i, (rank, targets) in enumerate([(16, ALL_TARGETS), (8, ["q_proj", "v_proj"]), (4, ALL_TARGETS),
-                                                      (16, ["down_proj"])])]
-    stacks = LoraStacks(tuple(adapters), cfg.num_layers)
-    rows = [(adapters[0], 1), (adapters[1], 1), (None, 1), (adapters[0], 3), (adapters[2], 40), (adapters[1], 2),
-            (None, 5), (adapters[2], 1)]  # adapters[3] absent: an empty group
-    total = sum(n for _, n in rows)
-    grouped = LoraBatch.build(rows, device, stacks)
-    loop = LoraBatch.build(rows, device, None)
-    assert grouped.stacks is not None and loop.stacks is None and grouped.runs
-    gen = torch.Generator(device=device).manual_seed(0)
-    for layer_idx in range(cfg.num_layers):
-        for projection, (out, inp) in {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
-                                       "o_proj": (cfg.hidden_size, cfg.q_size),
-                                       "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-                                       "down": (cfg.hidden_size, cfg.intermediate_size)}.items():
-            x = torch.randn(total, inp, device=device, dtype=dtype, generator=gen)
-            y = torch.randn(total, out, device=device, dtype=dtype, generator=gen)
-            want, got = y.clone(), y.clone()
-            loop.apply(layer_idx, projection, x, want)
-            grouped.apply(layer_idx, projection, x, got)
-            reference = y.float()
-            start = 0
-            for adapter, n in rows:
-                delta = adapter.layers[layer_idx].get(projection) if adapter is not None else None
-                if delta is not None:
-                    xs = x[start:start + n].float()
-                    reference[start:start + n] += (xs @ delta.a.float().t()) @ delta.b.float().t()
-                start += n
-            scale = reference.abs().max()
-            assert ((got.float() - reference).abs().max() / scale).item() < 2e-2, (layer_idx, projection)
-            assert ((want.float() - reference).abs().max() / scale).item() < 2e-2, (layer_idx, projection)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
-from tiny_models import LLAMA3_ROPE, build_hf_model, hf_logits, load_hf_model, make_hf_model
+from tiny_models import LLAMA3_ROPE, build_hf_model, hf_logits, make_hf_model
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import folio
@@ -41,6 +42,12 @@ VARIANTS: dict[str, dict] = {
 PROMPT_LENS = (53, 41, 60)
 PAGE_SIZES = (16, 32)
 MAX_REL_ERR = 1e-4
+
+
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """transformers' eager attention: the one that soft-caps Gemma 2's attention logits in every version (an
+    older transformers picked SDPA for Gemma 2 and left the soft-cap out)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -705,6 +705,7 @@ def test_every_routing_stats_poll_sets_every_gauge_again(fake_ray_metrics):
         return digest
 
     replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(num_running=1))
+    replica.adapters = SimpleNamespace(sync=lambda: asyncio.sleep(0))  # no LoRA registry to follow here
     replica.metrics.record_job(prompt_tokens=100, cached_tokens=40, generated_tokens=5)
     gauges = {name: m for name, m in fake_ray_metrics.items() if name in (
         "folio_prefix_cache_hit_rate", "folio_pages_in_use", "folio_pages_cached", "folio_pages_total",

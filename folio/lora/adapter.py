@@ -67,10 +67,6 @@ class LoraAdapter:
     target_modules: tuple[str, ...]
     layers: tuple[dict[str, ProjectionDelta], ...]  # per layer: fused projection name -> its update (if targeted)
 
-    @property
-    def max_projection_rank(self) -> int:
-        return max((d.a.shape[0] for layer in self.layers for d in layer.values()), default=0)
-
 
 def part_sizes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], int]]:
     """Fused projection -> (output rows of each part, input features)."""

@@ -5,11 +5,15 @@ Loading and unloading happen between steps (the generator is driven from one thr
 name at enqueue and the job keeps the adapter object, so a step never looks names up. Unloading an adapter that a
 queued or running job uses is refused (those jobs would otherwise run without it, or fail mid-way): cancel them or
 wait for them to end first.
+
+Each loaded adapter also holds a slot of the fixed-capacity buffers that decode rows are updated from
+(folio.lora.slots; max_loras adapters of rank up to max_lora_rank), allocated at the first load: `on_slots`, when
+set (the runner), is called then, once, to capture the decode graphs again with the update in them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from folio.lora.adapter import LoraAdapter, load_peft_adapter
-from folio.lora.apply import LoraBatch, LoraStacks, grouped_mm_works
+from folio.lora.apply import LoraBatch
+from folio.lora.slots import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraSlots, check_capacity, check_rank
 
 if TYPE_CHECKING:
     from folio.job import DynamicJob
@@ -34,11 +39,12 @@ class LoraInfo:
 
 
 class LoraRegistry:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK):
         self.model = model
+        self.max_loras, self.max_lora_rank = check_capacity(max_loras, max_lora_rank)
         self._adapters: dict[str, LoraAdapter] = {}
-        self._grouped: bool | None = None  # torch._grouped_mm works on the model's device and dtype (probed once)
-        self._stacks: LoraStacks | None = None
+        self.slots: LoraSlots | None = None  # allocated at the first load
+        self.on_slots: Callable[[LoraSlots], None] | None = None
 
     # --- loading ---
 
@@ -58,8 +64,14 @@ class LoraRegistry:
         if len(adapter.layers) != self.model.config.num_layers:
             raise ValueError(f"adapter {adapter.name!r} has {len(adapter.layers)} layers, the model "
                              f"{self.model.config.num_layers}")
+        if self.slots is None:
+            check_rank(adapter, self.max_lora_rank)  # (refused before anything is allocated)
+            model = self.model
+            self.slots = LoraSlots(model.config, self.max_loras, self.max_lora_rank, model.device, model.dtype)
+            if self.on_slots is not None:
+                self.on_slots(self.slots)
+        self.slots.assign(adapter)
         self._adapters[adapter.name] = adapter
-        self._restack()
         return _info(adapter)
 
     def unload(self, name: str, live_jobs: Iterable[DynamicJob]) -> None:
@@ -72,20 +84,13 @@ class LoraRegistry:
             raise RuntimeError(f"adapter {name!r} is used by {users} queued or running job(s): cancel them or wait "
                                f"for them to end before unloading it")
         del self._adapters[name]
-        self._restack()
+        self.slots.release(adapter)
 
     def _check_new(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
         if name in self._adapters:
             raise ValueError(f"an adapter named {name!r} is loaded already: unload it first")
-
-    def _restack(self) -> None:
-        """The grouped path's stacks follow the loaded set (a step in flight keeps the stacks it was built with)."""
-        if self._grouped is None:
-            self._grouped = grouped_mm_works(self.model.device, self.model.dtype)
-        adapters = tuple(self._adapters.values())
-        self._stacks = LoraStacks(adapters, self.model.config.num_layers) if self._grouped and adapters else None
 
     # --- lookup ---
 
@@ -111,17 +116,16 @@ class LoraRegistry:
     def loaded(self) -> bool:
         return bool(self._adapters)
 
-    @property
-    def grouped(self) -> bool:
-        """Whether steps use torch._grouped_mm (known once an adapter was loaded)."""
-        return bool(self._grouped)
-
     # --- steps ---
 
     def batch(self, row_adapters: list[tuple[LoraAdapter | None, int]],
               device: torch.device) -> LoraBatch | None:
         """The step's grouping (None: no row has an adapter). row_adapters: per chunk, (adapter, rows)."""
-        return LoraBatch.build(row_adapters, device, self._stacks)
+        return LoraBatch.build(row_adapters, self.slots, device) if self.slots is not None else None
+
+    def slot_of(self, adapter: LoraAdapter | None) -> int:
+        """The adapter's slot (-1: None, the base model): what a captured graph's row reads."""
+        return -1 if adapter is None else self.slots.slot_of(adapter)
 
 
 def _info(adapter: LoraAdapter) -> LoraInfo:

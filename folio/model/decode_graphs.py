@@ -7,6 +7,15 @@ it: the host only fills the buffers (pinned memory, non-blocking copies) and rep
 Padding rows (batch 5 runs in the bucket of 8) write nowhere (slot -1) and attend to one slot of page 0; their
 logits are dropped. The attention kernels size their grid from the block-table width, which is fixed at capture
 (enough pages for `max_seq_len`), so the same graph serves every context length.
+
+LoRA (folio.lora): once the generator loads its first adapter, `enable_lora` captures every bucket again with the
+masked update over the adapters' slot buffers in it (folio.lora.slots), each row's slot read from one more static
+buffer (-1: the base model, and padding rows). Adapters then come and go by writing slots, with nothing to capture
+again; steps without adapter rows replay the same graphs, every row on slot -1.
+
+capture=False runs each replay as an eager forward over the same static buffers, on any device: CPU tests of
+everything a captured step does but the capture itself (the host's filling of the buffers, padding rows, LoRA
+slots, the batch the graphs are captured from).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import numpy as np
 import torch
 
 from folio.kv_cache import Cache
+from folio.lora.apply import LoraBatch
+from folio.lora.slots import LoraSlots
 from folio.model.batch import ForwardBatch
 from folio.model.model import Model
 
@@ -27,15 +38,18 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 
 
 class DecodeGraphs:
-    def __init__(self, model: Model, cache: Cache, max_batch_size: int, max_seq_len: int):
-        if model.device.type != "cuda":
+    def __init__(self, model: Model, cache: Cache, max_batch_size: int, max_seq_len: int, capture: bool = True):
+        self.on_cuda = model.device.type == "cuda"
+        if capture and not self.on_cuda:
             raise ValueError("CUDA graphs need a model on a CUDA device")
+        self.capture = capture
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
         self.max_blocks = math.ceil(max_seq_len / self.page_size)
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch_size] + [max_batch_size]
         self._allocate_buffers(max_batch_size)
+        self.lora_slots: LoraSlots | None = None  # the LoRA slot buffers the graphs read (enable_lora)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture_all()
@@ -51,41 +65,70 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_idx = torch.arange(n, dtype=torch.int64, device=device)
+        self.row_slots = torch.full((n,), -1, dtype=torch.int64, device=device)  # each row's LoRA slot
         # Host staging, pinned so the copies are queued on the stream instead of blocking. A ring of sets used in
         # turn: the host may fill the next run's inputs while earlier runs' copies are still queued on the device
         # (a step launched ahead; a draft model's forwards, several per step). A set is refilled only once the
         # copies out of it have run (its event), or the host would overwrite inputs the device has not read yet.
-        self._staging = [_HostStaging(n, self.max_blocks) for _ in range(STAGING_SETS)]
+        self._staging = [_HostStaging(n, self.max_blocks, self.on_cuda) for _ in range(STAGING_SETS)]
         self._next_staging = 0
 
     def _batch(self, b: int) -> ForwardBatch:
+        """The static buffers as bucket b's batch (inside a capture: the LoRA mask is computed in the graph)."""
+        lora = None if self.lora_slots is None else LoraBatch.for_graph(self.lora_slots, self.row_slots[:b])
         return ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
             context_lens=self.context_lens[:b], logits_idx=self.logits_idx[:b],
-            max_q_len=1, max_context_len=self.max_blocks * self.page_size)
+            max_q_len=1, max_context_len=self.max_blocks * self.page_size, lora=lora)
 
     def _capture_all(self) -> None:
+        if not self.capture:
+            return
         pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs then fit in the memory the larger one already reserved.
         for b in sorted(self.buckets, reverse=True):
-            batch = self._batch(b)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model.forward(batch, self.cache)  # warm-up: lazy initialisation stays out of the graph
+                self.model.forward(self._batch(b), self.cache)  # warm-up: lazy initialisation stays out of the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self.model.forward(batch, self.cache)
+                self._logits[b] = self.model.forward(self._batch(b), self.cache)
             self._graphs[b] = graph
         torch.cuda.synchronize()
+
+    def enable_lora(self, slots: LoraSlots) -> None:
+        """Capture every bucket again with the LoRA update over `slots` in it (once: when the generator loads its
+        first adapter, between steps). The device finishes what is queued first (a step launched ahead replays
+        the graphs being replaced); the buffers are reset so that the captures' warm-up forwards write no K/V."""
+        if self.lora_slots is not None:
+            raise ValueError("the decode graphs read LoRA slots already")
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
+        self.block_tables.zero_()
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.row_slots.fill_(-1)
+        self.lora_slots = slots
+        # The old graphs' pool goes back before the new captures allocate theirs (a logits buffer that a step
+        # launched ahead still holds stays alive until it is sampled).
+        self._graphs.clear()
+        self._logits.clear()
+        if self.capture:
+            torch.cuda.empty_cache()
+        self._capture_all()
 
     # --- use ---
 
     def replay(self, bucket: int) -> torch.Tensor:
-        """Replay bucket's graph on whatever its input buffers hold (the last run's inputs): the device side of a
-        decode step alone, for benchmarks. Returns the bucket's logits buffer."""
+        """Replay bucket's graph on whatever its input buffers hold (`run` fills them first; alone, the last run's
+        inputs: the device side of a decode step, for benchmarks). Returns the bucket's logits buffer."""
+        if not self.capture:
+            return self.model.forward(self._batch(bucket), self.cache)
         self._graphs[bucket].replay()
         return self._logits[bucket]
 
@@ -93,14 +136,17 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def run(self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One decode step: row i feeds token_ids[i] at positions[i] through block_tables[i]. token_ids may be a
-        device tensor (int64, ids >= 0: tokens sampled by a step whose results the host has not read yet).
+            block_tables: Sequence[Sequence[int]], row_slots: Sequence[int] | None = None) -> torch.Tensor:
+        """One decode step: row i feeds token_ids[i] at positions[i] through block_tables[i], with the LoRA adapter
+        of slot row_slots[i] (-1 or row_slots None: the base model; needs enable_lora). token_ids may be a device
+        tensor (int64, ids >= 0: tokens sampled by a step whose results the host has not read yet).
         Returns fp32 logits [len(positions), vocab] (a view into graph memory, valid until the next run)."""
         num_seqs = len(positions)
         b = self.bucket_for(num_seqs)
         if b is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch ({self.buckets[-1]})")
+        if row_slots is not None and self.lora_slots is None:
+            raise ValueError("row_slots given, but the decode graphs were captured without LoRA (enable_lora)")
         staging = self._staging[self._next_staging]
         self._next_staging = (self._next_staging + 1) % len(self._staging)
         staging.wait_until_read()
@@ -110,6 +156,7 @@ class DecodeGraphs:
         if not on_device:
             ids[0, :num_seqs] = token_ids
         ids[1, :num_seqs] = positions
+        ids[3, :num_seqs] = -1 if row_slots is None else row_slots
         pos = ids[1, :num_seqs]
         used = pos // size + 1  # pages each row reads
         if int(used.max()) > self.max_blocks:
@@ -126,7 +173,7 @@ class DecodeGraphs:
         lens[:num_seqs] = pos + 1
         # Padding rows: write nowhere, read one slot of page 0.
         ids[:, num_seqs:b] = 0
-        ids[2, num_seqs:b] = -1
+        ids[2:, num_seqs:b] = -1
         lens[num_seqs:b] = 1
         self.input_ids[:b].copy_(staging.ids[0, :b], non_blocking=True)
         if on_device:
@@ -135,18 +182,22 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(staging.ids[2, :b], non_blocking=True)
         self.context_lens[:b].copy_(staging.lens[:b], non_blocking=True)
         self.block_tables[:b].copy_(staging.tables[:b], non_blocking=True)
+        if self.lora_slots is not None:
+            self.row_slots[:b].copy_(staging.ids[3, :b], non_blocking=True)
         staging.mark_queued()
-        self._graphs[b].replay()
-        return self._logits[b][:num_seqs]
+        return self.replay(b)[:num_seqs]
 
 
 class _HostStaging:
     """Pinned host buffers of one step's graph inputs, with numpy views to fill them cheaply."""
 
-    def __init__(self, n: int, max_blocks: int):
-        self.ids = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self.lens = torch.ones(n, dtype=torch.int32).pin_memory()
-        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32).pin_memory()
+    def __init__(self, n: int, max_blocks: int, pinned: bool):
+        self.ids = torch.zeros(4, n, dtype=torch.int64)  # ids, positions, slots, LoRA slots
+        self.lens = torch.ones(n, dtype=torch.int32)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32)
+        if pinned:
+            self.ids, self.lens, self.tables = self.ids.pin_memory(), self.lens.pin_memory(), self.tables.pin_memory()
+        self._pinned = pinned
         self.np_ids = self.ids.numpy()
         self.np_lens = self.lens.numpy()
         self.np_tables = self.tables.numpy()
@@ -158,6 +209,8 @@ class _HostStaging:
             self._read.synchronize()
 
     def mark_queued(self) -> None:
+        if not self._pinned:  # (CPU: the copies have run)
+            return
         if self._read is None:
             self._read = torch.cuda.Event()
         self._read.record()

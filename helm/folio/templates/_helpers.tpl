@@ -136,7 +136,8 @@ applications:
       {{- if .Values.model.loraAdmin }}
       lora_admin: true
       {{- end }}
-      max_loras: {{ .Values.model.maxLoras | default 16 | int }}
+      max_loras: {{ .Values.model.maxLoras | default 8 | int }}
+      max_lora_rank: {{ .Values.model.maxLoraRank | default 16 | int }}
       {{- if ne .Values.cache.tokens nil }}
       cache_tokens: {{ .Values.cache.tokens | int }}
       {{- else if ne .Values.cache.memoryFraction nil }}
