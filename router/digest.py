@@ -34,6 +34,7 @@ reports for routers that missed batches. Format (plain JSON-able types, version 
 from __future__ import annotations
 
 import math
+import operator
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,10 +47,18 @@ from folio.router.rates import ReplicaRates
 DIGEST_VERSION = 2
 
 _INT_FIELDS = ("epoch", "num_running", "num_queued", "max_running", "num_prefill_tokens", "num_received", "page_size",
-               "num_pages",
-               "num_free_pages", "num_allocatable_pages", "block_tokens", "dense_tokens", "dense_key_tokens",
-               "seq")
+               "num_pages", "num_free_pages", "num_allocatable_pages", "block_tokens", "dense_tokens",
+               "dense_key_tokens", "seq")
 _FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_step_s", "mean_new_tokens")
+# ReplicaDigest's numeric fields in its order: the counts up to num_allocatable_pages, the rates, then the geometry
+_NUM_COUNTS = 10
+_NUMBER_FIELDS = (*_INT_FIELDS[:_NUM_COUNTS], *_FLOAT_FIELDS, *_INT_FIELDS[_NUM_COUNTS:])
+_NUMBERS = operator.itemgetter(*_NUMBER_FIELDS)
+_INTS = operator.itemgetter(*(_NUMBER_FIELDS.index(name) for name in _INT_FIELDS))
+_FLOATS = operator.itemgetter(*(_NUMBER_FIELDS.index(name) for name in _FLOAT_FIELDS))
+_REPORTED_TYPES = tuple(float if name in _FLOAT_FIELDS else int for name in _NUMBER_FIELDS)
+_POSITIVE = operator.itemgetter(*(_NUMBER_FIELDS.index(name)
+                                  for name in ("page_size", "block_tokens", "dense_key_tokens", "seq")))
 
 
 class DigestError(ValueError):
@@ -65,22 +74,23 @@ class PoolLike(Protocol):
     num_allocatable: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (read-only; not frozen for the same reason as ReplicaDigest)
 class Batch:
     seq: int
     stored: array
     evicted: array
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Snapshot:
     seq: int
     keys: array
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplicaDigest:
-    """A decoded report."""
+    """A decoded report (treat it as read-only; not frozen because a frozen dataclass's __init__ sets each field
+    through object.__setattr__, which a router pays for every report of every replica)."""
 
     instance_id: str
     epoch: int
@@ -142,29 +152,45 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDiges
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
         raise DigestError(f"unsupported digest version {stats.get('v')!r} (expected {DIGEST_VERSION})")
-    # (Exact type checks: a bool is not a count. One pass each: a router parses every replica's report per period.)
-    values: dict[str, Any] = {name: stats.get(name) for name in _INT_FIELDS}
-    for name, value in values.items():
-        if type(value) is not int or value < 0:
-            raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
-    for name in _FLOAT_FIELDS:
-        value = stats.get(name)
-        if (type(value) is not float and type(value) is not int) or not 0 <= value < math.inf:
-            raise DigestError(f"digest field {name!r} must be a finite non-negative number, got {value!r}")
-        values[name] = float(value)
-    if values["page_size"] == 0 or values["block_tokens"] == 0 or values["dense_key_tokens"] == 0:
+    # (Exact type checks: a bool is not a count.) Every number is fetched in one C call and checked in bulk: a router
+    # parses every replica's report each period, and a Python loop over the fields was most of that time.
+    try:
+        numbers = _NUMBERS(stats)
+    except KeyError as e:
+        raise DigestError(f"digest field {e.args[0]!r} is missing") from None
+    floats = _FLOATS(numbers)
+    prefill_rate, decode_step, new_tokens = floats
+    if (tuple(map(type, numbers)) == _REPORTED_TYPES and min(numbers) >= 0 and 0 <= prefill_rate < math.inf
+            and 0 <= decode_step < math.inf and 0 <= new_tokens < math.inf):
+        pass  # what build_digest writes (ints; floats for the rates), all in range (a NaN fails its comparison)
+    else:
+        _check_numbers(numbers)
+        floats = tuple(map(float, floats))
+    page_size, block_tokens, dense_key_tokens, seq = _POSITIVE(numbers)
+    if page_size == 0 or block_tokens == 0 or dense_key_tokens == 0:
         raise DigestError("digest fields 'page_size', 'block_tokens' and 'dense_key_tokens' must be positive")
     instance_id = stats.get("instance_id", "")
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
     try:
-        batches = tuple(_batch(b) for b in _list(stats.get("batches"), "batches") if _is_after(b, applied_seq))
+        batches = tuple(_batch(b) for b in _new_batches(_list(stats.get("batches"), "batches"), applied_seq))
         snapshot = _snapshot(stats.get("snapshot"))
     except EventsError as e:
         raise DigestError(str(e)) from None
-    if any(b.seq > values["seq"] for b in batches) or (snapshot is not None and snapshot.seq > values["seq"]):
+    if any(b.seq > seq for b in batches) or (snapshot is not None and snapshot.seq > seq):
         raise DigestError("a batch or the snapshot is newer than the report's seq")
-    return ReplicaDigest(instance_id=instance_id, batches=batches, snapshot=snapshot, **values)
+    return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], batches, snapshot)
+
+
+def _check_numbers(numbers: tuple) -> None:
+    """The slow path's checks, naming the first bad field: exact ints (a bool is not a count), non-negative; finite
+    non-negative numbers for the rates (ints allowed)."""
+    for name, value in zip(_INT_FIELDS, _INTS(numbers)):
+        if type(value) is not int or value < 0:
+            raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
+    for name, value in zip(_FLOAT_FIELDS, _FLOATS(numbers)):
+        if (type(value) is not float and type(value) is not int) or not 0 <= value < math.inf:
+            raise DigestError(f"digest field {name!r} must be a finite non-negative number, got {value!r}")
 
 
 def _list(value: Any, what: str) -> list:
@@ -173,21 +199,30 @@ def _list(value: Any, what: str) -> list:
     return value
 
 
-def _is_after(value: Any, applied_seq: int) -> bool:
-    """False for a batch at or before applied_seq; anything else (malformed ones included) goes on to _batch."""
+def _new_batches(batches: list, applied_seq: int) -> list:
+    """The batches after applied_seq, oldest first. A report lists its batches oldest first with increasing seqs
+    (folio.router.events), so the scan walks back from the newest and stops at the first applied one: a report
+    repeats up to DEFAULT_HISTORY batches, a router that keeps up reads one. Anything malformed met on the way
+    goes on to _batch (and fails there)."""
     if not applied_seq:
-        return True
-    try:
-        return not value[0] <= applied_seq
-    except (TypeError, IndexError, KeyError):
-        return True
+        return batches
+    first = len(batches)
+    while first > 0:
+        value = batches[first - 1]
+        try:
+            if value[0] <= applied_seq:
+                break
+        except (TypeError, IndexError, KeyError):
+            pass
+        first -= 1
+    return batches[first:]
 
 
 def _batch(value: Any) -> Batch:
-    if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], int) or isinstance(value[0], bool)
-            or value[0] < 1):
+    if type(value) is not list or len(value) != 3 or type(value[0]) is not int or value[0] < 1:
         raise EventsError(f"a batch is [seq >= 1, stored, evicted], got {value!r:.80}")
-    return Batch(value[0], unpack(value[1], "a batch's stored keys"), unpack(value[2], "a batch's evicted keys"))
+    seq, stored, evicted = value
+    return Batch(seq, unpack(stored, "a batch's stored keys"), unpack(evicted, "a batch's evicted keys"))
 
 
 def _snapshot(value: Any) -> Snapshot | None:

@@ -2,12 +2,13 @@
 evicted keys, replacing its keys with a snapshot, and finding, for a prompt's keys, the deepest one each slot holds.
 
 Two implementations with one interface (HeldKeys):
-  - folio._native_cpu.KeyIndex (native/cpu/key_index.cpp, used as it is): a hash map from key to the slots holding
-    it plus a set of keys per slot; batches and snapshots are buffers of uint64 (array('Q')).
+  - folio._native_cpu.KeyIndex (native/cpu/key_index.cpp, used as it is): one open-addressing table from key to the
+    slots holding it (inline for up to two), a count per slot; batches and snapshots are buffers of uint64
+    (array('Q')). Listing or clearing one slot's keys scans the table (a replica restart, a snapshot resync).
   - PyHeldKeys: the same in Python (a dict from key to a bitmask of slots, a set per slot), where the native module
     was not built. Tests run both against the same oracles.
 A router applies every replica's events every report period. Both wait on memory with hundreds of thousands of keys
-(bench/RESULTS.md: the native map applies an event in about 0.7 us against 1.0 us, and matches a prompt 3x faster).
+(bench/RESULTS.md: the native table applies an event in about 0.1 us, the Python twin in about 1.0 us).
 `make_held_keys()` picks the native one when it is there.
 """
 

@@ -66,6 +66,50 @@ def test_against_a_set_per_slot(kind, seed):
         assert len(held) == len(set().union(*model.values()))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_index_answers_as_the_python_one_through_growth_and_shrinking(seed):
+    """Thousands of keys over a few slots: the native table grows, shrinks after clears, moves entries on deletion
+    and keeps keys held by three slots or more apart; every query must still answer as PyHeldKeys does."""
+    native, python = build("native"), PyHeldKeys()
+    rng = random.Random(seed)
+    # Uniform keys, plus structured ones (equal low bits, equal high bits) that would collide under raw bits.
+    universe = [rng.getrandbits(64) for _ in range(3000)] + [i << 44 for i in range(400)] + list(range(400))
+    universe += [2**64 - 1]
+    slots = [0, 1, 2, 3, 4, 70]
+    for step in range(240):
+        slot = rng.choice(slots)
+        action = rng.random()
+        if step % 80 == 79:  # everything goes: the table shrinks back
+            for each in slots:
+                native.clear(each)
+                python.clear(each)
+            assert len(native) == len(python) == 0
+        elif action < 0.75:
+            held = python.keys_of(slot)
+            evicted = rng.choices(universe, k=rng.randrange(20)) + rng.sample(held, min(len(held), rng.randrange(80)))
+            stored = rng.choices(universe, k=rng.randrange(150))  # duplicates within a batch too
+            native.apply(slot, array("Q", stored), array("Q", evicted))
+            python.apply(slot, array("Q", stored), array("Q", evicted))
+        elif action < 0.93:
+            snapshot = array("Q", rng.choices(universe, k=rng.randrange(1200)))
+            native.replace(slot, snapshot)
+            python.replace(slot, snapshot)
+        else:
+            native.clear(slot)
+            python.clear(slot)
+        assert len(native) == len(python)
+        for each in slots + [5, 1000]:  # 5 and 1000: never used
+            assert native.num_keys(each) == python.num_keys(each)
+            assert sorted(native.keys_of(each)) == sorted(python.keys_of(each))
+        probe = rng.sample(universe, 30) + rng.sample(python.keys_of(slot), min(10, python.num_keys(slot)))
+        rng.shuffle(probe)
+        found = native.match(probe)
+        assert sorted(found) == sorted(python.match(probe))
+        assert [depth for _, depth in found] == sorted((depth for _, depth in found), reverse=True)  # deepest first
+        for key in probe[:10]:
+            assert [native.holds(each, key) for each in slots] == [python.holds(each, key) for each in slots]
+
+
 @pytest.mark.parametrize("kind", IMPLEMENTATIONS)
 def test_a_batch_that_stores_and_evicts_one_key_holds_it(kind):
     """Evictions apply before stores: a batch is net changes, and a key in both lists is held after it."""
