@@ -100,7 +100,7 @@ class LoadTable:
         if self.known[slot] and num_received >= received:
             self._count_share(float(self.routed_jobs[slot]), num_received - float(received))
         self.known[slot] = 1.0
-        self.jobs[slot] = digest.num_running + digest.num_queued
+        self.jobs[slot] = digest.num_jobs
         self.received[slot] = num_received
         self.routed_jobs[slot] = self.routed_load[slot] = 0.0
         self.max_running[slot] = digest.max_running
