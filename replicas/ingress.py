@@ -138,7 +138,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         return openai_api.build_app(openai_api.Backend(
             stream=self._observed_stream, model_info=self.model_info, tokenizer=self._tokenizer,
             tokenize=self.tokenize, chat_template=ChatTemplate.from_model_dir(self._config.model_path),
-            request_id=_request_id, health=lambda: self.serving_status("")))
+            request_id=_request_id, health=lambda: self.serving_status(""), adapters=self.list_loras))
 
     # --- Python (through serve.get_app_handle; see folio.serve.client) ---
 

@@ -2,9 +2,11 @@
 
 Under the application's route prefix (/folio: the base URL is http://HOST:PORT/folio/v1):
 
-    GET  /v1/models, /v1/models/{model}    the served model (its id: the model directory's name)
+    GET  /v1/models, /v1/models/{model}    the served model (its id: the model directory's name) and each loaded
+                                           LoRA adapter (its id: the adapter's name; `parent`: the model)
     POST /v1/completions                   prompt: text, token ids, or a list of either
     POST /v1/chat/completions              messages, rendered with the model's chat template
+                                           (both: `model` names the model, or an adapter to apply)
     GET  /, /health                        a small JSON answer
 
 Bodies are checked and converted by folio.serve.openai_schema (its docstring lists the fields, and those refused)
@@ -61,6 +63,8 @@ class Backend:
     chat_template: ChatTemplate | None
     request_id: Callable[[], str] = lambda: ""
     health: Callable[[], Awaitable[tuple[str, str]]] | None = None  # ("SERVING" | "NOT_SERVING", why)
+    # the LoRA adapters (folio.serve.adapters.AdapterInfo) a request's `model` may name instead of the base model
+    adapters: Callable[[], Awaitable[list[Any]]] | None = None
 
 
 def build_app(backend: Backend) -> FastAPI:
@@ -99,30 +103,33 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(await _model_info(backend))]}
+        info = await _model_info(backend)
+        return {"object": "list", "data": [_model_card(info), *(_adapter_card(a, info)
+                                                                for a in await _adapters(backend))]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         info = await _model_info(backend)
-        _check_model(model, info)
-        return _model_card(info)
+        adapter = await _resolve_model(backend, model, info)
+        return _model_card(info) if adapter is None else _adapter_card(adapter, info)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = oai.parse_body(oai.CompletionBody, await request.body())
         info = await _model_info(backend)
-        _check_model(body.model, info)
+        adapter = await _resolve_model(backend, body.model, info)
         prompts = oai.completion_prompts(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else oai.COMPLETIONS_DEFAULT_MAX_TOKENS
-        requests = oai.generation_requests(body, prompts, [max_tokens] * len(prompts), oai.top_tokens_of(body))
-        shaper = Shaper(False, f"cmpl-{_response_id(backend)}", int(time.time()), info.model_name, backend.tokenizer)
+        requests = _with_adapter(oai.generation_requests(body, prompts, [max_tokens] * len(prompts),
+                                                         oai.top_tokens_of(body)), adapter)
+        shaper = Shaper(False, f"cmpl-{_response_id(backend)}", int(time.time()), body.model, backend.tokenizer)
         return await _respond(backend, body, requests, shaper, "OpenAICompletions", oai.COMPLETION_PARAMS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = oai.parse_body(oai.ChatCompletionBody, await request.body())
         info = await _model_info(backend)
-        _check_model(body.model, info)
+        adapter = await _resolve_model(backend, body.model, info)
         messages = oai.chat_messages(body.messages)
         if backend.chat_template is None:
             raise oai.bad_request("messages", "messages: the served model has no chat template (use "
@@ -137,12 +144,11 @@ def build_app(backend: Backend) -> FastAPI:
         max_tokens = oai.chat_max_tokens(body)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(1, info.max_request_tokens - len(ids))
-        requests = oai.generation_requests(body, [ids], [max_tokens], oai.top_tokens_of(body))
+        requests = _with_adapter(oai.generation_requests(body, [ids], [max_tokens], oai.top_tokens_of(body)), adapter)
         params = dict(oai.CHAT_PARAMS)
         if body.max_completion_tokens is not None:
             params["max_new_tokens"] = "max_completion_tokens"
-        shaper = Shaper(True, f"chatcmpl-{_response_id(backend)}", int(time.time()), info.model_name,
-                        backend.tokenizer)
+        shaper = Shaper(True, f"chatcmpl-{_response_id(backend)}", int(time.time()), body.model, backend.tokenizer)
         return await _respond(backend, body, requests, shaper, "OpenAIChatCompletions", params)
 
     return app
@@ -325,15 +331,40 @@ async def _model_info(backend: Backend) -> ModelInfo:
         raise as_openai_error(error) from None
 
 
-def _check_model(name: str, info: ModelInfo) -> None:
-    if name != info.model_name:
-        raise OpenAIError(404, f"The model '{name}' does not exist; this server serves '{info.model_name}'",
-                          param="model", code="model_not_found")
+async def _adapters(backend: Backend) -> list[Any]:
+    if backend.adapters is None:
+        return []
+    try:
+        return await backend.adapters()
+    except Exception as error:  # noqa: BLE001
+        raise as_openai_error(error) from None
+
+
+async def _resolve_model(backend: Backend, name: str, info: ModelInfo) -> Any:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
+    if name == info.model_name:
+        return None
+    adapters = await _adapters(backend)
+    for adapter in adapters:
+        if adapter.name == name:
+            return adapter
+    served = ", ".join(repr(n) for n in [info.model_name, *(a.name for a in adapters)])
+    raise OpenAIError(404, f"The model '{name}' does not exist; this server serves {served}", param="model",
+                      code="model_not_found")
+
+
+def _with_adapter(requests: list[GenerationRequest], adapter: Any) -> list[GenerationRequest]:
+    return requests if adapter is None else [dataclasses.replace(r, lora=adapter.name) for r in requests]
 
 
 def _model_card(info: ModelInfo) -> dict[str, Any]:
     return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "folio",
             "max_model_len": info.max_request_tokens}
+
+
+def _adapter_card(adapter: Any, info: ModelInfo) -> dict[str, Any]:
+    """A LoRA adapter as a model of its own (its `parent` the base model), as OpenAI-compatible servers list them."""
+    return {**_model_card(info), "id": adapter.name, "parent": info.model_name, "root": adapter.path}
 
 
 async def _render(template: ChatTemplate, messages: list[dict[str, Any]]) -> str:

@@ -619,3 +619,37 @@ def test_server_flood_is_429_with_retry_after(served):
         for future in futures:
             future.result(timeout=2 * HTTP_TIMEOUT_S)
     assert outcomes.count("429") >= 1 and outcomes.count("ok") >= 2, outcomes
+
+
+def test_app_model_names_a_lora_adapter(tokenizer):
+    """`model` may name a loaded adapter: listed under /v1/models with the model as its parent, applied to every
+    choice's request, echoed in the response; other names are 404 listing what is served."""
+    from folio.serve.adapters import AdapterInfo
+    from folio.serve.openai_api import Backend, build_app
+
+    path = FakePath(lambda r: _chunks("Once", " more"))
+    tone = AdapterInfo(name="tone", path="/adapters/tone", rank=8, scale=2.0, target_modules=("q_proj",),
+                       adapter_id="ab")
+
+    async def adapters():
+        return [tone]
+
+    async def model_info():
+        return INFO
+
+    async def tokenize(text, add_bos, encode_special_tokens):
+        return tokenizer.encode(text, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+
+    app = build_app(Backend(path.stream, model_info, tokenizer, tokenize, None, adapters=adapters))
+    status, _, raw = _call(app, "GET", "/v1/models")
+    cards = json.loads(raw)["data"]
+    assert status == 200 and [c["id"] for c in cards] == [INFO.model_name, "tone"]
+    assert cards[1]["parent"] == INFO.model_name and cards[1]["root"] == "/adapters/tone"
+    status, _, raw = _call(app, "POST", "/v1/completions", {"model": "tone", "prompt": "x", "n": 2})
+    assert status == 200 and json.loads(raw)["model"] == "tone"
+    assert [r.lora for r in path.requests] == ["tone", "tone"]
+    _call(app, "POST", "/v1/completions", {"model": INFO.model_name, "prompt": "x"})
+    assert path.requests[-1].lora is None
+    status, _, raw = _call(app, "POST", "/v1/completions", {"model": "other", "prompt": "x"})
+    error = json.loads(raw)["error"]
+    assert status == 404 and error["code"] == "model_not_found" and "'tone'" in error["message"]

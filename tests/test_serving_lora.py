@@ -8,6 +8,7 @@ Application "lora" (2 demo-model replicas, admin RPCs on, adapter "tone" from th
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 from fakes import free_port
@@ -57,7 +58,8 @@ def served(tmp_path_factory):
         local.deploy(main)
         local.deploy(locked)
         channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
-        yield {"model_dir": model_dir, "tone": tone, "terse": terse, "channel": channel, "root": root}
+        yield {"model_dir": model_dir, "tone": tone, "terse": terse, "channel": channel, "root": root,
+               "http": f"http://127.0.0.1:{main.http_port}/lora"}
         channel.close()
     finally:
         local.shutdown()
@@ -127,6 +129,33 @@ def test_config_adapter_is_listed_and_changes_the_completion_as_the_engine_does(
     assert list(base.token_ids) == _expected(engine, prompt)
     assert list(tuned.token_ids) == _expected(engine, prompt, lora="tone")
     assert list(tuned.token_ids) != list(base.token_ids)  # the adapter is applied, not accepted and dropped
+
+
+def test_openai_model_names_the_adapter(served, engine):
+    """The OpenAI-compatible API: `model` = an adapter's name applies it, as gRPC's `lora` does."""
+    import json
+    import urllib.request
+
+    from folio.proto.folio.v1 import generation_pb2 as pb
+
+    with urllib.request.urlopen(f"{served['http']}/v1/models", timeout=60) as answer:
+        assert "tone" in [card["id"] for card in json.load(answer)["data"]]
+    prompt = _prompt(engine)
+
+    def completion(model: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "top_k": 1}
+        request = urllib.request.Request(f"{served['http']}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.load(answer)["choices"][0]["text"]
+
+    # the same sampling through gRPC (OpenAI's defaults: no repetition penalty, top_p 1, stop at EOS)
+    message = pb.GenerateRequest(max_new_tokens=12, lora="tone")
+    message.token_ids.ids.extend(prompt)
+    message.sampler.temperature, message.sampler.top_k = 0.0, 1
+    message.sampler.repetition_penalty, message.sampler.top_p = 1.0, 1.0
+    tuned = _stub(served).GenerateUnary(message, metadata=_md(), timeout=120).text
+    assert completion("tone") == tuned != completion(Path(served["model_dir"]).name)
 
 
 def test_load_use_and_unload_an_adapter_while_serving(served, engine):
