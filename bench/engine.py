@@ -125,16 +125,7 @@ def measure_ceilings(device: torch.device) -> dict:
 
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
-    """A word-level tokenizer over `vocab_size` made-up pieces (token i reads " t<i>"): the engine's text path
-    runs for real, and no tokenizer files are needed."""
-    vocab = {f"\u2581t{i}": i for i in range(vocab_size)}
-    spec = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-        "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "\u2581t0"},
-    }
-    return Tokenizer(json.dumps(spec), bos_token_id=0, eos_token_ids=[1], pad_token_id=None)
+    return Tokenizer.synthetic(vocab_size, bos_token_id=0, eos_token_ids=[1])
 
 
 @dataclass

@@ -116,6 +116,19 @@ class Tokenizer:
     # ----------------------------------------------------------------------------------------------- loading
 
     @classmethod
+    def synthetic(cls, vocab_size: int, bos_token_id: int = 0, eos_token_ids: Sequence[int] = (1,)) -> Tokenizer:
+        """A word-level tokenizer over `vocab_size` made-up pieces (token i reads " t<i>"), for models of random
+        weights (benchmarks, tests): the engine's text path runs for real, and no tokenizer files are needed."""
+        vocab = {f"\u2581t{i}": i for i in range(vocab_size)}
+        spec = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+            "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "\u2581t0"},
+        }
+        return cls(json.dumps(spec), bos_token_id=bos_token_id, eos_token_ids=list(eos_token_ids), pad_token_id=None)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Load from a Hugging Face model directory (tokenizer.json required; configs optional)."""
         model_dir = Path(path)

@@ -143,14 +143,7 @@ def test_mixed_adapters_in_one_batch_prefill_and_decode(setup):
 # --- the generator ---
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
-    vocab = {f"\u2581t{i}": i for i in range(vocab_size)}
-    spec = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-        "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "\u2581t0"},
-    }
-    return Tokenizer(json.dumps(spec), bos_token_id=1, eos_token_ids=[2], pad_token_id=None)
+    return Tokenizer.synthetic(vocab_size, bos_token_id=1, eos_token_ids=[2])
 
 
 def make_generator(setup: Setup, **kwargs) -> folio.DynamicGenerator:

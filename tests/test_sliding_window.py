@@ -280,21 +280,27 @@ def greedy_job(ids, max_new_tokens):
                             gen_settings=folio.SamplerSettings.greedy(), stop_conditions=[])
 
 
-def test_generator_greedy_past_the_window_equals_transformers(mistral_engine) -> None:
-    path, model, tokenizer = mistral_engine
+def check_greedy_past_the_window(generator: folio.DynamicGenerator, path, tokenizer) -> None:
+    """3 windows of greedy tokens from a prompt shorter than 2 windows, the pool checked at every step, equal to
+    transformers' greedy choices (one whole forward per token, no stop token)."""
     prompt = tokenizer.encode("The lighthouse keeper walked along the shore at dawn, counting the gulls")
     assert len(prompt) < WINDOW * 2
-    cache = folio.Cache(model, num_tokens=1024, page_size=16)
-    generator = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_chunk_size=16)
     job = greedy_job(prompt, 3 * WINDOW)
     generator.enqueue(job)
     while generator.num_remaining_jobs():
         generator.step()
         generator.cache_manager.check()
     hf, ids = load_hf_model(path), list(prompt)
-    for _ in range(3 * WINDOW):  # transformers' greedy choice, one whole forward per token (no stop token)
+    for _ in range(3 * WINDOW):
         ids.append(int(hf_logits(hf, ids)[-1].argmax()))
     assert job.generated_ids == ids[len(prompt):]
+
+
+def test_generator_greedy_past_the_window_equals_transformers(mistral_engine) -> None:
+    path, model, tokenizer = mistral_engine
+    cache = folio.Cache(model, num_tokens=1024, page_size=16)
+    generator = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_chunk_size=16)
+    check_greedy_past_the_window(generator, path, tokenizer)
 
 
 def test_generator_releases_pages_before_the_window(mistral_engine) -> None:
@@ -427,13 +433,4 @@ def test_cuda_generator_with_graphs_equals_transformers(mistral_engine) -> None:
     generator = folio.DynamicGenerator(model=model, cache=folio.Cache(model, num_tokens=2048, page_size=16),
                                        tokenizer=tokenizer, max_chunk_size=16)
     assert generator.cache_manager.window == WINDOW
-    prompt = tokenizer.encode("The lighthouse keeper walked along the shore at dawn, counting the gulls")
-    job = greedy_job(prompt, 3 * WINDOW)
-    generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.step()
-        generator.cache_manager.check()
-    hf, ids = load_hf_model(path), list(prompt)
-    for _ in range(3 * WINDOW):
-        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    assert job.generated_ids == ids[len(prompt):]
+    check_greedy_past_the_window(generator, path, tokenizer)

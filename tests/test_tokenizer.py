@@ -292,3 +292,11 @@ def test_unsupported_decoder_is_a_clear_error(tmp_path: Path) -> None:
     assert tok.encode("hi") == [1]
     with pytest.raises(ValueError, match="token_bytes supports"):
         tok.token_bytes(1)
+
+
+def test_synthetic_tokenizer_reads_its_made_up_words():
+    from folio import Tokenizer
+
+    tokenizer = Tokenizer.synthetic(50, bos_token_id=3, eos_token_ids=[4, 5])
+    assert tokenizer.vocab_size == 50 and tokenizer.bos_token_id == 3 and list(tokenizer.eos_token_ids) == [4, 5]
+    assert tokenizer.decode([7, 12, 49]) == "t7 t12 t49"  # (text in: word pieces carry the metaspace, "\u2581t7")
