@@ -160,10 +160,10 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDiges
         raise DigestError(f"digest field {e.args[0]!r} is missing") from None
     floats = _FLOATS(numbers)
     prefill_rate, decode_step, new_tokens = floats
-    if (tuple(map(type, numbers)) == _REPORTED_TYPES and min(numbers) >= 0 and 0 <= prefill_rate < math.inf
+    # the common case, what build_digest writes (ints; floats for the rates) all in range, checked in bulk (a NaN
+    # fails its comparison); anything else is checked field by field, naming the first bad one
+    if not (tuple(map(type, numbers)) == _REPORTED_TYPES and min(numbers) >= 0 and 0 <= prefill_rate < math.inf
             and 0 <= decode_step < math.inf and 0 <= new_tokens < math.inf):
-        pass  # what build_digest writes (ints; floats for the rates), all in range (a NaN fails its comparison)
-    else:
         _check_numbers(numbers)
         floats = tuple(map(float, floats))
     page_size, block_tokens, dense_key_tokens, seq = _POSITIVE(numbers)
@@ -207,15 +207,16 @@ def _new_batches(batches: list, applied_seq: int) -> list:
     if not applied_seq:
         return batches
     first = len(batches)
-    while first > 0:
-        value = batches[first - 1]
-        try:
-            if value[0] <= applied_seq:
-                break
-        except (TypeError, IndexError, KeyError):
-            pass
+    while first > 0 and not _is_applied(batches[first - 1], applied_seq):
         first -= 1
     return batches[first:]
+
+
+def _is_applied(value: Any, applied_seq: int) -> bool:
+    try:
+        return value[0] <= applied_seq
+    except (TypeError, IndexError, KeyError):
+        return False  # malformed: not known to be applied, so _batch sees it (and refuses it)
 
 
 def _batch(value: Any) -> Batch:

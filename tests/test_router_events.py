@@ -334,6 +334,26 @@ def test_a_key_stored_and_evicted_within_one_batch_cancels():
         (3, [], []), (4, [], [])]
 
 
+def test_a_reader_past_some_batches_decodes_only_the_newer_ones_and_still_refuses_a_malformed_one():
+    events = CacheEvents(PAGE_SIZE, PAGE_SIZE, dense_tokens=0, dense_key_tokens=DENSE_KEY_TOKENS)
+    hashes = page_hashes(list(range(3 * PAGE_SIZE)), PAGE_SIZE)
+    for page, page_hash in enumerate(hashes):
+        events.add([PageEvent(STORED, page_hash, page)])
+        if page < 2:
+            events.publish()  # (build_digest publishes the last batch itself)
+    stats = build_digest(FakePool(page_size=PAGE_SIZE), events, 0, 0, 1)
+    assert [b.seq for b in parse_digest(stats).batches] == [1, 2, 3]
+    assert [(b.seq, list(b.stored)) for b in parse_digest(stats, applied_seq=2).batches] == [
+        (3, [page_key(hashes[2])])]
+    assert parse_digest(stats, applied_seq=3).batches == ()
+    broken = {**stats, "batches": [*stats["batches"][:-1], [3, "not base64!", ""]]}
+    with pytest.raises(DigestError, match="base64"):
+        parse_digest(broken, applied_seq=2)
+    garbled = {**stats, "batches": [*stats["batches"][:-1], "junk"]}
+    with pytest.raises(DigestError, match="a batch is"):
+        parse_digest(garbled, applied_seq=2)
+
+
 @pytest.mark.parametrize("block_tokens, dense_tokens, dense_key_tokens, key_depths", [
     # A key every 3 pages in the first 6 (pages 2, 5), then every 8 pages (7, 15).
     (32, 24, 3 * PAGE_SIZE, [2, 5, 7, 15]),
