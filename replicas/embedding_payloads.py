@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from folio.serve.errors import InvalidRequest
+from folio.serve.errors import InvalidRequest, Unimplemented
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -32,6 +33,26 @@ class PlacedEmbeddings:
     input_ids: tuple[int, ...]  # the prompt with each payload's placeholder ids in place
     payloads: tuple  # folio.InjectedEmbeddings, in request order
     digest: str  # hex: the namespace part that the replica's pages of this prompt are filed under
+
+
+def placed_embeddings(request: Any, input_ids: Sequence[int], hidden_size: int, max_bytes: int,
+                      cfg: bool) -> PlacedEmbeddings | None:
+    """A GenerationRequest's embeddings placed in its prompt (None without any); InvalidRequest where the request
+    cannot carry them: a text prompt, classifier-free guidance (cfg), a replica without embeddings (hidden_size 0:
+    Unimplemented)."""
+    payloads = request.embeddings
+    if not payloads:
+        return None
+    if isinstance(payloads, (str, bytes)) or not isinstance(payloads, Sequence):
+        raise InvalidRequest("embeddings", "must be a list of EmbeddingPayload")
+    if request.token_ids is None:
+        raise InvalidRequest("embeddings", "need a token_ids prompt (the placeholders' positions are token indices)")
+    if cfg:
+        raise InvalidRequest("embeddings", "cannot be combined with classifier-free guidance (the negative prompt "
+                                           "would need payloads of its own)")
+    if not hidden_size:
+        raise Unimplemented("embeddings", "this server's replicas do not take injected embeddings")
+    return place(payloads, input_ids, hidden_size, max_bytes, request.token_healing)
 
 
 def place(payloads: Sequence[EmbeddingPayload], input_ids: Sequence[int], hidden_size: int, max_bytes: int,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from folio import SAMPLER_LIMITS, SamplerSettings, Tokenizer
-from folio.serve.embedding_payloads import PlacedEmbeddings, place
-from folio.serve.errors import InvalidRequest, Unimplemented
+from folio.serve.embedding_payloads import placed_embeddings
+from folio.serve.errors import InvalidRequest
 from folio.serve.schema import (
     RESPONSE_FORMATS,
     SAMPLER_FIELDS,
@@ -123,7 +123,8 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         raise InvalidRequest("return_top_tokens", f"must be in [0, {limit}], got {request.return_top_tokens!r}")
     for name in ("decode_special_tokens", "return_probs"):
         _check_bool(name, getattr(request, name))
-    placed = _placed_embeddings(request, input_ids, info, limits, negative_ids is not None)
+    placed = placed_embeddings(request, input_ids, info.hidden_size, limits.max_embedding_bytes,
+                               cfg=negative_ids is not None)
     if placed is not None:
         input_ids = list(placed.input_ids)
     return EngineRequest(
@@ -136,23 +137,6 @@ def to_engine_request(request: GenerationRequest, tokenizer: Tokenizer, info: Mo
         negative_input_ids=None if negative_ids is None else tuple(negative_ids),
         embeddings=() if placed is None else placed.payloads,
         embeddings_digest="" if placed is None else placed.digest)
-
-
-def _placed_embeddings(request: GenerationRequest, input_ids: list[int], info: ModelInfo, limits: RequestLimits,
-                       cfg: bool) -> PlacedEmbeddings | None:
-    payloads = request.embeddings
-    if not payloads:
-        return None
-    if isinstance(payloads, (str, bytes)) or not isinstance(payloads, Sequence):
-        raise InvalidRequest("embeddings", "must be a list of EmbeddingPayload")
-    if request.token_ids is None:
-        raise InvalidRequest("embeddings", "need a token_ids prompt (the placeholders' positions are token indices)")
-    if cfg:
-        raise InvalidRequest("embeddings", "cannot be combined with classifier-free guidance (the negative prompt "
-                                           "would need payloads of its own)")
-    if not info.hidden_size:
-        raise Unimplemented("embeddings", "this server's replicas do not take injected embeddings")
-    return place(payloads, input_ids, info.hidden_size, limits.max_embedding_bytes, request.token_healing)
 
 
 def _check_list_sizes(request: GenerationRequest, limits: RequestLimits) -> None:

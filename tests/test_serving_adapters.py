@@ -167,3 +167,21 @@ def test_router_hashes_the_prompt_under_the_replica_pages_namespace(demo, tmp_pa
     pending = SimpleNamespace(args=(request,), kwargs={})
     assert job.sequence.namespace == prompt_namespace(pending) != b""
     generator.cancel(job)
+
+
+def test_requests_that_cannot_carry_embeddings_are_refused():
+    from folio.serve.embedding_payloads import placed_embeddings
+    from folio.serve.errors import Unimplemented
+    from folio.serve.schema import GenerationRequest
+
+    payload = _payload(1, 4, position=0)
+    assert placed_embeddings(GenerationRequest(token_ids=[5, 6]), [5, 6], 4, 1 << 20, cfg=False) is None
+    with pytest.raises(InvalidRequest, match="token_ids prompt"):
+        placed_embeddings(GenerationRequest(text="hi", embeddings=[payload]), [5, 6], 4, 1 << 20, cfg=False)
+    with pytest.raises(InvalidRequest, match="classifier-free guidance"):
+        placed_embeddings(GenerationRequest(token_ids=[5, 6], embeddings=[payload]), [5, 6], 4, 1 << 20, cfg=True)
+    with pytest.raises(Unimplemented):
+        placed_embeddings(GenerationRequest(token_ids=[5, 6], embeddings=[payload]), [5, 6], 0, 1 << 20, cfg=False)
+    placed = placed_embeddings(GenerationRequest(token_ids=[5, 6], embeddings=[payload]), [5, 6], 4, 1 << 20,
+                               cfg=False)
+    assert placed.input_ids[1] == 6 and placed.input_ids[0] != 5
