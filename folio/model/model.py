@@ -17,7 +17,7 @@ from folio.model import flash, mlp, moe
 from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
-from folio.model.rotary import layer_inv_freqs, rope_inv_freq
+from folio.model.rotary import layer_inv_freqs
 from folio.model.windows import released_window
 from folio.options import EngineOptions
 
@@ -61,7 +61,6 @@ class Model:
         self.weights = weights
         self.device = device
         self.dtype = dtype
-        self.inv_freq = rope_inv_freq(config, device)  # [D/2] fp32
         self.layer_inv_freq = layer_inv_freqs(config, device)  # per layer (Gemma 3's sliding layers: their own)
         self.attention_scale = config.attention_scale
         self.act_and_mul = mlp.act_and_mul(self.ops, config.hidden_activation)
