@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model
+from tiny_models import LLAMA3_ROPE, hf_logits, load_hf_model, make_hf_model, nan_cache
+from tiny_models import run_chunks as run
 
 from folio.kv_cache import Cache
-from folio.model.batch import ForwardBatch, SeqChunk
+from folio.model.batch import SeqChunk
 from folio.model.model import Model
 from folio.options import EngineOptions
 
@@ -70,14 +71,7 @@ def shuffled_block_tables(page_size: int, seed: int) -> tuple[list[list[int]], i
 
 def new_cache(model: Model, page_size: int, seed: int = 0) -> tuple[Cache, list[list[int]]]:
     tables, num_pages = shuffled_block_tables(page_size, seed)
-    cache = Cache(model, num_tokens=num_pages * page_size, page_size=page_size)
-    cache.k.fill_(float("nan"))
-    cache.v.fill_(float("nan"))
-    return cache, tables
-
-
-def run(model: Model, cache: Cache, chunks: list[SeqChunk]) -> torch.Tensor:
-    return model.forward(ForwardBatch.build(chunks, cache.page_size, model.device), cache)
+    return nan_cache(model, num_pages, page_size), tables
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

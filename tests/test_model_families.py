@@ -18,7 +18,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from tiny_models import LLAMA3_ROPE, build_hf_model, hf_logits, make_hf_model
+from tiny_models import LLAMA3_ROPE, build_hf_model, hf_logits, make_hf_model, nan_cache
+from tiny_models import run_chunks as run
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import folio
@@ -83,14 +84,7 @@ def new_cache(model: Model, page_size: int, seed: int = 0) -> tuple[Cache, list[
     num_pages = sum(pages_per_seq) + 2
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = [perm[sum(pages_per_seq[:i]):sum(pages_per_seq[:i + 1])] for i in range(len(PROMPT_LENS))]
-    cache = Cache(model, num_tokens=num_pages * page_size, page_size=page_size)
-    cache.k.fill_(float("nan"))
-    cache.v.fill_(float("nan"))
-    return cache, tables
-
-
-def run(model: Model, cache: Cache, chunks: list[SeqChunk]) -> torch.Tensor:
-    return model.forward(ForwardBatch.build(chunks, cache.page_size, model.device), cache)
+    return nan_cache(model, num_pages, page_size), tables
 
 
 def check_whole_chunked_and_decode(case: Case, page_size: int) -> None:

@@ -123,3 +123,20 @@ def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torc
     """fp32 logits [len(token_ids), vocab] of one sequence run whole (causal: row p depends on tokens 0..p)."""
     ids = torch.tensor([token_ids], dtype=torch.int64)
     return model(input_ids=ids).logits[0].float()
+
+
+def nan_cache(model, num_pages: int, page_size: int):
+    """A folio Cache of num_pages pages filled with NaN: a slot read before it was written shows in the logits."""
+    from folio.kv_cache import Cache
+
+    cache = Cache(model, num_tokens=num_pages * page_size, page_size=page_size)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    return cache
+
+
+def run_chunks(model, cache, chunks) -> torch.Tensor:
+    """One forward of `chunks` (folio.model.batch.SeqChunk) over `cache`: the logits rows they ask for."""
+    from folio.model.batch import ForwardBatch
+
+    return model.forward(ForwardBatch.build(chunks, cache.page_size, model.device), cache)
