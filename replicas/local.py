@@ -64,10 +64,16 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
         runtime_env={"worker_process_setup_hook": "folio.serve.proxy_setup.setup_worker"},
         **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
     )
-    serve.start(
-        http_options=HTTPOptions(host=config.http_host, port=config.http_port),
-        grpc_options=grpc_options(config),
-    )
+    try:
+        serve.start(
+            http_options=HTTPOptions(host=config.http_host, port=config.http_port),
+            grpc_options=grpc_options(config),
+        )
+    except BaseException:
+        # A proxy that could not bind (its port taken) leaves Ray running: stop it, so that the caller's next
+        # start_cluster is not refused as a second ray.init.
+        shutdown()
+        raise
     return context
 
 

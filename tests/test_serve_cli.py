@@ -60,6 +60,29 @@ def test_serve_refuses_a_taken_port_before_starting_anything(tmp_path, option):
     assert not (tmp_path / "cache").exists()  # nothing recorded either
 
 
+@pytest.mark.ray
+def test_a_proxy_that_cannot_bind_leaves_no_ray_running(tmp_path):
+    # The library path (start_cluster, as the test fixtures use it) rather than the CLI, which checks ports first:
+    # Serve's proxy fails to bind after ray.init, and the caller must be able to start again.
+    code = (
+        "import socket, ray\n"
+        "from folio.serve import local\n"
+        "from folio.serve.config import ServeConfig\n"
+        "with socket.socket() as taken:\n"
+        "    taken.bind(('127.0.0.1', 0)); taken.listen()\n"
+        f"    config = ServeConfig(model_path='unused', num_gpus=0, grpc_port={free_port()},\n"
+        "                         http_port=taken.getsockname()[1])\n"
+        "    try:\n"
+        "        local.start_cluster(config, num_cpus=1)\n"
+        "    except Exception as error:\n"
+        "        print('refused:', type(error).__name__)\n"
+        "print('ray running:', ray.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=client_env(tmp_path / "cache"),
+                            capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    assert "refused:" in result.stdout and "ray running: False" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
 def test_connect_without_a_server_says_so(tmp_path):
     code = "import folio.serve\ntry:\n    folio.serve.connect()\nexcept LookupError as e:\n    print(e)\n"
     result = subprocess.run([sys.executable, "-c", code], env=client_env(tmp_path / "cache"), capture_output=True,
