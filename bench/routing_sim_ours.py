@@ -160,7 +160,8 @@ def time_decisions(state: DecisionState, num_decisions: int) -> list[float]:
 def time_event_apply(state: DecisionState, events_per_replica: int) -> float:
     """Seconds to apply one report per replica, each carrying events_per_replica new events (half stored, half
     evicted: a replica's events of one period) among its last DEFAULT_HISTORY batches, as the JSON-able dict a
-    router receives from Serve (decoding included), as a router does each period."""
+    router receives from Serve (decoding included) and the cost table's refresh that follows, as a router does each
+    period."""
     rng, policy = state.rng, state.policy
     state.epoch += 1
     reports = []
@@ -178,6 +179,7 @@ def time_event_apply(state: DecisionState, events_per_replica: int) -> float:
     start = time.perf_counter()
     for replica, report in zip(state.ids, reports):
         policy.report(replica, report)
+    policy.loads.refresh()  # the reports' loads are written into the cost arrays here (at the next decision)
     return time.perf_counter() - start
 
 

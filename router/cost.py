@@ -28,6 +28,7 @@ vector operations, and the shortlist (the k replicas that wait least) is one arg
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class CostDefaults:
     decode_step_s: float = 0.02
     mean_new_tokens: float = 128.0
 
+
+# A report's values that _apply_reports writes, in its column order
+_REPORTED = operator.attrgetter("num_jobs", "num_received", "max_running", "prefill_tokens_per_s", "decode_step_s",
+                                "mean_new_tokens", "num_allocatable_pages", "page_size")
 
 # Routers sharing a fleet (one per ingress replica) are counted from the last SHARE_WINDOW_S seconds of reports.
 SHARE_WINDOW_S = 30.0
@@ -69,10 +74,13 @@ class LoadTable:
             setattr(self, name, np.zeros(capacity))
         self._stale = True  # reports changed something since `settled` and the effective rates were computed
         self._reported_backlog: dict[int, tuple[float, int]] = {}  # slot -> (report time, prefill tokens)
+        # Reports not yet written into the arrays: a router receives every replica's report each period, and one
+        # vectorised write of them all, at the next decision, costs less than numpy scalar writes per report.
+        self._pending: dict[int, ReplicaDigest] = {}
         # Decaying sums over the fleet's reports: requests this router sent, and requests the replicas received.
         self._own_sent = self._all_received = 0.0
         self._sums_at = clock()
-        self.num_routers = 1.0  # routers sharing the fleet, as estimated from those sums
+        self._num_routers = 1.0  # routers sharing the fleet, as estimated from those sums
 
     def ensure(self, slot: int) -> None:
         size = len(self.known)
@@ -90,28 +98,45 @@ class LoadTable:
         for name in self._FIELDS:
             getattr(self, name)[slot] = 0.0
         self._reported_backlog.pop(slot, None)
+        self._pending.pop(slot, None)
         self._stale = True
 
+    @property
+    def num_routers(self) -> float:
+        """Routers sharing the fleet, as counted from the reports so far (see the module docstring)."""
+        if self._pending:
+            self._apply_reports()
+        return self._num_routers
+
     def set_report(self, slot: int, digest: ReplicaDigest) -> None:
-        if slot >= len(self.known):
-            self.ensure(slot)
-        # (numpy scalar reads and writes cost ~0.1 us each: a router applies every replica's report each period)
-        received, num_received = self.received[slot], digest.num_received
-        if self.known[slot] and num_received >= received:
-            self._count_share(float(self.routed_jobs[slot]), num_received - float(received))
-        self.known[slot] = 1.0
-        self.jobs[slot] = digest.num_jobs
-        self.received[slot] = num_received
-        self.routed_jobs[slot] = self.routed_load[slot] = 0.0
-        self.max_running[slot] = digest.max_running
-        self.prefill_rate[slot] = digest.prefill_tokens_per_s
-        self.decode_step[slot] = digest.decode_step_s
-        self.new_tokens[slot] = digest.mean_new_tokens
-        self.allocatable_pages[slot] = digest.num_allocatable_pages
-        self.page_size[slot] = digest.page_size
-        self._stale = True
-        # Converted to time at the next refresh, with the rates as of all the reports that came together.
+        """The replica's latest report; it takes effect at the next query (a later report of the same slot before
+        then replaces it: counts are cumulative, and this router routes nothing in between without a query)."""
+        self._pending[slot] = digest
         self._reported_backlog[slot] = (self._clock(), digest.num_prefill_tokens)
+        self._stale = True
+
+    def _apply_reports(self) -> None:
+        pending, self._pending = self._pending, {}
+        self.ensure(max(pending))
+        slots = np.fromiter(pending, dtype=np.intp, count=len(pending))
+        columns = np.array([_REPORTED(d) for d in pending.values()], dtype=np.float64).reshape(len(pending), -1)
+        jobs, received, max_running, prefill_rate, decode_step, new_tokens, allocatable, page_size = columns.T
+        # what the replicas received since their last reports, against what this router sent them meanwhile
+        # (a restarted replica's count starts again: its first report is not compared)
+        compared = (self.known[slots] > 0) & (received >= self.received[slots])
+        if compared.any():
+            self._count_share(float(self.routed_jobs[slots][compared].sum()),
+                              float((received - self.received[slots])[compared].sum()))
+        self.known[slots] = 1.0
+        self.jobs[slots] = jobs
+        self.received[slots] = received
+        self.routed_jobs[slots] = self.routed_load[slots] = 0.0
+        self.max_running[slots] = max_running
+        self.prefill_rate[slots] = prefill_rate
+        self.decode_step[slots] = decode_step
+        self.new_tokens[slots] = new_tokens
+        self.allocatable_pages[slots] = allocatable
+        self.page_size[slots] = page_size
 
     def _count_share(self, own_sent: float, received: float) -> None:
         now = self._clock()
@@ -120,7 +145,7 @@ class LoadTable:
         self._all_received = self._all_received * decay + received
         self._sums_at = now
         if self._own_sent >= 1.0:
-            self.num_routers = min(max(self._all_received / self._own_sent, 1.0), MAX_ROUTERS)
+            self._num_routers = min(max(self._all_received / self._own_sent, 1.0), MAX_ROUTERS)
 
     def add_routed(self, slot: int, num_prefill_tokens: int) -> None:
         """This router sent the replica a request with about num_prefill_tokens to prefill. Until the next report
@@ -129,9 +154,9 @@ class LoadTable:
         self.ensure(slot)
         self.refresh()
         self.routed_jobs[slot] += 1
-        self.routed_load[slot] += self.num_routers
+        self.routed_load[slot] += self._num_routers
         now = self._clock()
-        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + self.num_routers * num_prefill_tokens / float(
+        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + self._num_routers * num_prefill_tokens / float(
             self.eff_prefill[slot])
         jobs = float(self.jobs[slot] + self.routed_load[slot])
         max_running = max(float(self.max_running[slot]), 1.0)
@@ -143,6 +168,8 @@ class LoadTable:
         replica did) and every slot's settled wait, if reports changed anything."""
         if not self._stale:
             return
+        if self._pending:
+            self._apply_reports()
         known = self.known > 0
         for values, default, target in ((self.prefill_rate, self.defaults.prefill_tokens_per_s, self.eff_prefill),
                                         (self.decode_step, self.defaults.decode_step_s, self.eff_step),
