@@ -26,9 +26,11 @@ reports for routers that missed batches. Format (plain JSON-able types, version 
     dense_tokens           int: leading tokens of a sequence with a routing key every dense_key_tokens
     dense_key_tokens       int
     seq                    int: sequence number of the newest batch
-    batches                list of [seq, stored, evicted]: the last few batches, oldest first; stored / evicted
-                           are base64 of little-endian uint64 routing keys
-    snapshot               null, or {"seq": s, "keys": base64}: every key held after batch s
+    batches                list of [seq, stored, evicted] or [seq, stored, evicted, moved]: the last few batches,
+                           oldest first; stored / evicted / moved are base64 of little-endian uint64 routing keys;
+                           moved: keys whose pages went to the replica's host tier (still held: a hit costs a copy)
+    snapshot               null, or {"seq": s, "keys": base64[, "host_keys": base64]}: every key held after batch
+                           s (and those of them held in the host tier)
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import math
 import operator
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.router.events import CacheEvents, EventsError, unpack
@@ -79,12 +81,14 @@ class Batch:
     seq: int
     stored: array
     evicted: array
+    moved: array = field(default_factory=lambda: array("Q"))  # held keys now in the replica's host tier
 
 
 @dataclass(slots=True)
 class Snapshot:
     seq: int
     keys: array
+    host_keys: array = field(default_factory=lambda: array("Q"))  # of `keys`, those held in the host tier
 
 
 @dataclass(slots=True)
@@ -112,6 +116,9 @@ class ReplicaDigest:
     seq: int
     batches: tuple[Batch, ...]
     snapshot: Snapshot | None
+    # parse_digest(decode_batches=False): the report's batch list as it came, for a native index to decode and
+    # apply in one call (batches is then empty); None once decoded
+    encoded_batches: list | None = None
 
     @property
     def num_jobs(self) -> int:
@@ -143,12 +150,14 @@ def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int,
     }
 
 
-def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDigest:
+def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batches: bool = True) -> ReplicaDigest:
     """Decode a dict from build_digest. Raises DigestError if it is not one (wrong version, missing or mistyped
     field, malformed keys). applied_seq: the reader already applied this instance's batches up to that seq; those
     are left out (not checked either): a report repeats its last batches, and decoding them again at every report
-    would cost more than applying the new one."""
-    if not isinstance(stats, Mapping):
+    would cost more than applying the new one. decode_batches=False: a report without a snapshot keeps its batch
+    list undecoded and unchecked in `encoded_batches` (the native index's apply_encoded decodes and checks it; the
+    caller parses again with decode_batches=True where that refuses)."""
+    if type(stats) is not dict and not isinstance(stats, Mapping):
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
         raise DigestError(f"unsupported digest version {stats.get('v')!r} (expected {DIGEST_VERSION})")
@@ -172,6 +181,9 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDiges
     instance_id = stats.get("instance_id", "")
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
+    if not decode_batches and stats.get("snapshot") is None:
+        return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], (), None,
+                             stats.get("batches"))
     try:
         batches = tuple(_batch(b) for b in _new_batches(_list(stats.get("batches"), "batches"), applied_seq))
         snapshot = _snapshot(stats.get("snapshot"))
@@ -220,10 +232,12 @@ def _is_applied(value: Any, applied_seq: int) -> bool:
 
 
 def _batch(value: Any) -> Batch:
-    if type(value) is not list or len(value) != 3 or type(value[0]) is not int or value[0] < 1:
-        raise EventsError(f"a batch is [seq >= 1, stored, evicted], got {value!r:.80}")
-    seq, stored, evicted = value
-    return Batch(seq, unpack(stored, "a batch's stored keys"), unpack(evicted, "a batch's evicted keys"))
+    if type(value) is not list or len(value) not in (3, 4) or type(value[0]) is not int or value[0] < 1:
+        raise EventsError(f"a batch is [seq >= 1, stored, evicted(, moved)], got {value!r:.80}")
+    batch = Batch(value[0], unpack(value[1], "a batch's stored keys"), unpack(value[2], "a batch's evicted keys"))
+    if len(value) == 4:
+        batch.moved = unpack(value[3], "a batch's moved keys")
+    return batch
 
 
 def _snapshot(value: Any) -> Snapshot | None:
@@ -232,4 +246,7 @@ def _snapshot(value: Any) -> Snapshot | None:
     seq = value.get("seq") if isinstance(value, Mapping) else None
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         raise EventsError(f"a snapshot is {{'seq': int >= 1, 'keys': base64}}, got {value!r:.80}")
-    return Snapshot(value["seq"], unpack(value.get("keys"), "the snapshot's keys"))
+    snapshot = Snapshot(value["seq"], unpack(value.get("keys"), "the snapshot's keys"))
+    if "host_keys" in value:
+        snapshot.host_keys = unpack(value["host_keys"], "the snapshot's host keys")
+    return snapshot

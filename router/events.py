@@ -50,6 +50,7 @@ _UINT64 = "Q"
 _NEEDS_BYTESWAP = sys.byteorder != "little"
 _STORED = "stored"  # folio.cache.PageEventKind values (the router imports no engine code)
 _EVICTED = "evicted"
+_MOVED_TO_HOST = "moved_to_host"  # (the replica's host tier holds it: still a prefix hit, a copy instead of compute)
 
 
 class EventsError(ValueError):
@@ -102,6 +103,9 @@ class CacheEvents:
         self._held: dict[int, None] = {}  # keys held now (an ordered set)
         self._stored: dict[int, None] = {}  # this batch's net changes
         self._evicted: dict[int, None] = {}
+        self._host: dict[int, None] = {}  # held keys whose pages are in the replica's host tier
+        self._moved: dict[int, None] = {}  # this batch's keys moved to the host tier (still held)
+        self._returned: dict[int, None] = {}  # this batch's stored keys that were held on the host before it
         self._batches: deque[list] = deque(maxlen=history)
 
     @property
@@ -109,13 +113,23 @@ class CacheEvents:
         return len(self._held)
 
     def add(self, events: Iterable[Any]) -> None:
-        """folio.cache.PageEvent objects (kind, hash, depth), oldest first."""
+        """folio.cache.PageEvent objects (kind, hash, depth), oldest first. A page moved to the replica's host tier
+        stays held (batches list it apart: a router may count such a hit for less); stored again, it is back on
+        the GPU."""
         stride, dense, dense_stride = self.stride, self.dense_pages, self.dense_stride
         for event in events:
-            stored = event.kind.value == _STORED
+            kind = event.kind.value
+            stored = kind == _STORED
             if stored and not is_key_depth(event.depth, stride, dense, dense_stride):
                 continue  # (an eviction is checked against the held keys whatever its depth: see resync)
             key = page_key(event.hash)
+            if kind == _MOVED_TO_HOST:
+                if key in self._held:
+                    self._host[key] = self._moved[key] = None
+                continue
+            if self._host.pop(key, False) is None and self._moved.pop(key, False) is not None and stored:
+                self._stored[key] = self._returned[key] = None  # back on the GPU, moved in an earlier batch
+                continue
             if stored:
                 if key in self._held:
                     continue
@@ -126,8 +140,8 @@ class CacheEvents:
             elif event.kind.value == _EVICTED:
                 if self._held.pop(key, False) is not None:
                     continue  # not a key we hold (stored before the log began)
-                if self._stored.pop(key, False) is None:
-                    continue
+                if self._stored.pop(key, False) is None and self._returned.pop(key, False) is not None:
+                    continue  # stored within this batch: no net change
                 self._evicted[key] = None
 
     def resync(self, page_hashes: Iterable[bytes]) -> None:
@@ -137,6 +151,9 @@ class CacheEvents:
         self._held = dict.fromkeys(page_key(h) for h in page_hashes)
         self._stored.clear()
         self._evicted.clear()
+        self._host.clear()
+        self._moved.clear()
+        self._returned.clear()
         self._batches.clear()
         self.seq += 1  # the gap routers will see
         self._num_reports = 0  # the next report carries a snapshot
@@ -144,10 +161,15 @@ class CacheEvents:
     def publish(self) -> int:
         """Close the current batch (possibly empty) under the next sequence number; returns it."""
         self.seq += 1
-        self.num_published_events += len(self._stored) + len(self._evicted)
-        self._batches.append([self.seq, pack(self._stored), pack(self._evicted)])
+        self.num_published_events += len(self._stored) + len(self._evicted) + len(self._moved)
+        batch = [self.seq, pack(self._stored), pack(self._evicted)]
+        if self._moved:  # (only then: reports of replicas without a host tier keep their three-field batches)
+            batch.append(pack(self._moved))
+        self._batches.append(batch)
         self._stored.clear()
         self._evicted.clear()
+        self._moved.clear()
+        self._returned.clear()
         return self.seq
 
     def report_fields(self) -> dict[str, Any]:
@@ -160,5 +182,7 @@ class CacheEvents:
                                   "batches": [list(b) for b in self._batches], "snapshot": None}
         if self._num_reports % self._snapshot_every == 0:
             fields["snapshot"] = {"seq": self.seq, "keys": pack(self._held)}
+            if self._host:
+                fields["snapshot"]["host_keys"] = pack(self._host)
         self._num_reports += 1
         return fields

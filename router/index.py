@@ -149,19 +149,54 @@ class PrefixIndex:
 
     # ---- reports --------------------------------------------------------------------------------------------
 
-    def report(self, replica_id: ReplicaId, digest: ReplicaDigest) -> bool:
+    def report(self, replica_id: ReplicaId, digest: ReplicaDigest) -> bool | None:
         """Apply a replica's report; False (nothing changed) if it is not newer than the last one applied. A report
-        from a new instance (the replica restarted) first forgets what the old one held."""
-        self.slot_of(replica_id)
-        state = self._replicas[replica_id]
+        from a new instance (the replica restarted) first forgets what the old one held. None (nothing changed) for
+        a digest with encoded batches (decodes_batches) that the native path does not take: decode it in full and
+        report it again."""
+        state = self._replicas.get(replica_id) or self._add(replica_id)
         previous = state.digest
         if previous is not None and previous.instance_id == digest.instance_id and digest.epoch <= previous.epoch:
             return False
-        if previous is not None and previous.instance_id != digest.instance_id:
-            self._forget(state)
+        if digest.encoded_batches is not None:
+            if not self._apply_encoded(state, digest):
+                return None
+        else:
+            if previous is not None and previous.instance_id != digest.instance_id:
+                self._forget(state)
+            state.digest = digest
+            self._apply_events(state, digest)
+        if state.routed:
+            self._expire_routed(state, self._clock())
+        return True
+
+    @property
+    def decodes_batches(self) -> bool:
+        """Whether report() takes digests whose batches are still encoded (parse_digest(decode_batches=False))."""
+        return hasattr(self._held, "apply_encoded")
+
+    def _apply_encoded(self, state: _Replica, digest: ReplicaDigest) -> bool:
+        """The common report, its batches decoded and applied by the native index in one call: same instance, in
+        sync, no snapshot. False, with nothing changed, where it is not that or its batches are malformed: report()
+        then answers None, and the caller decodes the report in full."""
+        previous = state.digest
+        if previous is None or previous.instance_id != digest.instance_id or not state.synced:
+            return False
+        applied = self._held.apply_encoded(state.slot, digest.encoded_batches, state.seq, digest.seq,
+                                           bool(state.routed))
+        if applied is None:
+            return False
+        first_seq, last_seq, num_batches, num_events, stored = applied
         state.digest = digest
-        self._apply_events(state, digest)
-        self._expire_routed(state, self._clock())
+        if num_batches:
+            if first_seq != state.seq + 1:
+                self.stats.num_gaps += 1
+                state.synced = False  # as _apply_events: keep what is known; exact again at the next snapshot
+            state.seq = last_seq
+            self.stats.num_batches += num_batches
+            self.stats.num_events += num_events
+            if stored:
+                self._confirm_routed(state, set(stored).intersection(state.routed))
         return True
 
     def _forget(self, state: _Replica) -> None:

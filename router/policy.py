@@ -22,6 +22,7 @@ O(replicas) in numpy per decision.
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 from collections import Counter
@@ -61,6 +62,10 @@ class PolicyConfig:
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
     default_*: rates assumed before any replica has measured its own (folio.router.cost.CostDefaults).
+    recompute_weight: a replica whose cache holds less of the prompt than the best-placed candidate's is charged this
+        share of the prefill time of the difference, on top of its own time to first token: the recompute delays the
+        requests behind it there. 0.45 is the largest weight with which bench/routing_sim.py's hot-spot burst kept
+        its load max:mean <= 1.3 (0.6: 1.31); it recomputes the hot prefix on fewer replicas (33 against 36 of 64).
     seed: the tie-breaking rng's seed."""
 
     shortlist_size: int = 8
@@ -74,11 +79,14 @@ class PolicyConfig:
     default_prefill_tokens_per_s: float = CostDefaults.prefill_tokens_per_s
     default_decode_step_s: float = CostDefaults.decode_step_s
     default_new_tokens: float = CostDefaults.mean_new_tokens
+    recompute_weight: float = 0.45
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.sampled <= self.shortlist_size:
             raise ValueError(f"need 1 <= sampled <= shortlist_size, got {self.sampled} and {self.shortlist_size}")
+        if not 0 <= self.recompute_weight < math.inf:
+            raise ValueError(f"recompute_weight must be a finite number >= 0, got {self.recompute_weight}")
         if self.routed_ttl_s < 0 or self.max_routed_keys < 0:
             raise ValueError("routed_ttl_s and max_routed_keys must be >= 0")
         for name in ("default_page_size", "default_block_tokens", "default_dense_key_tokens",
@@ -138,7 +146,9 @@ class PrefixRouterPolicy:
         self._forget_candidates()
 
     def _forget_candidates(self) -> None:
+        """After replicas came or went: the candidates' slots, and the geometry most of them reported."""
         self._candidates = ([], self._candidates[1][:0], self._candidates[2][:0])
+        self._geometry = None
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
         slot = self.index.remove_replica(replica_id)
@@ -151,27 +161,39 @@ class PrefixRouterPolicy:
         it changed anything; an invalid dict is counted and ignored (a replica of another version must not break
         routing)."""
         if not isinstance(stats, ReplicaDigest):
-            if not self._is_news(replica_id, stats):
-                return False  # the same report again (routers see each one many times): skip decoding it
+            known = self.index.digest(replica_id)
+            instance_id = stats.get("instance_id", "") if isinstance(stats, Mapping) else ""
+            if known is not None and instance_id == known.instance_id:
+                epoch = stats.get("epoch")
+                if type(epoch) is int and epoch <= known.epoch:
+                    return False  # the same report again (routers see each one many times): skip decoding it
+                applied_seq = self.index.applied_seq(replica_id, instance_id)
+            else:
+                applied_seq = 0  # a first report, or a new instance's
             try:
-                instance_id = stats.get("instance_id", "") if isinstance(stats, Mapping) else ""
-                stats = parse_digest(stats, self.index.applied_seq(replica_id, instance_id))
+                # the native index decodes and applies the batches itself where it can (most reports)
+                digest = parse_digest(stats, applied_seq, decode_batches=not self.index.decodes_batches)
+                changed = self.index.report(replica_id, digest)
+                if changed is None:
+                    digest = parse_digest(stats, applied_seq)
+                    changed = self.index.report(replica_id, digest)
             except DigestError:
                 self._num_rejected_reports += 1
                 return False
-        if not self.index.report(replica_id, stats):
+            stats = digest
+        else:
+            changed = self.index.report(replica_id, stats)
+            if changed is None:
+                raise ValueError("report() takes digests with encoded batches only as dicts (it decodes them again)")
+        if not changed:
             return False
         self.loads.set_report(self.index.slot_of(replica_id), stats)
-        self._geometry = None
+        geometry = self._geometry
+        # (a report of the geometry most replicas report cannot make another one the most reported)
+        if geometry is not None and (stats.page_size, stats.block_tokens, stats.dense_tokens,
+                                     stats.dense_key_tokens) != geometry.as_tuple():
+            self._geometry = None
         return True
-
-    def _is_news(self, replica_id: ReplicaId, stats: Mapping[str, Any]) -> bool:
-        known = self.index.digest(replica_id)
-        if known is None or not isinstance(stats, Mapping):
-            return True
-        epoch = stats.get("epoch")
-        return (stats.get("instance_id", "") != known.instance_id or not isinstance(epoch, int)
-                or epoch > known.epoch)
 
     # ---- routing --------------------------------------------------------------------------------------------
 
@@ -235,6 +257,11 @@ class PrefixRouterPolicy:
             shortlist.setdefault(pos, None)
         loads = self.loads
         scored = []
+        # A replica that would compute again what another holds also costs the fleet that prefill time: the requests
+        # that queue behind it there wait for it too (see PolicyConfig.recompute_weight).
+        most_cached = max((geometry.tokens_of(m.num_blocks, depths) for m in shortlist.values() if m is not None),
+                          default=0)
+        recompute_weight = self.config.recompute_weight
         for pos, match in shortlist.items():
             slot = int(slots[pos])
             cached = 0 if match is None else geometry.tokens_of(match.num_blocks, depths)
@@ -244,6 +271,8 @@ class PrefixRouterPolicy:
             discount = min(in_flight / loads.prefill_rate_of(slot), loads.prefill_wait_of(slot))  # what is queued
             own_wait = max(float(wait[pos]) - discount, 0.0)
             cost = own_wait + loads.request_s(slot, max(prompt_len - cached, 0))
+            if recompute_weight and cached < most_cached:
+                cost += recompute_weight * (most_cached - cached) / loads.prefill_rate_of(slot)
             scored.append((cost, self._rng.random(), pos, cached))
         scored.sort()
         ids = [candidate_ids[pos] for _, _, pos, _ in scored]

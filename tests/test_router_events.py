@@ -444,6 +444,53 @@ def test_lost_reports_keep_the_index_exact_until_a_gap_then_a_snapshot_restores_
     assert num_inexact > 0, "some gap should leave the index inexact until its snapshot"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_decode_of_reports_applies_what_the_full_decode_does(seed, held_keys_implementation):
+    """PrefixRouterPolicy.report with the native index decodes and applies a report's batches in one call
+    (KeyIndex.apply_encoded); fed the same lossy stream, with some batches corrupted and routed prompts between
+    reports, it must hold the keys, sync state, counts and routed records of an index fed fully decoded digests
+    (the Python twin), and refuse the same reports."""
+    from folio.router.held_keys import PyHeldKeys
+
+    if held_keys_implementation != "native":
+        pytest.skip("the native index's path (the Python twin decodes every report in full)")
+    history = 4
+    reports = replica_reports(seed, 200, history=history, snapshot_every=9)
+    rng = random.Random(2000 + seed)
+    clock = Clock()
+    policy = PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE), clock=clock)
+    assert policy.index.decodes_batches
+    native_applied = []
+    apply_encoded = policy.index._apply_encoded
+    policy.index._apply_encoded = lambda state, digest: native_applied.append(apply_encoded(state, digest)) or \
+        native_applied[-1]
+    reference = PrefixIndex(clock=clock, held=PyHeldKeys())
+    position, num_corrupted = 0, 0
+    while position < len(reports):
+        stats = json.loads(json.dumps(reports[position][0]))
+        if stats["batches"] and rng.random() < 0.1:  # a malformed newest batch: the whole report is refused
+            stats["batches"][-1][rng.choice([1, 2])] = rng.choice(["not base64!", "AAAA", 7, ""])
+            stats["batches"][-1][1:3] = [v if v != "" else "AA==" for v in stats["batches"][-1][1:3]]
+            num_corrupted += 1
+        try:
+            expected = reference.report("r", parse_digest(stats, reference.applied_seq("r", "a")))
+        except DigestError:
+            expected = False
+        assert policy.report("r", stats) == expected
+        assert policy.index.held_keys("r") == reference.held_keys("r")
+        assert policy.index.is_synced("r") == reference.is_synced("r")
+        assert policy.index.applied_seq("r", "a") == reference.applied_seq("r", "a")
+        assert policy.index.stats == reference.stats
+        keys = [rng.getrandbits(64) for _ in range(3)] + rng.sample(sorted(reference.held_keys("r")) or [0], 1)
+        policy.index.record_routed("r", keys)
+        reference.record_routed("r", keys)
+        assert policy.index.match(keys) == reference.match(keys)
+        position += 1 + rng.choice([0, 0, 0, 1, history - 1, history, history + 3])
+    assert policy.num_rejected_reports == num_corrupted >= 3
+    # (the others came after a gap, when only a snapshot resyncs, or carried one, or were corrupted)
+    assert native_applied.count(True) >= 15, "the native path should have applied the in-sync reports"
+
+
 def test_stale_and_repeated_reports_are_ignored():
     reports = replica_reports(3, 8, history=4, snapshot_every=3)
     index = PrefixIndex(clock=Clock())

@@ -133,3 +133,42 @@ def test_make_held_keys_prefers_the_native_index_and_honours_a_request():
             make_held_keys(native=True)
     else:
         assert isinstance(make_held_keys(), native_key_index())
+
+
+def test_apply_encoded_decodes_reports_batches_as_the_python_decoder_does():
+    """KeyIndex.apply_encoded against folio.router.events.pack/unpack: every new batch applied in order, the ones
+    at or before after_seq skipped; anything malformed (or seqs not increasing up to max_seq) applies nothing."""
+    from folio.router.events import pack
+
+    index = build("native")
+    rng = random.Random(5)
+    model: set[int] = set()
+    seq = 0
+    for _ in range(200):
+        batches, all_stored = [], []
+        for _ in range(rng.randrange(0, 4)):
+            seq += 1
+            stored = [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))] + [0, 2**64 - 1][:rng.randrange(3)]
+            evicted = rng.sample(sorted(model), min(len(model), rng.randrange(0, 20)))
+            moved = [rng.getrandbits(64)]  # a fourth field: still held, changes nothing here
+            batches.append([seq, pack(stored), pack(evicted)] + ([pack(moved)] if rng.random() < 0.3 else []))
+            model = (model - set(evicted)) | set(stored)
+            all_stored += stored
+        old = [[s, pack([rng.getrandbits(64)]), pack([])] for s in range(max(1, seq - 8), seq - len(batches) + 1)]
+        applied = index.apply_encoded(3, old + batches, seq - len(batches), seq, True)
+        assert applied is not None
+        first, last, num_batches, _, stored_keys = applied
+        assert num_batches == len(batches) and (first, last) == ((batches[0][0], seq) if batches else (0, 0))
+        assert sorted(index.keys_of(3)) == sorted(model)
+        assert stored_keys == all_stored
+    good = pack([7, 8])
+    for bad in (["!" + good[1:]], [good[:-1]], [good[:4] + "=" + good[5:]], ["AAAAAA=="], [5],
+                [b"AAAAAAAAAAA="]):
+        before = sorted(index.keys_of(3))
+        assert index.apply_encoded(3, [[seq + 1, good, pack([])], [seq + 2, *bad, pack([])]], seq, seq + 2,
+                                   False) is None
+        assert sorted(index.keys_of(3)) == before, bad
+    assert index.apply_encoded(3, [[seq + 2, good, good], [seq + 1, good, good]], seq, seq + 2, False) is None
+    assert index.apply_encoded(3, [[seq + 1, good, pack([])]], seq, seq, False) is None  # newer than the report
+    assert index.apply_encoded(3, [[seq + 1, good, pack([])]], seq, seq + 1, False)[:2] == (seq + 1, seq + 1)
+    assert {7, 8} <= set(index.keys_of(3))

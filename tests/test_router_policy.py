@@ -54,6 +54,7 @@ GEOMETRY = {"default_page_size": PAGE_SIZE, "default_block_tokens": BLOCK_TOKENS
 EXACT = {"shortlist_size": 8, "sampled": 8, **GEOMETRY}
 REPLICAS = ("r0", "r1", "r2", "r3")
 DEFAULTS = PolicyConfig()  # default_prefill_tokens_per_s, default_decode_step_s, default_new_tokens
+W = DEFAULTS.recompute_weight  # a replica holding less of the prompt than the best-placed one pays W x the difference
 
 
 
@@ -370,9 +371,9 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
     (measured by some, the fleet median for the others). The policy scores the holders and `sampled` of the 8 whose
     wait plus page shortfall for a request sharing nothing is least. Scoring all 8, its best choice costs the minimum
     of the formula over all 64: the pruning never changes the answer when rates are equal (a non-holder costs exactly
-    that sum plus the prompt's prefill). Scoring 2 drawn at random, the others it scores are among those 8. Either
-    way the costs it reports are the formula's, and its ranking lists every replica once: the shortlist, best first,
-    then the rest by predicted wait."""
+    that sum plus the prompt's prefill and the recompute charge, the same for all of them). Scoring 2 drawn at
+    random, the others it scores are among those 8. Either way the costs it reports are the formula's, and its
+    ranking lists every replica once: the shortlist, best first, then the rest by predicted wait."""
     rng = random.Random(seed)
     prefill, step, new = 2000.0, 0.02, 64.0
     clock = Clock()
@@ -424,7 +425,7 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
         clock.now += rng.uniform(0, 0.02)
         tokens = request()
         decision = policy.choose(ids, tokens)
-        costs, waits, unshared, holders = {}, {}, {}, set()
+        costs, waits, unshared, holders, cached_of = {}, {}, {}, set(), {}
         for replica_id, replica in replicas.items():
             held = replica.held_keys()
             cached = cached_tokens(tokens, held | routed_keys[replica_id])
@@ -440,6 +441,10 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
             num_capped += in_flight / prefill > prefill_wait
             if cached:
                 holders.add(replica_id)
+            cached_of[replica_id] = cached
+        most_cached = max(cached_of.values())  # every holder is scored
+        for replica_id in replicas:
+            costs[replica_id] += W * (most_cached - cached_of[replica_id]) / prefill
         assert decision.costs == pytest.approx({r: costs[r] for r in decision.costs}, rel=1e-9, abs=1e-12)
         assert [decision.costs[r] for r in decision.shortlist] == sorted(decision.costs.values())
         others = set(decision.shortlist) - holders
@@ -461,6 +466,12 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
     assert num_affinity > 0 and num_drained > 0 and num_capped > 0 and num_short > 0, (
         num_affinity, num_drained, num_capped, num_short)
     assert sampled == 8 or len(sampled_sets) > 1  # drawn afresh for each request
+
+
+@pytest.mark.parametrize("w", [-0.1, math.inf, math.nan])
+def test_a_recompute_weight_must_be_finite_and_non_negative(w):
+    with pytest.raises(ValueError, match="recompute_weight"):
+        PolicyConfig(recompute_weight=w)
 
 
 def test_sampled_replicas_are_drawn_from_those_that_wait_least(clock):
@@ -514,24 +525,26 @@ def test_an_in_flight_prefix_prefilled_since_is_no_discount(clock):
     decision = policy.choose(["busy", "idle"], prompt(5, num_pages=32, suffix=4))  # 516 tokens, 512 shared
     assert decision.num_cached_tokens["busy"] == 512
     # busy: no prefill left, 4 jobs for 2 batch slots; then 4 tokens of its own. idle: the whole prompt.
-    assert decision.costs == pytest.approx({"busy": settled_s(4, 2, step, new) + 4 / prefill, "idle": 0.516})
+    assert decision.costs == pytest.approx({"busy": settled_s(4, 2, step, new) + 4 / prefill,
+                                            "idle": 0.516 + W * 0.512})
     # The discount for the in-flight 512 tokens is capped at the prefill still queued on "busy" (none): without the
     # cap "busy" would cost 0.77 - 0.512 + 0.004 = 0.262 and win.
     assert decision.best == "idle"
 
 
+@pytest.mark.parametrize("w", [W, 0.0, 1.0])
 @pytest.mark.parametrize("jobs, max_running", [(1, 4), (6, 4), (0, 1)])
-def test_a_holder_wins_while_its_wait_is_below_the_prefill_time_it_saves(clock, jobs, max_running):
+def test_a_holder_wins_while_its_wait_is_below_the_prefill_time_it_saves(clock, jobs, max_running, w):
     """The holder of the prompt's first 512 tokens against an idle replica: it wins while its predicted wait is below
-    512 tokens' prefill, and loses once its backlog pushes the wait past that. The crossover backlog comes from the
-    formula."""
+    512 tokens' prefill and the recompute charge (w of it), and loses once its backlog pushes the wait past that.
+    The crossover backlog comes from the formula."""
     prefill, step, new = 1000.0, 0.01, 50.0
     tokens = prompt(2, num_pages=32, suffix=20)
     cached = 32 * PAGE_SIZE
-    crossover = (cached / prefill - wait_s(jobs, 0, max_running, prefill, step, new)) * prefill  # in backlog tokens
+    crossover = ((1 + w) * cached / prefill - wait_s(jobs, 0, max_running, prefill, step, new)) * prefill  # tokens
     assert crossover > 10
     for backlog, winner in ((math.floor(crossover) - 1, "holder"), (math.ceil(crossover) + 1, "idle")):
-        policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+        policy = PrefixRouterPolicy(PolicyConfig(recompute_weight=w, **EXACT), clock=clock)
         holder, idle = FakeReplica("holder", max_running=max_running), FakeReplica("idle", max_running=max_running)
         holder.store(tokens, 32)
         holder.running, holder.backlog = jobs, backlog
@@ -541,7 +554,7 @@ def test_a_holder_wins_while_its_wait_is_below_the_prefill_time_it_saves(clock, 
         decision = policy.choose(["idle", "holder"], tokens)
         assert decision.num_cached_tokens == {"idle": 0, "holder": cached}
         assert decision.costs == pytest.approx({
-            "idle": len(tokens) / prefill,
+            "idle": len(tokens) / prefill + w * cached / prefill,
             "holder": wait_s(jobs, backlog, max_running, prefill, step, new) + (len(tokens) - cached) / prefill})
         assert decision.best == winner
 
@@ -567,7 +580,7 @@ def test_fresh_job_counts_override_the_reports(fleet):
         jobs = num_jobs.get(replica_id, 10 + (replica_id == routed_to))
         backlog = 2000 + 37 * (replica_id == routed_to)
         cached = 128 if replica_id == "r1" else 0
-        return wait_s(jobs, backlog, 8, prefill, step, new) + (133 - cached) / prefill
+        return wait_s(jobs, backlog, 8, prefill, step, new) + (133 - cached) / prefill + W * (128 - cached) / prefill
 
     assert decision.costs == pytest.approx({r: expected(r) for r in REPLICAS})
     assert decision.best == "r1"

@@ -151,7 +151,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D]
   return out;
 }
 
-void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float, contiguous
+void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float or uint8 codes, contiguous
                      const at::Tensor& v_cache,  // [L, P, S, Hkv, D] k_cache's dtype, contiguous
                      int64_t src_page, int64_t dst_page, int64_t num_slots) {
   check_all_on(kCpu, {{&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
@@ -210,6 +210,63 @@ std::pair<const uint64_t*, int64_t> u64_items(const pybind11::buffer_info& info,
   return {static_cast<const uint64_t*>(info.ptr), info.shape[0]};
 }
 
+// One cache-event batch of a routing report, decoded: [seq, stored, evicted] or [seq, stored, evicted, moved]
+// (folio.router.digest; moved keys stay held, so they change nothing here).
+struct DecodedBatch {
+  int64_t seq;
+  std::vector<uint64_t> stored, evicted;
+};
+
+int64_t exact_int_or(PyObject* value, int64_t otherwise) {
+  if (!PyLong_CheckExact(value)) return otherwise;
+  const long long number = PyLong_AsLongLong(value);
+  if (number == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return otherwise;
+  }
+  return number;
+}
+
+bool decode_str(PyObject* value, std::vector<uint64_t>& out) {
+  if (!PyUnicode_CheckExact(value)) return false;
+  Py_ssize_t length = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(value, &length);
+  if (text == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return cpu::decode_base64_keys(text, static_cast<size_t>(length), out);
+}
+
+// The batches of `batches` (a report's list, oldest first) after after_seq, decoded; false where any of them is
+// not a well-formed batch with seqs increasing up to max_seq (the caller's slower path then names the error).
+bool decode_new_batches(PyObject* batches, int64_t after_seq, int64_t max_seq, std::vector<DecodedBatch>& out) {
+  if (!PyList_CheckExact(batches)) return false;
+  // Walk back from the newest while batches are new; a malformed one is not known to be applied: it is included.
+  Py_ssize_t first = PyList_GET_SIZE(batches);
+  while (first > 0) {
+    PyObject* batch = PyList_GET_ITEM(batches, first - 1);
+    const bool has_seq = PyList_CheckExact(batch) && PyList_GET_SIZE(batch) >= 1;
+    if (has_seq && exact_int_or(PyList_GET_ITEM(batch, 0), after_seq + 1) <= after_seq) break;
+    --first;
+  }
+  int64_t previous = after_seq;
+  for (Py_ssize_t i = first; i < PyList_GET_SIZE(batches); ++i) {
+    PyObject* batch = PyList_GET_ITEM(batches, i);
+    if (!PyList_CheckExact(batch) || (PyList_GET_SIZE(batch) != 3 && PyList_GET_SIZE(batch) != 4)) return false;
+    DecodedBatch decoded{exact_int_or(PyList_GET_ITEM(batch, 0), -1), {}, {}};
+    std::vector<uint64_t> moved;
+    if (decoded.seq <= previous || decoded.seq > max_seq || !decode_str(PyList_GET_ITEM(batch, 1), decoded.stored) ||
+        !decode_str(PyList_GET_ITEM(batch, 2), decoded.evicted) ||
+        (PyList_GET_SIZE(batch) == 4 && !decode_str(PyList_GET_ITEM(batch, 3), moved))) {
+      return false;
+    }
+    previous = decoded.seq;
+    out.push_back(std::move(decoded));
+  }
+  return true;
+}
+
 }  // namespace
 }  // namespace folio::bind
 
@@ -239,6 +296,33 @@ PYBIND11_MODULE(_native_cpu, m) {
             self.replace(slot, items, num_items);
           },
           py::arg("slot"), py::arg("keys"))
+      .def(
+          "apply_encoded",
+          [](KeyIndex& self, int32_t slot, const py::object& batches, int64_t after_seq, int64_t max_seq,
+             bool want_stored) -> py::object {
+            // A report's batches as they came (JSON-able lists of base64 str), decoded and applied in one call: a
+            // router applies every replica's report each period. All are decoded before any is applied.
+            std::vector<DecodedBatch> decoded;
+            if (!decode_new_batches(batches.ptr(), after_seq, max_seq, decoded)) return py::none();
+            int64_t num_events = 0;
+            py::list stored_keys;
+            for (const DecodedBatch& batch : decoded) {
+              self.apply(slot, batch.stored.data(), static_cast<int64_t>(batch.stored.size()), batch.evicted.data(),
+                         static_cast<int64_t>(batch.evicted.size()));
+              num_events += static_cast<int64_t>(batch.stored.size() + batch.evicted.size());
+              if (want_stored) {
+                for (uint64_t key : batch.stored) stored_keys.append(py::int_(key));
+              }
+            }
+            const int64_t first_seq = decoded.empty() ? 0 : decoded.front().seq;
+            const int64_t last_seq = decoded.empty() ? 0 : decoded.back().seq;
+            return py::make_tuple(first_seq, last_seq, static_cast<int64_t>(decoded.size()), num_events,
+                                  want_stored ? py::object(stored_keys) : py::object(py::none()));
+          },
+          py::arg("slot"), py::arg("batches"), py::arg("after_seq"), py::arg("max_seq"), py::arg("want_stored"),
+          "Decode a report's batches after after_seq (each [seq, stored, evicted(, moved)], keys base64 of "
+          "little-endian uint64) and apply them in order; None, with nothing applied, where any is malformed or the "
+          "seqs do not increase up to max_seq. Else (first seq, last seq, batches, events, stored keys or None).")
       .def("clear", &KeyIndex::clear, py::arg("slot"))
       .def("holds", &KeyIndex::holds, py::arg("slot"), py::arg("key"))
       .def("keys_of", &KeyIndex::keys_of, py::arg("slot"))

@@ -1,6 +1,7 @@
 #include "key_index.h"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <stdexcept>
 
@@ -22,6 +23,41 @@ void for_each_holder(const Entry& entry, const std::vector<Overflow>& overflow, 
 bool over_max_load(int64_t num_used, size_t capacity) { return static_cast<size_t>(num_used) * 8 > capacity * 5; }
 
 }  // namespace
+
+bool decode_base64_keys(const char* text, size_t length, std::vector<uint64_t>& out) {
+  static const auto kValues = [] {
+    std::array<int8_t, 256> values{};
+    values.fill(-1);
+    const char* alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    for (int i = 0; i < 64; ++i) values[static_cast<uint8_t>(alphabet[i])] = static_cast<int8_t>(i);
+    return values;
+  }();
+  if (length % 4 != 0) return false;
+  size_t padding = 0;
+  while (padding < 2 && padding < length && text[length - 1 - padding] == '=') ++padding;
+  const size_t num_bytes = length / 4 * 3 - padding;
+  if (num_bytes % 8 != 0) return false;
+  std::vector<uint8_t> bytes(num_bytes);
+  size_t written = 0;
+  for (size_t i = 0; i < length; i += 4) {
+    uint32_t group = 0;
+    for (size_t j = 0; j < 4; ++j) {
+      const bool pad = i + j >= length - padding;
+      const int8_t value = pad ? 0 : kValues[static_cast<uint8_t>(text[i + j])];
+      if (value < 0) return false;  // not in the alphabet (an '=' before the end among them)
+      group = (group << 6) | static_cast<uint32_t>(value);
+    }
+    for (int shift = 16; shift >= 0 && written < num_bytes; shift -= 8) bytes[written++] = (group >> shift) & 0xFF;
+  }
+  const size_t first = out.size();
+  out.resize(first + num_bytes / 8);
+  for (size_t k = 0; k < num_bytes / 8; ++k) {
+    uint64_t key = 0;
+    for (int b = 7; b >= 0; --b) key = (key << 8) | bytes[k * 8 + static_cast<size_t>(b)];
+    out[first + k] = key;
+  }
+  return true;
+}
 
 KeyIndex::KeyIndex() { rehash(kMinCapacity); }
 

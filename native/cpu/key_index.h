@@ -21,6 +21,11 @@
 
 namespace folio::cpu {
 
+// Decodes `text` (standard base64 with '=' padding, nothing else: no whitespace, no padding inside) into
+// little-endian uint64 keys appended to `out`. False, with `out` unchanged, where the text is not such an encoding
+// of a whole number of keys (the caller then takes its slower path, which names the error).
+bool decode_base64_keys(const char* text, size_t length, std::vector<uint64_t>& out);
+
 class KeyIndex {
  public:
   KeyIndex();
