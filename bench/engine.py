@@ -155,15 +155,20 @@ def build_pair(shape: str, device: torch.device) -> Pair:
     raw["dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
     folio_config = ModelConfig.from_dict(raw)
     state = hf.state_dict()
-    model = Model.from_state_dict(folio_config, state, options=OPTIONS.get("engine_options"))
+    fp8_weights = OPTIONS.get("weight_format") == "fp8"
+    model = Model.from_state_dict(folio_config, state, options=OPTIONS.get("engine_options"),
+                                  weight_format="fp8" if fp8_weights else None)
     FLASH_STATES.append(model.flash_state)
     del state
-    share_fused_weights(hf, model)
+    if not fp8_weights:  # (FP8 projections cannot be shared: transformers keeps its own bf16 copy)
+        share_fused_weights(hf, model)
     cfg = folio_config
     per_layer = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     element = torch.empty((), dtype=dtype).element_size()
-    weight_bytes = (per_layer * cfg.num_layers + cfg.vocab_size * cfg.hidden_size) * element
+    # FP8: one byte per projection weight (+ fp32 scales, negligible); lm_head stays in the model dtype
+    weight_bytes = per_layer * cfg.num_layers * (1 if fp8_weights else element) + cfg.vocab_size * cfg.hidden_size \
+        * element
     if device.type == "cuda":
         torch.cuda.empty_cache()
     log(f"built {shape}: {sum(p.numel() for p in hf.parameters()) / 1e9:.2f} B params in "
@@ -233,16 +238,17 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
     """loras > 0: room for that many LoRA adapters of rank lora_rank (the generator's slots, the reserve)."""
     device = pair.model.device
     capacity = {"max_loras": loras, "max_lora_rank": lora_rank} if loras else {}
+    kv = {"kv_format": OPTIONS["kv_format"]} if OPTIONS.get("kv_format") else {}  # (--kv-format, passed through)
     reserve = 0
     if cache_tokens is not None or device.type != "cuda":
         page = 256
         tokens = cache_tokens or max_batch_size * max_seq_len
-        cache = Cache(pair.model, num_tokens=-(-tokens // page) * page)
+        cache = Cache(pair.model, num_tokens=-(-tokens // page) * page, **kv)
     else:
         gc.collect()
         torch.cuda.empty_cache()
         reserve = activation_reserve_bytes(pair.model, max_batch_size, OPTIONS.get("chunk_size") or None, **capacity)
-        cache = Cache(pair.model, max_memory_fraction=0.85, reserve_bytes=reserve)
+        cache = Cache(pair.model, max_memory_fraction=0.85, reserve_bytes=reserve, **kv)
     t0 = time.perf_counter()
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            max_queued_jobs=num_jobs + 1, prefix_cache=prefix_cache,
@@ -850,6 +856,13 @@ def main() -> None:
                         help="keep equal-length fresh prompts on FA2 (EngineOptions.prefill_cudnn=False)")
     parser.add_argument("--no-residual-gemm", dest="residual_in_gemm", action="store_false",
                         help="o_proj/down GEMMs do not add into the residual (EngineOptions.residual_in_gemm=False)")
+    parser.add_argument("--weight-format", default="bf16", choices=("bf16", "fp8"),
+                        help="folio's projection weights: bf16, or FP8 quantized on load (Model weight_format='fp8')")
+    parser.add_argument("--kv-format", default="none", choices=("none", "fp8", "q8", "q4"),
+                        help="the K/V cache's format (Cache(kv_format=...)); none: the model dtype")
+    parser.add_argument("--compare-formats", action="store_true", help="run each workload twice in this process: "
+                        "bf16 weights and cache, then FP8 weights with --kv-format (peers in the first run only), "
+                        "and print the ratio table last")
     args = parser.parse_args()
     device = torch.device(args.device)
     OPTIONS["no_overlap"] = args.no_overlap
@@ -875,27 +888,57 @@ def main() -> None:
              "rows": [r.__dict__ for r in rows], "prefill_attention_probes": probes}, indent=1, default=str))
 
     rows = Rows(save)
-    pairs: dict[str, Pair] = {}
+    pairs: dict[tuple[str, str], Pair] = {}
+    kv_format = None if args.kv_format == "none" else args.kv_format
+    formats = [("bf16", None), ("fp8", kv_format)] if args.compare_formats else [(args.weight_format, kv_format)]
+    runs: dict[tuple[str, int], list[Row]] = {}  # (workload, format index) -> its rows (--compare-formats)
     for name in selected:
         shape, fn = WORKLOADS[name]
         shape = "tiny" if args.tiny else shape
-        if shape not in pairs:
-            for other in list(pairs):
-                del pairs[other]
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            pairs[shape] = build_pair(shape, device)
-        log(f"{name} ...")
-        OPTIONS["trace_steps"] = trace_spec
-        t0 = time.perf_counter()
-        try:
-            fn(pairs[shape], args, ceilings, rows)
-        except Exception as error:  # noqa: BLE001 — report and go on with the next workload
-            traceback.print_exc()
-            rows.append(Row(name, "folio", f"FAILED: {type(error).__name__}: {str(error)[:160]}"))
-        log(f"{name} done in {time.perf_counter() - t0:.1f} s")
-        save()
+        for run_idx, (weight_format, kv) in enumerate(formats):
+            OPTIONS["weight_format"], OPTIONS["kv_format"] = weight_format, kv
+            if (shape, weight_format) not in pairs:
+                for other in list(pairs):
+                    del pairs[other]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                pairs[(shape, weight_format)] = build_pair(shape, device)
+            tag = f"[{weight_format} weights, kv {kv or 'model dtype'}] " if args.compare_formats else ""
+            run_args = argparse.Namespace(**{**vars(args), "peers": args.peers and run_idx == 0})
+            log(f"{name} {tag}...")
+            OPTIONS["trace_steps"] = trace_spec
+            t0 = time.perf_counter()
+            first_row = len(rows)
+            try:
+                fn(pairs[(shape, weight_format)], run_args, ceilings, rows)
+            except Exception as error:  # noqa: BLE001 — report and go on with the next workload
+                traceback.print_exc()
+                rows.append(Row(name, "folio", f"FAILED: {type(error).__name__}: {str(error)[:160]}"))
+            for row in rows[first_row:]:
+                row.note = tag + row.note
+                row.extra.update(weight_format=weight_format, kv_format=kv)
+            runs[(name, run_idx)] = [r for r in rows[first_row:] if r.engine.startswith("folio")]
+            log(f"{name} {tag}done in {time.perf_counter() - t0:.1f} s")
+            save()
     print_table(rows, ceilings)
+    if args.compare_formats:
+        print_format_ratios(selected, runs, formats)
+
+
+def print_format_ratios(selected: list, runs: dict, formats: list) -> None:
+    """fp8 / bf16 of each folio row of each workload, matched in the order the workload appends them."""
+    label = f"fp8 weights + kv {formats[1][1] or 'model dtype'}"
+    print(f"\n{label} vs bf16 (one process, same device)")
+    print("| workload | row | tok/s bf16 | tok/s fp8 | tok/s ratio | ms/token bf16 | ms/token fp8 | ms/token ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in selected:
+        for base, fp8_row in zip(runs.get((name, 0), []), runs.get((name, 1), [])):
+            tok_ratio = fp8_row.tok_s / base.tok_s if base.tok_s and fp8_row.tok_s else None
+            ms_ratio = fp8_row.tpot_ms / base.tpot_ms if base.tpot_ms and fp8_row.tpot_ms else None
+            setting = base.note.split("] ", 1)[-1]
+            print(f"| {name} | {base.engine} {setting} | {fmt(base.tok_s, ',.0f')} | {fmt(fp8_row.tok_s, ',.0f')} | "
+                  f"{fmt(tok_ratio, '.2f')} | {fmt(base.tpot_ms, '.2f')} | {fmt(fp8_row.tpot_ms, '.2f')} | "
+                  f"{fmt(ms_ratio, '.2f')} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""Cache: the device K/V tensors of the paged cache, [L, P, S, Hkv, D] each, in the model's dtype.
+"""Cache: the device K/V tensors of the paged cache.
 
-Which page holds what is the page pool's business (folio.cache); this module only owns the memory.
+Unquantized (kv_format None or the model's dtype): k, v [L, P, S, Hkv, D] in the model's dtype. Quantized
+(folio.kv_formats: "fp8", "q8", "q4", "q4h"): k, v [L, P, S, Hkv, Dq] uint8 codes and k_scale, v_scale
+[L, P, S, Hkv, D // G] float16 scales. Which page holds what is the page pool's business (folio.cache); this module
+only owns the memory.
 """
 
 from __future__ import annotations
@@ -9,17 +12,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from folio import kv_formats
+
 if TYPE_CHECKING:
     from folio.model.model import Model
 
 MIN_PAGE_SIZE = 16
 
 
-def page_bytes(model: Model, page_size: int) -> int:
-    """Bytes of one page of `model`'s cache: K and V, every layer."""
+def page_bytes(model: Model, page_size: int, kv_format: str | None = None) -> int:
+    """Bytes of one page of `model`'s cache in `kv_format`: K and V (codes and scales), every layer."""
     cfg = model.config
-    element_size = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element_size
+    fmt = kv_formats.resolve(kv_format, model.dtype, cfg.head_dim)
+    per_head_token = kv_formats.bytes_per_head_token(fmt, cfg.head_dim, model.dtype)
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_head_token
 
 
 class Cache:
@@ -30,9 +36,14 @@ class Cache:
         page_size: int = 256,
         max_memory_fraction: float | None = None,
         reserve_bytes: int = 0,
+        kv_format: str | None = None,
     ) -> None:
         """Size the cache by num_tokens (a multiple of page_size), or on CUDA by max_memory_fraction of the
-        currently free device memory.
+        currently free device memory (pages of page_bytes(model, page_size, kv_format) each).
+
+        kv_format: None (the model's dtype), the model's dtype by name ("bf16", "fp16", "fp32"), or a quantized
+        format of folio.kv_formats ("fp8", "q8", "q4", "q4h"); a format that does not fit the model (another
+        dtype; head_dim not divisible by its group size) is a ValueError.
 
         reserve_bytes (CUDA only): memory the forward passes will need beside the cache, their activations (see
         folio.activation_reserve_bytes). With max_memory_fraction it is set aside before the fraction
@@ -42,13 +53,41 @@ class Cache:
         cfg = model.config
         self.ops = model.ops  # the model's op set (backend, launch options): copy_page_slots runs through it
         self.page_size = page_size
-        self.page_shape = (page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.bytes_per_page = page_bytes(model, page_size)
+        # the quantized format's name, or None: K/V in the model's dtype
+        self.kv_format = kv_formats.resolve(kv_format, model.dtype, cfg.head_dim)
+        if self.kv_format == "q4h" and model.device.type == "cuda" and model.ops.backend != "reference":
+            raise ValueError("kv_format='q4h' has no CUDA kernel (the reference ops run it: "
+                             "EngineOptions(ops_backend='reference')); use 'q4'")
+        self.page_shape = (page_size, cfg.num_kv_heads, cfg.head_dim)  # per layer, in K/V elements
+        self.bytes_per_page = page_bytes(model, page_size, self.kv_format)
         self.num_pages = self._resolve_num_pages(model.device, num_tokens, max_memory_fraction, reserve_bytes)
-        shape = (cfg.num_layers, self.num_pages, *self.page_shape)
+        shape = (cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads)
         # zeros, not empty: deterministic contents for slots no sequence has written yet
-        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if self.kv_format is None:
+            self.k = torch.zeros((*shape, cfg.head_dim), dtype=model.dtype, device=model.device)
+            self.v = torch.zeros_like(self.k)
+        else:
+            code_dim = kv_formats.code_dim(self.kv_format, cfg.head_dim)
+            scale_dim = kv_formats.scale_dim(self.kv_format, cfg.head_dim)
+            self.k = torch.zeros((*shape, code_dim), dtype=kv_formats.CODE_DTYPE, device=model.device)
+            self.v = torch.zeros_like(self.k)
+            self.k_scale = torch.zeros((*shape, scale_dim), dtype=kv_formats.SCALE_DTYPE, device=model.device)
+            self.v_scale = torch.zeros_like(self.k_scale)
+
+    @property
+    def kv_format_code(self) -> int:
+        """The `*_quant` ops' kv_format argument (folio.kv_formats.KV_FORMAT_CODES); 0 for an unquantized cache."""
+        return 0 if self.kv_format is None else kv_formats.KV_FORMAT_CODES[self.kv_format]
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds per-page data, each [L, P, ...]: k, v, and k_scale, v_scale when quantized.
+        Copying page p of each copies the page."""
+        tensors = [self.k, self.v]
+        if self.k_scale is not None:
+            tensors += [self.k_scale, self.v_scale]
+        return tensors
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +104,14 @@ class Cache:
                 raise IndexError(f"page {page} outside [0, num_pages={self.num_pages})")
         if not 0 <= num_slots <= self.page_size:
             raise ValueError(f"num_slots={num_slots} outside [0, page_size={self.page_size}]")
-        self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
+        if self.kv_format is None:
+            self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
+            return
+        # The kernel copies bytes; the codes go through as float16 (every Dq is even), the same bytes, so that a
+        # native module built before its binding took uint8 copies them too.
+        self.ops.copy_page_slots(self.k.view(torch.float16), self.v.view(torch.float16), src_page, dst_page,
+                                 num_slots)
+        self.ops.copy_page_slots(self.k_scale, self.v_scale, src_page, dst_page, num_slots)
 
     def _resolve_num_pages(
         self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None, reserve_bytes: int

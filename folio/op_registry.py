@@ -75,8 +75,19 @@ OPS: tuple[OpSpec, ...] = (
     _op("paged_attention_decode", "q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "window",
         "softcap", launch=("pdl", "use_mma")),
     _op("copy_page_slots", "k_cache", "v_cache", "src_page", "dst_page", "num_slots"),
+    # Quantized K/V caches (folio.kv_formats): uint8 codes and float16 scales; kv_format the int code of
+    # KV_FORMAT_CODES. Reference: the ops above over the dequantized cache (folio.reference_kv_quant).
+    _op("rotary_cache_write_quant", "q", "k", "v", "positions", "inv_freq", "k_cache", "v_cache", "k_scale",
+        "v_scale", "slot_mapping", "kv_format", native=("cuda",), launch=_PDL),
+    _op("paged_attention_quant", "q", "k_cache", "v_cache", "k_scale", "v_scale", "block_tables", "cu_seqlens_q",
+        "context_lens", "scale", "max_q_len", "window", "softcap", "kv_format", native=("cuda",), launch=_PDL),
+    _op("paged_attention_decode_quant", "q", "k_cache", "v_cache", "k_scale", "v_scale", "block_tables",
+        "context_lens", "scale", "window", "softcap", "kv_format", native=("cuda",), launch=_PDL),
     # The CUDA module's decode GEMV (at most LINEAR_MAX_ROWS rows); the reference is F.linear itself.
     _op("linear", "x", "weight", "bias", "silu_gate", native=("cuda",), launch=_PDL, bias=None, silu_gate=False),
+    # The FP8-weight decode GEMV (folio.model.fp8: float8_e4m3fn weight, fp32 per-output-channel scales).
+    _op("linear_fp8", "x", "weight", "weight_scale", "bias", "silu_gate", native=("cuda",), launch=_PDL, bias=None,
+        silu_gate=False),
     _op("sample_rows", "logits", "temperature", "top_k", "top_p", "min_p", "u", reference=SAMPLING_REFERENCE),
     _op("apply_penalties", "logits", "history", "rep", "freq", "pres", "sustain", "decay",
         reference=SAMPLING_REFERENCE),

@@ -51,6 +51,19 @@ def linear(
     return silu_and_mul(y) if silu_gate else y
 
 
+def linear_fp8(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    silu_gate: bool = False,
+) -> torch.Tensor:
+    """x: [M, K], weight: [N, K] float8_e4m3fn, weight_scale: [N] fp32, bias: [N] or None -> [M, N] in x.dtype:
+    x @ (weight * weight_scale[:, None]).T + bias, in fp32 and rounded once (folio.model.fp8's weight layout).
+
+    silu_gate: weight is [gate; up] and the result is silu_and_mul of the rounded product, [M, N / 2]."""
+    w = weight.float() * weight_scale.float()[:, None]
+    y = F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return silu_and_mul(y) if silu_gate else y
+
+
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] fp32; cos, sin: [T, D/2] fp32. Rotates pairs (i, i + D/2) (HF rotate_half convention)."""
     half = x.shape[-1] // 2
@@ -228,3 +241,11 @@ def copy_page_slots(
         raise ValueError(f"num_slots={num_slots} outside [0, page_size={page_size}]")
     k_cache[:, dst_page, :num_slots] = k_cache[:, src_page, :num_slots]
     v_cache[:, dst_page, :num_slots] = v_cache[:, src_page, :num_slots]
+
+
+# The quantized-cache ops (folio.reference_kv_quant), in this namespace so that folio.ops finds every reference here.
+from folio.reference_kv_quant import (  # noqa: E402, F401  (re-exported)
+    paged_attention_decode_quant,
+    paged_attention_quant,
+    rotary_cache_write_quant,
+)

@@ -20,11 +20,13 @@ CUDA_SOURCES = [
     "native/bindings/cuda_module.cpp",
     "native/cuda/norm.cu",
     "native/cuda/rotary.cu",
+    "native/cuda/rotary_quant.cu",
     "native/cuda/attention.cu",
     "native/cuda/attention_mma.cu",
     "native/cuda/page_copy.cu",
     "native/cuda/sampling.cu",
     "native/cuda/gemv.cu",
+    "native/cuda/gemv_fp8.cu",
 ]
 
 # Compute capabilities built by default: Hopper plus the common Ampere/Ada parts. FOLIO_CUDA_ARCHS="9.0"

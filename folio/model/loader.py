@@ -13,14 +13,19 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from folio.model import architectures as names
+from folio.model import fp8
 from folio.model.architectures import ARCHITECTURES
 from folio.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from folio.model.fp8_checkpoint import Converter
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,15 +38,15 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
+    qkv: torch.Tensor | fp8.Fp8Weight  # [Hq*D + 2*Hkv*D, H]; the projections may be FP8 (folio.model.fp8)
     qkv_bias: torch.Tensor | None  # [Hq*D + 2*Hkv*D]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D] (Qwen3)
-    o_proj: torch.Tensor  # [H, Hq*D]
+    o_proj: torch.Tensor | fp8.Fp8Weight  # [H, Hq*D]
     o_proj_bias: torch.Tensor | None  # [H]
     post_attention_norm: torch.Tensor  # [H] the MLP input's norm (Gemma's pre_feedforward_layernorm)
-    gate_up: torch.Tensor | None  # [2*I, H], gate rows first; None in an MoE layer
-    down: torch.Tensor | None  # [H, I]
+    gate_up: torch.Tensor | fp8.Fp8Weight | None  # [2*I, H], gate rows first; None in an MoE layer
+    down: torch.Tensor | fp8.Fp8Weight | None  # [H, I]
     attn_out_norm: torch.Tensor | None = None  # [H] Gemma: the attention output's norm (post_attention_layernorm)
     mlp_out_norm: torch.Tensor | None = None  # [H] Gemma: the MLP output's norm (post_feedforward_layernorm)
     experts: ExpertWeights | None = None  # an MoE layer's experts, in place of gate_up and down
@@ -159,7 +164,8 @@ def _expert_shapes(config: ModelConfig, expert_names: names.ExpertNames) -> dict
     return shapes
 
 
-def _check_names(index: CheckpointIndex, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_names(index: CheckpointIndex, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                 ignored_suffixes: tuple[str, ...] = ()) -> None:
     missing = [name for name in shapes if name not in index.files_by_name]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -168,7 +174,8 @@ def _check_names(index: CheckpointIndex, config: ModelConfig, shapes: dict[str, 
     unexpected = [
         name
         for name in index.files_by_name
-        if name not in shapes and name not in tolerated and not name.endswith(names.IGNORED_SUFFIXES)
+        if name not in shapes and name not in tolerated
+        and not name.endswith(names.IGNORED_SUFFIXES + ignored_suffixes)
     ]
     if unexpected:
         raise CheckpointError(
@@ -178,12 +185,23 @@ def _check_names(index: CheckpointIndex, config: ModelConfig, shapes: dict[str, 
 
 
 def load_tensors(
-    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool
-) -> dict[str, torch.Tensor]:
-    """Every expected tensor, checked and loaded straight onto `device`, cast to `dtype`."""
+    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool,
+    convert: Converter | None = None,
+) -> dict[str, torch.Tensor | fp8.Fp8Weight]:
+    """Every expected tensor, checked and loaded straight onto `device`, cast to `dtype`. convert: turns each
+    tensor as it is loaded into what the model keeps instead (FP8 weights, folio.model.fp8_checkpoint); the
+    checkpoint's scale tensors beside the weights are then expected and read through it."""
     index = CheckpointIndex.open(model_dir)
     shapes = expected_shapes(config, index.files_by_name.keys())
-    _check_names(index, config, shapes)
+    _check_names(index, config, shapes, convert.ignored_suffixes if convert is not None else ())
+
+    def read(name: str) -> torch.Tensor | None:
+        path = index.files_by_name.get(name)
+        if path is None:
+            return None
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            return f.get_tensor(name)
+
     names_by_file: dict[Path, list[str]] = defaultdict(list)
     for name in shapes:
         names_by_file[index.files_by_name[name]].append(name)
@@ -198,7 +216,8 @@ def load_tensors(
                         raise CheckpointError(
                             f"weight {name!r} in {path.name}: expected shape {list(shapes[name])}, got {list(got)}"
                         )
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    tensors[name] = tensor.to(dtype) if convert is None else convert(name, tensor, read)
                     bar.update(1)
     return tensors
 
@@ -246,7 +265,7 @@ def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Model
         if arch.fused_projections:
             qkv = take(names.QKV_PROJ)
         else:
-            qkv = torch.cat([take(p + ".weight") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
+            qkv = fp8.cat([take(p + ".weight") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([take(p + ".bias") for p in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)])
@@ -257,7 +276,7 @@ def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Model
         elif arch.fused_projections:
             gate_up, down = take(names.GATE_UP_PROJ), take(names.DOWN_PROJ)
         else:
-            gate_up, down = torch.cat([take(names.GATE_PROJ), take(names.UP_PROJ)]), take(names.DOWN_PROJ)
+            gate_up, down = fp8.cat([take(names.GATE_PROJ), take(names.UP_PROJ)]), take(names.DOWN_PROJ)
         sandwich = arch.sandwich_norms
         layers.append(
             LayerWeights(
@@ -297,6 +316,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor], prefix: str, expert_names: 
 
 
 def load_weights(
-    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool = True
+    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool = True,
+    convert: Converter | None = None,
 ) -> ModelWeights:
-    return fuse_weights(load_tensors(model_dir, config, device, dtype, progress), config)
+    return fuse_weights(load_tensors(model_dir, config, device, dtype, progress, convert), config)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from folio import ops
-from folio.model import flash, mlp, moe
+from folio.model import flash, fp8, fp8_checkpoint, mlp, moe, quant_attention
 from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
@@ -75,6 +75,7 @@ class Model:
         self.released_window = released_window(config.layer_windows)
         # (device, dtype) -> whether torch.mm(out_dtype=float32) works here (see _logits)
         self._mm_fp32_ok: dict[tuple[torch.device, torch.dtype], bool] = {}
+        self.fp8 = fp8.Fp8Linear(self.ops, device, weights)  # the linear layer of FP8 weights, its probes
 
     @classmethod
     def from_pretrained(
@@ -84,15 +85,19 @@ class Model:
         dtype: torch.dtype | None = None,
         progress: bool = True,
         options: EngineOptions | None = None,
+        weight_format: str | None = None,
     ) -> Model:
-        """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype."""
+        """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype. weight_format: None
+        keeps the checkpoint's (FP8 checkpoints load as FP8), "fp8" quantizes the projections on load, "dense"
+        dequantizes an FP8 checkpoint (folio.model.fp8_checkpoint)."""
         config = ModelConfig.from_pretrained(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         _op_set_for(options or EngineOptions(), device)  # a missing native module fails before the weights load
         dtype = check_dtype(dtype if dtype is not None else config.torch_dtype)
-        weights = load_weights(path, config, device, dtype, progress)
+        convert = fp8_checkpoint.converter_for(path, config, dtype, weight_format)
+        weights = load_weights(path, config, device, dtype, progress, convert)
         return cls(config, weights, device, dtype, options)
 
     @classmethod
@@ -103,11 +108,12 @@ class Model:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         options: EngineOptions | None = None,
+        weight_format: str | None = None,
     ) -> Model:
         """Build from weights already in memory under their checkpoint names (a transformers model's
         `state_dict()`), e.g. random weights made on the GPU for a benchmark. device None: the tensors' device;
         dtype None: the tensors' dtype. q/k/v and gate/up are fused into new tensors; the others are used as given
-        (no copy) when already on `device` in `dtype`."""
+        (no copy) when already on `device` in `dtype`. weight_format "fp8": the projections quantized to FP8."""
         first = next(iter(state_dict.values()))
         device = torch.device(device if device is not None else first.device)
         if device.type == "cuda" and device.index is None:
@@ -115,6 +121,7 @@ class Model:
         _op_set_for(options or EngineOptions(), device)
         dtype = check_dtype(dtype if dtype is not None else first.dtype)
         tensors = tensors_from_state_dict(state_dict, config, device, dtype)
+        tensors = fp8_checkpoint.quantize_state(tensors, config, weight_format)
         return cls(config, fuse_weights(tensors, config), device, dtype, options)
 
     def with_options(self, options: EngineOptions) -> Model:
@@ -205,14 +212,15 @@ class Model:
         two each (a 16k-token prompt step on an H100: RMSNorm 10.4 -> 5.5 ms, the GEMMs ~1 ms more). The native
         GEMV (decode batches of a few rows) keeps the separate fused add + norm."""
         if (residual is None or not self.options.residual_in_gemm or bias is not None
-                or self.ops.linear_supported(x, weight, bias)):
+                or isinstance(weight, fp8.Fp8Weight) or self.ops.linear_supported(x, weight, bias)):
             return self._linear(x, weight, bias)
         residual.addmm_(x, weight.t())
         return None
 
     def _prefill_plan(self, batch: ForwardBatch, cache: Cache) -> flash.PrefillPlan | None:
-        """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here."""
-        if batch.max_q_len == 1 or self.device.type != "cuda":
+        """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here. Not over a
+        quantized cache: FA2 reads K/V as stored (folio.model.quant_attention runs the paged kernel)."""
+        if batch.max_q_len == 1 or self.device.type != "cuda" or cache.kv_format is not None:
             return None
         cfg = self.config
         q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
@@ -240,26 +248,32 @@ class Model:
         q = q.view(num_tokens, cfg.num_q_heads, head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, head_dim)
-        k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
-        self.ops.rotary_cache_write(q, k, v, batch.positions, self.layer_inv_freq[layer_idx], k_cache, v_cache,
-                                    batch.slot_mapping)
-        if prefill is not None:
-            out = flash.attention(self.flash_state, q, k_cache, v_cache, batch, prefill, self.attention_scale,
-                                  k_new=k, v_new=v, window=window, softcap=softcap)
-        elif batch.max_q_len == 1:
-            out = self.ops.paged_attention_decode(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.attention_scale, window, softcap
-            )
+        inv_freq = self.layer_inv_freq[layer_idx]
+        if cache.kv_format is not None:  # codes and scales: written and read through the *_quant ops
+            out = quant_attention.attend(self.ops, cache, layer_idx, q, k, v, batch, inv_freq, self.attention_scale,
+                                         window, softcap)
         else:
-            out = self.ops.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
-                self.attention_scale, batch.max_q_len, window, softcap,
-            )
+            out = self._attend(layer_idx, q, k, v, batch, cache, prefill, inv_freq, window, softcap)
         out = out.view(num_tokens, cfg.q_size)
         projected = self._project_into(out, layer.o_proj, layer.o_proj_bias, residual)
         if batch.lora is not None:  # (into the residual when o_proj added itself there)
             batch.lora.apply(layer_idx, "o_proj", out, residual if projected is None else projected)
         return projected
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                cache: Cache, prefill: flash.PrefillPlan | None, inv_freq: torch.Tensor, window: int,
+                softcap: float) -> torch.Tensor:
+        """Rotary, the cache write and attention over a cache in the model's dtype."""
+        k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]
+        self.ops.rotary_cache_write(q, k, v, batch.positions, inv_freq, k_cache, v_cache, batch.slot_mapping)
+        if prefill is not None:
+            return flash.attention(self.flash_state, q, k_cache, v_cache, batch, prefill, self.attention_scale,
+                                   k_new=k, v_new=v, window=window, softcap=softcap)
+        if batch.max_q_len == 1:
+            return self.ops.paged_attention_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                                   self.attention_scale, window, softcap)
+        return self.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                        batch.context_lens, self.attention_scale, batch.max_q_len, window, softcap)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None = None,
              lora: LayerLora | None = None) -> torch.Tensor | None:
@@ -268,9 +282,9 @@ class Model:
         if layer.experts is not None:
             return self.moe.forward(x, layer.experts, self._linear, self.act_and_mul)
         if (lora is None and x.dtype != torch.float32 and self.config.hidden_activation == "silu"
-                and self.ops.linear_supported(x, layer.gate_up)):
+                and self._gemv_supported(x, layer.gate_up)):
             # decode: the GEMV gates in its epilogue (bit-identical to silu_and_mul after it), one launch fewer
-            activation = self.ops.linear(x, layer.gate_up, silu_gate=True)
+            activation = self._linear(x, layer.gate_up, silu_gate=True)
         else:
             gate_up = self._linear(x, layer.gate_up)
             if lora is not None:
@@ -304,23 +318,36 @@ class Model:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return F.linear(x, weight).float()
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None,
+                silu_gate: bool = False) -> torch.Tensor:
         """F.linear; decode-sized inputs (at most ops.LINEAR_MAX_ROWS rows on CUDA, see ops.linear_supported) go
         through the native GEMV, which streams the weight once in a single kernel where cuBLAS runs split-K GEMMs.
-        Prefill and larger decode batches stay on cuBLAS."""
+        Prefill and larger decode batches stay on cuBLAS. FP8 weights: folio.model.fp8. silu_gate: the gated MLP's
+        activation of a [gate; up] product (folded into the GEMVs' epilogue)."""
+        if isinstance(weight, fp8.Fp8Weight):
+            return self.fp8.linear(x, weight, bias, silu_gate)
         if self.ops.linear_supported(x, weight, bias):
-            return self.ops.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+            return self.ops.linear(x, weight, bias, silu_gate=silu_gate)
+        y = F.linear(x, weight, bias)
+        return self.act_and_mul(y) if silu_gate else y
+
+    def _gemv_supported(self, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight) -> bool:
+        """Does a native decode GEMV (bf16 or FP8 weights) take x @ weight.T?"""
+        if isinstance(weight, fp8.Fp8Weight):
+            return self.fp8.gemv_supported(x, weight)
+        return self.ops.linear_supported(x, weight)
 
     def _check_cache(self, cache: Cache) -> None:
         cfg = self.config
-        num_layers, _, _, num_kv_heads, head_dim = cache.k.shape
+        # page_shape, not k's shape: a quantized cache's last dim counts bytes of codes
+        num_layers, (_, num_kv_heads, head_dim) = cache.k.shape[0], cache.page_shape
         if (num_layers, num_kv_heads, head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(
-                f"cache shape {list(cache.k.shape)} does not fit the model "
+                f"cache shape {[num_layers, cache.num_pages, *cache.page_shape]} does not fit the model "
                 f"(layers={cfg.num_layers}, kv heads={cfg.num_kv_heads}, head_dim={cfg.head_dim})"
             )
-        if cache.k.dtype != self.dtype or cache.k.device != self.device:
+        # a quantized cache dequantizes to the queries' dtype: any model dtype reads it
+        if (cache.kv_format is None and cache.k.dtype != self.dtype) or cache.k.device != self.device:
             raise ValueError(
                 f"cache is {cache.k.dtype} on {cache.k.device}, model is {self.dtype} on {self.device}"
             )

@@ -134,7 +134,74 @@ at::Tensor paged_attention_decode(const at::Tensor& q,             // [B, Hq, D]
   return out;
 }
 
-void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float, contiguous
+// The *_quant ops (folio.kv_formats): caches of uint8 codes [P, S, Hkv, Dq] (Dq = D, or D / 2 for q4) with float16
+// scales [P, S, Hkv, D / G]; kv_format 1 fp8, 2 q8, 3 q4. q, k and v float16 or bfloat16.
+void rotary_cache_write_quant(const at::Tensor& q,             // [T, Hq, D] 16-bit; rotated in place
+                              const at::Tensor& k,             // [T, Hkv, D] q's dtype; rotated in place
+                              const at::Tensor& v,             // [T, Hkv, D] q's dtype
+                              const at::Tensor& positions,     // [T] int64
+                              const at::Tensor& inv_freq,      // [D/2] float32
+                              const at::Tensor& k_cache,       // [P, S, Hkv, Dq] uint8
+                              const at::Tensor& v_cache,       // [P, S, Hkv, Dq] uint8
+                              const at::Tensor& k_scale,       // [P, S, Hkv, D / G] float16
+                              const at::Tensor& v_scale,       // [P, S, Hkv, D / G] float16
+                              const at::Tensor& slot_mapping,  // [T] int64, < 0 = do not write
+                              int64_t kv_format, bool pdl) {
+  check_all_on(kCuda, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"}, {&inv_freq, "inv_freq"},
+                       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k_scale, "k_scale"}, {&v_scale, "v_scale"},
+                       {&slot_mapping, "slot_mapping"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const QuantCaches quant{k_scale, v_scale, kv_format};
+  const RotaryCacheWriteParams p =
+      rotary_cache_write_args(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, &quant);
+  FOLIO_CHECK_VALUE(p.head_dim <= 512, "CUDA rotary_cache_write_quant supports head_dim <= 512, got ", p.head_dim);
+  C10_CUDA_CHECK(cuda::rotary_cache_write_quant(p, launch_on(q, pdl)));
+}
+
+at::Tensor paged_attention_quant(const at::Tensor& q,             // [T, Hq, D] 16-bit
+                                 const at::Tensor& k_cache,       // [P, S, Hkv, Dq] uint8
+                                 const at::Tensor& v_cache,       // [P, S, Hkv, Dq] uint8
+                                 const at::Tensor& k_scale,       // [P, S, Hkv, D / G] float16
+                                 const at::Tensor& v_scale,       // [P, S, Hkv, D / G] float16
+                                 const at::Tensor& block_tables,  // [B, max_blocks] int32
+                                 const at::Tensor& cu_seqlens_q,  // [B + 1] int32 (trusted)
+                                 const at::Tensor& context_lens,  // [B] int32
+                                 double scale, int64_t max_q_len, int64_t window, double softcap, int64_t kv_format,
+                                 bool pdl) {
+  check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k_scale, "k_scale"},
+                       {&v_scale, "v_scale"}, {&block_tables, "block_tables"}, {&cu_seqlens_q, "cu_seqlens_q"},
+                       {&context_lens, "context_lens"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto out = at::empty(q.sizes(), q.options());  // [T, Hq, D] q's dtype, contiguous
+  const QuantCaches quant{k_scale, v_scale, kv_format};
+  const PagedAttentionParams p = attention_args(out, q, k_cache, v_cache, block_tables, &cu_seqlens_q, context_lens,
+                                                scale, max_q_len, window, softcap, &quant);
+  run_attention(p, q, q.size(0), /*decode_mma=*/false, pdl);
+  return out;
+}
+
+// Decode rows run on the tensor-core kernel wherever it applies (head_dim 64 / 128, <= 16 query heads per kv head),
+// else on the CUDA-core one.
+at::Tensor paged_attention_decode_quant(const at::Tensor& q,             // [B, Hq, D] 16-bit
+                                        const at::Tensor& k_cache,       // [P, S, Hkv, Dq] uint8
+                                        const at::Tensor& v_cache,       // [P, S, Hkv, Dq] uint8
+                                        const at::Tensor& k_scale,       // [P, S, Hkv, D / G] float16
+                                        const at::Tensor& v_scale,       // [P, S, Hkv, D / G] float16
+                                        const at::Tensor& block_tables,  // [B, max_blocks] int32
+                                        const at::Tensor& context_lens,  // [B] int32
+                                        double scale, int64_t window, double softcap, int64_t kv_format, bool pdl) {
+  check_all_on(kCuda, {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k_scale, "k_scale"},
+                       {&v_scale, "v_scale"}, {&block_tables, "block_tables"}, {&context_lens, "context_lens"}});
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto out = at::empty(q.sizes(), q.options());  // [B, Hq, D] q's dtype, contiguous
+  const QuantCaches quant{k_scale, v_scale, kv_format};
+  const PagedAttentionParams p = attention_args(out, q, k_cache, v_cache, block_tables, nullptr, context_lens, scale,
+                                                1, window, softcap, &quant);
+  run_attention(p, q, p.num_seqs, /*decode_mma=*/true, pdl);
+  return out;
+}
+
+void copy_page_slots(const at::Tensor& k_cache,  // [L, P, S, Hkv, D] float or uint8 codes, contiguous
                      const at::Tensor& v_cache,  // [L, P, S, Hkv, D] k_cache's dtype, contiguous
                      int64_t src_page, int64_t dst_page, int64_t num_slots) {
   check_all_on(kCuda, {{&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
@@ -240,6 +307,63 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
   p.in_features = x.size(1);
   p.silu_gate = silu_gate;
   C10_CUDA_CHECK(cuda::linear(p, launch_on(x, pdl)));
+  return out;
+}
+
+// linear with FP8 weights for decode (folio.model.fp8): x [M, K] float16/bfloat16 with M <= kLinearMaxRows, weight
+// [N, K] float8_e4m3fn, weight_scale [N] float32, bias [N] of x's dtype or None; y = x @ (weight * scale).T + bias.
+// Any K and row strides (last dims dense); the fast path wants 16-byte aligned rows and K % 16 == 0
+// (folio.model.fp8.gemv_supported). silu_gate: as linear's.
+at::Tensor linear_fp8(const at::Tensor& x,                    // [M, K] float16/bfloat16
+                      const at::Tensor& weight,               // [N, K] float8_e4m3fn
+                      const at::Tensor& weight_scale,         // [N] float32
+                      const std::optional<at::Tensor>& bias,  // [N] x's dtype, or None
+                      bool silu_gate, bool pdl) {
+  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  if (b != nullptr) {
+    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {&weight_scale, "weight_scale"}, {b, "bias"}});
+  } else {
+    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {&weight_scale, "weight_scale"}});
+  }
+  cuda::LinearFp8Params p{};
+  p.dtype = float_type(x, "x");
+  FOLIO_CHECK_TYPE(x.scalar_type() != at::kFloat, "CUDA linear_fp8 takes float16 or bfloat16 'x', got ",
+                   x.scalar_type());
+  check_dtype(weight, "weight", at::kFloat8_e4m3fn);
+  check_dtype(weight_scale, "weight_scale", at::kFloat);
+  check_dim(x, "x", 2, "[num_rows, in_features]");
+  check_dim(weight, "weight", 2, "[out_features, in_features]");
+  check_size(weight, "weight", 1, x.size(1), "in_features (x.size(1))");
+  check_dim(weight_scale, "weight_scale", 1, "[out_features]");
+  check_size(weight_scale, "weight_scale", 0, weight.size(0), "out_features (weight.size(0))");
+  check_contiguous(weight_scale, "weight_scale");
+  FOLIO_CHECK_VALUE(x.size(0) <= cuda::kLinearMaxRows, "CUDA linear_fp8 is a matrix-vector product for decode: 'x' "
+                    "may have at most ", cuda::kLinearMaxRows, " rows, got shape ", shape_str(x));
+  check_inner_contiguous(x, "x");
+  check_inner_contiguous(weight, "weight");
+  if (b != nullptr) {
+    check_same_dtype(*b, "bias", x, "x");
+    check_dim(*b, "bias", 1, "[out_features]");
+    check_size(*b, "bias", 0, weight.size(0), "out_features (weight.size(0))");
+    check_contiguous(*b, "bias");
+  }
+  FOLIO_CHECK_VALUE(!silu_gate || weight.size(0) % 2 == 0, "CUDA linear_fp8's silu_gate needs 'weight' of [gate; up] "
+                    "halves (an even number of rows), got shape ", shape_str(weight));
+  const c10::cuda::CUDAGuard guard(x.device());
+  // [M, N] (silu_gate: [M, N / 2]) x's dtype, contiguous
+  const auto out = at::empty({x.size(0), weight.size(0) / (silu_gate ? 2 : 1)}, x.options());
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.x_row_stride = x.stride(0);
+  p.weight = static_cast<const uint8_t*>(weight.data_ptr());
+  p.weight_row_stride = weight.stride(0);
+  p.weight_scale = weight_scale.data_ptr<float>();
+  p.bias = b != nullptr ? b->data_ptr() : nullptr;
+  p.num_rows = x.size(0);
+  p.out_features = weight.size(0);
+  p.in_features = x.size(1);
+  p.silu_gate = silu_gate;
+  C10_CUDA_CHECK(cuda::linear_fp8(p, launch_on(x, pdl)));
   return out;
 }
 

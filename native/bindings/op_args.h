@@ -104,6 +104,67 @@ void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache,
   p.page_size = page_size;
 }
 
+// The scales and format code of a quantized cache (the *_quant ops, folio.kv_formats).
+struct QuantCaches {
+  const at::Tensor& k_scale;  // [P, S, Hkv, D / G] float16
+  const at::Tensor& v_scale;  // [P, S, Hkv, D / G] float16
+  int64_t kv_format;          // folio.kv_formats.KV_FORMAT_CODES: 1 fp8, 2 q8, 3 q4 (4 q4h has no kernel)
+};
+
+// cache_args for quantized caches: k_cache, v_cache [P, S, Hkv, Dq] uint8 and their scales, q 16-bit.
+template <typename Params>
+void quant_cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache, const QuantCaches& quant,
+                      const at::Tensor& q, int64_t num_kv_heads, int64_t head_dim) {
+  FOLIO_CHECK_VALUE(quant.kv_format >= 1 && quant.kv_format <= 3, "argument 'kv_format' must be 1 (fp8), 2 (q8) or "
+                    "3 (q4): the CUDA kernels have no other quantized format (q4h = 4 runs on the reference), got ",
+                    quant.kv_format);
+  const auto format = static_cast<KvFormat>(quant.kv_format);
+  FOLIO_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "CUDA ops over quantized caches "
+                   "take float16 or bfloat16 'q', got ", q.scalar_type());
+  const int64_t group = format == KvFormat::kFp8 ? head_dim : 32;
+  FOLIO_CHECK_VALUE(head_dim > 0 && head_dim % 2 == 0 && head_dim % group == 0, "kv_format ", quant.kv_format,
+                    " needs head_dim divisible by ", group, " (and even), got head_dim ", head_dim);
+  const int64_t code_dim = format == KvFormat::kQ4 ? head_dim / 2 : head_dim;
+  check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, code_dim]");
+  check_dtype(k_cache, "k_cache", at::kByte);
+  check_dtype(v_cache, "v_cache", at::kByte);
+  FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
+                    " but 'k_cache' has ", shape_str(k_cache));
+  FOLIO_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "arguments 'k_cache' and 'v_cache' must have equal "
+                    "strides, got ", k_cache.strides(), " and ", v_cache.strides());
+  check_size(k_cache, "k_cache", 2, num_kv_heads, "num_kv_heads");
+  check_size(k_cache, "k_cache", 3, code_dim, "the code bytes per head (head_dim, or head_dim / 2 for q4)");
+  check_inner_contiguous(k_cache, "k_cache");
+  for (const auto& [scale, name] : {std::pair<const at::Tensor*, const char*>{&quant.k_scale, "k_scale"},
+                                    std::pair<const at::Tensor*, const char*>{&quant.v_scale, "v_scale"}}) {
+    check_dtype(*scale, name, at::kHalf);
+    check_dim(*scale, name, 4, "[num_pages, page_size, num_kv_heads, head_dim / group_size]");
+    FOLIO_CHECK_VALUE(scale->size(0) == k_cache.size(0) && scale->size(1) == k_cache.size(1) &&
+                      scale->size(2) == num_kv_heads && scale->size(3) == head_dim / group,
+                      "argument '", name, "' has shape ", shape_str(*scale), "; k_cache ", shape_str(k_cache),
+                      " at head_dim ", head_dim, " needs [", k_cache.size(0), ", ", k_cache.size(1), ", ",
+                      num_kv_heads, ", ", head_dim / group, "]");
+    check_inner_contiguous(*scale, name);
+  }
+  FOLIO_CHECK_VALUE(quant.v_scale.strides() == quant.k_scale.strides(), "arguments 'k_scale' and 'v_scale' must "
+                    "have equal strides, got ", quant.k_scale.strides(), " and ", quant.v_scale.strides());
+  const int64_t page_size = k_cache.size(1);
+  FOLIO_CHECK_VALUE(page_size > 0, "argument 'k_cache' has page_size 0");
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.cache_stride_page = k_cache.stride(0);
+  p.cache_stride_slot = k_cache.stride(1);
+  p.cache_stride_head = k_cache.stride(2);
+  p.page_size = page_size;
+  p.quant.format = format;
+  p.quant.group_size = static_cast<int32_t>(group);
+  p.quant.k_scale = quant.k_scale.data_ptr();
+  p.quant.v_scale = quant.v_scale.data_ptr();
+  p.quant.scale_stride_page = quant.k_scale.stride(0);
+  p.quant.scale_stride_slot = quant.k_scale.stride(1);
+  p.quant.scale_stride_head = quant.k_scale.stride(2);
+}
+
 // rotary_cache_write takes q, k and v as any [T, H, D] views with a dense last dim: the column slices of one
 // fused [T, (Hq + 2 * Hkv) * D] QKV projection (token stride (Hq + 2 * Hkv) * D, no copies), padded heads,
 // head-major buffers. What it refuses is an element that one (token, head, i) writes and another reads or
@@ -161,7 +222,8 @@ inline void check_disjoint(const at::Tensor& a, const char* a_name, const at::Te
 inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& positions, const at::Tensor& inv_freq,
                                                       const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                                      const at::Tensor& slot_mapping) {
+                                                      const at::Tensor& slot_mapping,
+                                                      const QuantCaches* quant = nullptr) {
   RotaryCacheWriteParams p{};
   p.dtype = float_type(q, "q");
   check_dim(q, "q", 3, "[num_tokens, num_q_heads, head_dim]");
@@ -194,7 +256,11 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
   check_dim(inv_freq, "inv_freq", 1, "[head_dim / 2]");
   check_size(inv_freq, "inv_freq", 0, head_dim / 2, "head_dim / 2");
   check_contiguous(inv_freq, "inv_freq");
-  cache_args(p, k_cache, v_cache, q, num_kv_heads, head_dim);
+  if (quant != nullptr) {
+    quant_cache_args(p, k_cache, v_cache, *quant, q, num_kv_heads, head_dim);
+  } else {
+    cache_args(p, k_cache, v_cache, q, num_kv_heads, head_dim);
+  }
   p.q = q.data_ptr();
   p.q_stride_token = q.stride(0);
   p.q_stride_head = q.stride(1);
@@ -219,7 +285,8 @@ inline RotaryCacheWriteParams rotary_cache_write_args(const at::Tensor& q, const
 inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                                            const at::Tensor* cu_seqlens_q, const at::Tensor& context_lens,
-                                           double scale, int64_t max_q_len, int64_t window, double softcap) {
+                                           double scale, int64_t max_q_len, int64_t window, double softcap,
+                                           const QuantCaches* quant = nullptr) {
   PagedAttentionParams p{};
   p.dtype = float_type(q, "q");
   check_dim(q, "q", 3, cu_seqlens_q ? "[num_tokens, num_q_heads, head_dim]" : "[num_seqs, num_q_heads, head_dim]");
@@ -231,7 +298,11 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
   const int64_t num_kv_heads = k_cache.size(2);
   FOLIO_CHECK_VALUE(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (q.size(1) = ", num_q_heads,
                     ") must be a multiple of num_kv_heads (k_cache.size(2) = ", num_kv_heads, ")");
-  cache_args(p, k_cache, v_cache, q, num_kv_heads, head_dim);
+  if (quant != nullptr) {
+    quant_cache_args(p, k_cache, v_cache, *quant, q, num_kv_heads, head_dim);
+  } else {
+    cache_args(p, k_cache, v_cache, q, num_kv_heads, head_dim);
+  }
 
   check_dtype(block_tables, "block_tables", at::kInt);
   check_dim(block_tables, "block_tables", 2, "[num_seqs, max_blocks]");
@@ -275,11 +346,14 @@ inline PagedAttentionParams attention_args(const at::Tensor& out, const at::Tens
   return p;
 }
 
-// k_cache, v_cache: [L, P, S, Hkv, D] contiguous, equal shapes and dtypes.
+// k_cache, v_cache: [L, P, S, Hkv, D] contiguous, equal shapes and dtypes: float caches, or a quantized cache's
+// uint8 codes [L, P, S, Hkv, Dq] (its float16 scales [L, P, S, Hkv, D / G] are a float cache here).
 inline PageCopyParams copy_page_slots_args(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t src_page,
                                            int64_t dst_page, int64_t num_slots) {
   check_dim(k_cache, "k_cache", 5, "[num_layers, num_pages, page_size, num_kv_heads, head_dim]");
-  float_type(k_cache, "k_cache");
+  const auto dtype = k_cache.scalar_type();
+  FOLIO_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kByte,
+                   "argument 'k_cache' must be float32, float16, bfloat16 or uint8 (quantized codes), got ", dtype);
   check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
   FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
                     " but 'k_cache' has ", shape_str(k_cache));

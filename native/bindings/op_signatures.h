@@ -29,13 +29,24 @@
      py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"))      \
   OP(copy_page_slots, BOTH, NONE, py::arg("k_cache"), py::arg("v_cache"), py::arg("src_page"), py::arg("dst_page"),  \
      py::arg("num_slots"))                                                                                           \
+  OP(rotary_cache_write_quant, CUDA_ONLY, PDL, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"),       \
+     py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),            \
+     py::arg("slot_mapping"), py::arg("kv_format"))                                                                  \
+  OP(paged_attention_quant, CUDA_ONLY, PDL, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), \
+     py::arg("v_scale"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("scale"), \
+     py::arg("max_q_len"), py::arg("window"), py::arg("softcap"), py::arg("kv_format"))                             \
+  OP(paged_attention_decode_quant, CUDA_ONLY, PDL, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),             \
+     py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),     \
+     py::arg("window"), py::arg("softcap"), py::arg("kv_format"))                                                    \
   OP(sample_rows, BOTH, NONE, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),         \
      py::arg("min_p"), py::arg("u"))                                                                                 \
   OP(apply_penalties, BOTH, NONE, py::arg("logits"), py::arg("history"), py::arg("rep"), py::arg("freq"),            \
      py::arg("pres"), py::arg("sustain"), py::arg("decay"))                                                          \
   OP(mask_tokens, BOTH, NONE, py::arg("logits"), py::arg("token_ids"))                                               \
   OP(linear, CUDA_ONLY, PDL, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),                          \
-     py::arg("silu_gate") = false)
+     py::arg("silu_gate") = false)                                                                                   \
+  OP(linear_fp8, CUDA_ONLY, PDL, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),                          \
+     py::arg("bias") = py::none(), py::arg("silu_gate") = false)
 // clang-format on
 
 // Launch options: keyword-only, defaulting to EngineOptions' defaults (PDL on, the tensor-core decode kernel) so

@@ -11,6 +11,20 @@ namespace folio {
 
 enum class ScalarType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// K/V cache formats of the *_quant ops (the codes of folio.kv_formats.KV_FORMAT_CODES). kNone: the caches hold
+// q's dtype. Quantized caches hold uint8 codes [P, S, Hkv, Dq] and float16 scales [P, S, Hkv, D / G].
+enum class KvFormat : int32_t { kNone = 0, kFp8 = 1, kQ8 = 2, kQ4 = 3 };
+
+// The scales of a quantized K/V cache; format kNone (all zero) for unquantized caches. Cache strides are then in
+// bytes (uint8 codes), scale strides in float16 elements, and k_scale / v_scale share theirs.
+struct KvQuantParams {
+  KvFormat format;
+  int32_t group_size;             // G: head_dim for fp8, 32 for q8 / q4
+  void* k_scale;                  // [P, S, Hkv, D / G] float16 (const for attention)
+  void* v_scale;                  // [P, S, Hkv, D / G] float16
+  int64_t scale_stride_page, scale_stride_slot, scale_stride_head;
+};
+
 inline const char* scalar_type_name(ScalarType t) {
   switch (t) {
     case ScalarType::kFloat32: return "float32";
@@ -67,6 +81,7 @@ struct RotaryCacheWriteParams {
   const int64_t* slot_mapping;  // [T] flat slot page * S + offset; < 0 skips the token
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, page_size;
   ScalarType dtype;
+  KvQuantParams quant;        // rotary_cache_write_quant: codes and scales written instead of dtype elements
 };
 
 // Paged attention over K/V caches laid out [P, S, Hkv, D]; query head h reads kv head h / (Hq / Hkv).
@@ -90,6 +105,7 @@ struct PagedAttentionParams {
   // Logit soft-capping: 0 = none; else each score s = scale * q.k becomes softcap * tanh(s / softcap).
   float softcap;
   ScalarType dtype;
+  KvQuantParams quant;            // paged_attention*_quant: K/V dequantized from codes and scales
 };
 
 #if defined(__CUDACC__)

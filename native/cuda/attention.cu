@@ -19,11 +19,17 @@
 // Sliding window (p.window > 0): a row's keys start at its window, not at 0, and the splits divide only those, so
 // the pages before the window are never read (nor their block-table entries: the pages may be back in the pool).
 // Soft-capping (p.softcap > 0) maps each score through softcap * tanh(score / softcap) before the softmax.
+//
+// Quantized caches (p.quant, the *_quant ops; FMT != kFmtNone): the same kernels copy each lane's 8 codes (8 or 4
+// bytes) instead of 8 elements, load the scale of their group with plain loads one iteration ahead (cp.async
+// moves at least 4 bytes, a scale is 2), and dequantize in fp32 where the unquantized kernel converts to fp32.
 #include <algorithm>
+#include <type_traits>
 
 #include "attention_mma.cuh"
 #include "device_utils.cuh"
 #include "kernels.cuh"
+#include "kv_quant.cuh"
 #include "launch.cuh"
 
 namespace folio::cuda {
@@ -65,18 +71,47 @@ __device__ __forceinline__ void row_extent(const PagedAttentionParams& p, int64_
   num_keys = p.context_lens[lo] - q_len + (row - q_begin) + 1;
 }
 
-// cp.async (sm_80+): BYTES (16 or 32) from global to shared, or zeros without reading when !valid.
+// cp.async (sm_80+): BYTES (4, 8, 16 or 32) from global to shared, or zeros without reading when !valid.
 template <int BYTES>
 __device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, bool valid) {
   const uint32_t dst_shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  const int src_bytes = valid ? 16 : 0;
-#pragma unroll
-  for (int c = 0; c < BYTES / 16; ++c) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared + 16 * c),
-                 "l"(static_cast<const char*>(src) + 16 * c), "r"(src_bytes)
+  if constexpr (BYTES < 16) {  // the codes of a quantized cache; .cg (L2 only) takes 16 bytes alone
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_shared), "l"(src), "n"(BYTES),
+                 "r"(valid ? BYTES : 0)
                  : "memory");
+  } else {
+    const int src_bytes = valid ? 16 : 0;
+#pragma unroll
+    for (int c = 0; c < BYTES / 16; ++c) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared + 16 * c),
+                   "l"(static_cast<const char*>(src) + 16 * c), "r"(src_bytes)
+                   : "memory");
+    }
   }
 }
+
+// One lane's 8 elements of one K or V row as copied to shared memory: T elements, or codes of format FMT.
+template <typename T, int FMT>
+struct KvChunk {
+  uint32_t w0, w1;  // fp8 / q8: 8 bytes; q4: 4 bytes in w0
+  __device__ __forceinline__ void load(const unsigned char* src) {
+    if constexpr (FMT == kFmtQ4) {
+      w0 = *reinterpret_cast<const uint32_t*>(src);
+      w1 = 0;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(src);
+      w0 = v.x;
+      w1 = v.y;
+    }
+  }
+  __device__ __forceinline__ void to_floats(float scale, float (&f)[8]) const { dequant8<FMT>(w0, w1, scale, f); }
+};
+template <typename T>
+struct KvChunk<T, kFmtNone> {
+  Vec8<T> v;
+  __device__ __forceinline__ void load(const unsigned char* src) { v.load(reinterpret_cast<const T*>(src)); }
+  __device__ __forceinline__ void to_floats(float, float (&f)[8]) const { v.to_floats(f); }
+};
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all_but_newest() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
@@ -98,13 +133,17 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N],
 
 // Four resident blocks per SM (16 warps) for up to 4 heads per block: 128 registers, no spills (ptxas -v);
 // eight heads (four in fp32) need more registers and get two.
-template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL>
+template <typename T, int LANES_PER_TOKEN, bool EXACT_D, int G_TILE, int UNROLL, int FMT = kFmtNone>
 __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) attention_kernel(KernelArgs a) {
   constexpr int kWorkersPerWarp = 32 / LANES_PER_TOKEN;
   constexpr int kWorkers = kWarps * kWorkersPerWarp;
   constexpr int kKeysPerIter = kWorkers * UNROLL;
   constexpr int kDimPad = LANES_PER_TOKEN * 8;
-  constexpr int kChunkBytes = 8 * static_cast<int>(sizeof(T));  // one lane's slice of one K or V row
+  constexpr bool kQuant = FMT != kFmtNone;
+  // what the cache stores per element, and elements per stored unit (q4: two codes a byte)
+  using Code = std::conditional_t<kQuant, unsigned char, T>;
+  constexpr int kElemsPerCode = kQuant ? kv_elems_per_byte<FMT>() : 1;
+  constexpr int kChunkBytes = 8 * static_cast<int>(sizeof(Code)) / kElemsPerCode;  // one lane's slice of a row
   constexpr int kPipeBytes = 2 * UNROLL * 2 * kThreads * kChunkBytes;
   constexpr int kMergeFloats = kWarps * G_TILE * (kDimPad + 2);
   constexpr int kSmemBytes = kPipeBytes > 4 * kMergeFloats ? kPipeBytes : 4 * kMergeFloats;
@@ -173,8 +212,18 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
 
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const int64_t slot_mask = (int64_t{1} << a.page_shift) - 1;
-  const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * p.cache_stride_head + dim0;
-  const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * p.cache_stride_head + dim0;
+  const Code* k_base = static_cast<const Code*>(p.k_cache) + kv_head * p.cache_stride_head + dim0 / kElemsPerCode;
+  const Code* v_base = static_cast<const Code*>(p.v_cache) + kv_head * p.cache_stride_head + dim0 / kElemsPerCode;
+  // Quantized caches: the scale of this lane's group for each key of the iteration in flight (raw float16 bits,
+  // 0 for keys past the end, whose codes are zero-filled: their K and V stay 0 * 0 = 0).
+  const uint16_t* k_scale_base = nullptr;
+  const uint16_t* v_scale_base = nullptr;
+  if constexpr (kQuant) {
+    const int64_t head_offset = kv_head * p.quant.scale_stride_head + dim0 / p.quant.group_size;
+    k_scale_base = static_cast<const uint16_t*>(p.quant.k_scale) + head_offset;
+    v_scale_base = static_cast<const uint16_t*>(p.quant.v_scale) + head_offset;
+  }
+  uint16_t next_k_scale[UNROLL], next_v_scale[UNROLL];
 
   // Copies one iteration's K and V slices into `buffer` with cp.async: the next iteration's bytes are in
   // flight while this one computes, without holding them in registers. Each lane reads back only what it copied
@@ -184,13 +233,19 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
     for (int j = 0; j < UNROLL; ++j) {
       const int64_t pos = iter_begin + j * kWorkers + worker;
       const bool valid = pos < key_end && lane_active;
-      const T* k_src = static_cast<const T*>(p.k_cache);  // any readable address: zero bytes are read from it
-      const T* v_src = static_cast<const T*>(p.v_cache);
+      const Code* k_src = static_cast<const Code*>(p.k_cache);  // any readable address: zero bytes are read from it
+      const Code* v_src = static_cast<const Code*>(p.v_cache);
+      if constexpr (kQuant) next_k_scale[j] = next_v_scale[j] = 0;
       if (valid) {
         const int64_t page = block_table[pos >> a.page_shift];
         const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
         k_src = k_base + offset;
         v_src = v_base + offset;
+        if constexpr (kQuant) {
+          const int64_t scale_offset = page * p.quant.scale_stride_page + (pos & slot_mask) * p.quant.scale_stride_slot;
+          next_k_scale[j] = k_scale_base[scale_offset];
+          next_v_scale[j] = v_scale_base[scale_offset];
+        }
       }
       cp_async_zfill<kChunkBytes>(chunk(buffer, j, 0), k_src, valid);
       cp_async_zfill<kChunkBytes>(chunk(buffer, j, 1), v_src, valid);
@@ -201,26 +256,34 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
   int buffer = 0;
   if (key_begin < key_end) prefetch(key_begin, 0);
   for (int64_t iter_begin = key_begin; iter_begin < key_end; iter_begin += kKeysPerIter) {
+    float k_scale[UNROLL] = {}, v_scale[UNROLL] = {};  // this iteration's, taken before the prefetch replaces them
+    if constexpr (kQuant) {
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        k_scale[j] = half_bits_to_float(next_k_scale[j]);
+        v_scale[j] = half_bits_to_float(next_v_scale[j]);
+      }
+    }
     if (iter_begin + kKeysPerIter < key_end) {
       prefetch(iter_begin + kKeysPerIter, buffer ^ 1);
     } else {
       cp_async_commit();  // an empty group keeps "all but the newest group" meaning "this iteration's group"
     }
     cp_async_wait_all_but_newest();
-    Vec8<T> k_vec[UNROLL], v_vec[UNROLL];
+    KvChunk<T, FMT> k_vec[UNROLL], v_vec[UNROLL];
     bool valid[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       valid[j] = iter_begin + j * kWorkers + worker < key_end;
-      k_vec[j].load(reinterpret_cast<const T*>(chunk(buffer, j, 0)));
-      v_vec[j].load(reinterpret_cast<const T*>(chunk(buffer, j, 1)));
+      k_vec[j].load(chunk(buffer, j, 0));
+      v_vec[j].load(chunk(buffer, j, 1));
     }
     buffer ^= 1;
     float s[UNROLL][G_TILE];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       float k[8];
-      k_vec[j].to_floats(k);
+      k_vec[j].to_floats(k_scale[j], k);
 #pragma unroll
       for (int g = 0; g < G_TILE; ++g) {
         float dot = 0.0f;
@@ -256,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       float v[8];
-      v_vec[j].to_floats(v);
+      v_vec[j].to_floats(v_scale[j], v);
 #pragma unroll
       for (int g = 0; g < G_TILE; ++g) {
 #pragma unroll
@@ -350,14 +413,31 @@ int group_tile(int group) {
 }
 
 // Keys per worker per iteration: 4, or 2 where registers (8 heads) or the 32 KB double buffer (fp32) are tight.
-template <typename T, int LANES, bool EXACT>
+template <typename T, int LANES, bool EXACT, int FMT = kFmtNone>
 void launch_with_dims(const KernelArgs& a, dim3 grid, int g_tile, const Launch& launch) {
   constexpr int kUnroll = sizeof(T) == 4 ? 2 : 4;
   switch (g_tile) {
-    case 1: launch_kernel(attention_kernel<T, LANES, EXACT, 1, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
-    case 2: launch_kernel(attention_kernel<T, LANES, EXACT, 2, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
-    case 4: launch_kernel(attention_kernel<T, LANES, EXACT, 4, kUnroll>, grid, dim3(kThreads), 0, launch, a); break;
-    default: launch_kernel(attention_kernel<T, LANES, EXACT, 8, 2>, grid, dim3(kThreads), 0, launch, a); break;
+    case 1:
+      launch_kernel(attention_kernel<T, LANES, EXACT, 1, kUnroll, FMT>, grid, dim3(kThreads), 0, launch, a);
+      break;
+    case 2:
+      launch_kernel(attention_kernel<T, LANES, EXACT, 2, kUnroll, FMT>, grid, dim3(kThreads), 0, launch, a);
+      break;
+    case 4:
+      launch_kernel(attention_kernel<T, LANES, EXACT, 4, kUnroll, FMT>, grid, dim3(kThreads), 0, launch, a);
+      break;
+    default: launch_kernel(attention_kernel<T, LANES, EXACT, 8, 2, FMT>, grid, dim3(kThreads), 0, launch, a); break;
+  }
+}
+
+// The CUDA-core kernel over a quantized cache (16-bit q only: the binding refuses float32).
+template <typename T, int LANES, bool EXACT>
+void launch_quant_with_dims(const KernelArgs& a, dim3 grid, int g_tile, const Launch& launch) {
+  switch (a.p.quant.format) {
+    case KvFormat::kFp8: launch_with_dims<T, LANES, EXACT, kFmtFp8>(a, grid, g_tile, launch); break;
+    case KvFormat::kQ8: launch_with_dims<T, LANES, EXACT, kFmtQ8>(a, grid, g_tile, launch); break;
+    case KvFormat::kQ4: launch_with_dims<T, LANES, EXACT, kFmtQ4>(a, grid, g_tile, launch); break;
+    case KvFormat::kNone: break;
   }
 }
 
@@ -370,6 +450,13 @@ const char* attention_unsupported_reason(const PagedAttentionParams& p) {
                        p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && p.cache_stride_page % 8 == 0 &&
                        p.cache_stride_slot % 8 == 0 && p.cache_stride_head % 8 == 0;
   if (!aligned) return "CUDA paged attention needs 16-byte aligned q/k_cache/v_cache rows (strides multiples of 8)";
+  if (p.quant.format != KvFormat::kNone) {
+    if (p.dtype == ScalarType::kFloat32) return "CUDA quantized-cache attention takes float16 or bfloat16 q";
+    const int64_t group = p.quant.format == KvFormat::kFp8 ? p.head_dim : kQuantGroup;
+    if (p.quant.group_size != group || p.head_dim % group != 0) {
+      return "CUDA quantized-cache attention needs head_dim a multiple of the group size (32 for q8 / q4)";
+    }
+  }
   return nullptr;
 }
 
@@ -408,10 +495,21 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   // Decode with 16-bit caches goes to the tensor-core kernel (attention_mma.cu); it writes the same partials.
   const bool mma = decode_mma && decode_attention_mma_applies(p);
   cudaError_t status = cudaSuccess;
+  const bool quant = p.quant.format != KvFormat::kNone;
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (mma) {
       status = decode_attention_mma(p, num_rows, plan.num_splits, a.page_shift, a.partial_acc, a.partial_ml, launch);
+    } else if (quant) {
+      if constexpr (std::is_same_v<T, float>) {
+        status = cudaErrorInvalidValue;  // attention_unsupported_reason() refuses float32 q first
+      } else if (p.head_dim == 64) {
+        launch_quant_with_dims<T, 8, true>(a, grid, g_tile, launch);
+      } else if (p.head_dim == 128) {
+        launch_quant_with_dims<T, 16, true>(a, grid, g_tile, launch);
+      } else {
+        launch_quant_with_dims<T, 32, false>(a, grid, g_tile, launch);
+      }
     } else if (p.head_dim == 64) {
       launch_with_dims<T, 8, true>(a, grid, g_tile, launch);
     } else if (p.head_dim == 128) {

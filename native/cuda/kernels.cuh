@@ -26,6 +26,11 @@ cudaError_t silu_and_mul(const SiluAndMulParams& p, const Launch& launch);
 
 cudaError_t rotary_cache_write(const RotaryCacheWriteParams& p, const Launch& launch);
 
+// rotary_cache_write with quantized caches (rotary_quant.cu): p.quant names the format and the scale tensors; the
+// caches hold uint8 codes. 16-bit q/k/v, head_dim <= 512 (a multiple of 32 for q8 / q4). paged_attention reads
+// such caches when p.quant.format != kNone (16-bit q).
+cudaError_t rotary_cache_write_quant(const RotaryCacheWriteParams& p, const Launch& launch);
+
 // Paged attention for decode (p.cu_seqlens_q == nullptr: one query row per sequence) and prefill (one row per
 // token of cu_seqlens_q). num_rows = B or T. The context of each row may be split over several thread blocks
 // (flash-decoding); their partial results go to `workspace` and a second kernel merges them. decode_mma: decode rows
@@ -72,5 +77,24 @@ struct LinearParams {
   bool silu_gate;
 };
 cudaError_t linear(const LinearParams& p, const Launch& launch);
+
+// linear with FP8 weights for decode-sized inputs (gemv_fp8.cu): out[m, n] = weight_scale[n] * sum_k x[m, k] *
+// weight[n, k] (+ bias[n]), weight float8 e4m3 with one fp32 scale per output channel, x float16/bfloat16,
+// accumulated in fp32 and rounded once; silu_gate as LinearParams'. Any in_features and strides; the fast path needs
+// 16-byte aligned rows of x and weight and in_features a multiple of 16. cudaErrorInvalidValue for num_rows >
+// kLinearMaxRows or a float32 dtype.
+struct LinearFp8Params {
+  void* out;                  // [num_rows, out_features] dtype, contiguous (silu_gate: [num_rows, out_features / 2])
+  const void* x;              // [num_rows, in_features] dtype
+  int64_t x_row_stride;
+  const uint8_t* weight;      // [out_features, in_features] float8 e4m3 (F.linear's layout)
+  int64_t weight_row_stride;
+  const float* weight_scale;  // [out_features] fp32
+  const void* bias;           // [out_features] dtype; nullptr: none
+  int64_t num_rows, out_features, in_features;
+  ScalarType dtype;           // of x, out and bias: float16 or bfloat16 (tensor-core mma: sm_80+)
+  bool silu_gate;
+};
+cudaError_t linear_fp8(const LinearFp8Params& p, const Launch& launch);
 
 }  // namespace folio::cuda
