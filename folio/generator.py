@@ -20,6 +20,7 @@ from folio import cfg, convenience, isolation, job_binding
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
+from folio.host_pages import build_host_pages
 from folio.job import DynamicJob, JobState
 from folio.kv_cache import Cache
 from folio.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraInfo, LoraRegistry
@@ -36,6 +37,7 @@ from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk
 from folio.speculative.build import build_speculator, target_graph_rows
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
+from folio.unadmittable import fail_unadmittable
 
 logger = logging.getLogger(__name__)
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
@@ -64,6 +66,8 @@ class DynamicGenerator:
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
     options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
     max_loras, max_lora_rank: most LoRA adapters loaded at once and their largest rank (folio.lora.slots).
+    host_cache_bytes: host memory keeping pages evicted from the cache, brought back on a prefix hit
+        (folio.host_pages; pinned on CUDA). None: on CUDA a share of RAM (DEFAULT_HOST_RAM_FRACTION), 0 on the CPU.
 
     Speculative decoding (folio.speculative): draft_model (a smaller model with the target's vocabulary; its cache,
     draft_cache, is made to match `cache` when not given) or use_ngram_draft (n-grams and prompt lookup over each
@@ -80,7 +84,8 @@ class DynamicGenerator:
                  prefill_ahead: bool = True, options: EngineOptions | None = None, draft_model: Model | None = None,
                  draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
                  max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256,
-                 max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK):
+                 max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+                 host_cache_bytes: int | None = None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         if options is not None and options != model.options:
             raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "
@@ -97,7 +102,9 @@ class DynamicGenerator:
         self.vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
         # (a draft model reads the same block tables: pages go back early only where neither model reads them)
         window = released_window(*(m.config.layer_windows for m in (model, draft_model) if m is not None))
-        self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window)
+        self.host_pages = build_host_pages(cache, host_cache_bytes if prefix_cache else 0)  # None: no host tier
+        self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window,
+                                            num_host_pages=self.host_pages.num_host_pages if self.host_pages else 0)
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
         if cuda_graphs is None and self.options.ops_backend == "reference":
             cuda_graphs = False  # the reference ops synchronize: they cannot be captured
@@ -112,6 +119,7 @@ class DynamicGenerator:
         graph_rows = target_graph_rows(self.max_batch_size, num_draft_tokens if self.speculator else None)
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, self.vocab_size,
                                   self.max_q_size, cuda_graphs, max_graph_rows=graph_rows)
+        self.runner.host_pages = self.host_pages
         self.loras = self.runner.attach_loras(LoraRegistry(model, max_loras, max_lora_rank))  # (folio.lora)
         if self.speculator is not None and self.speculator.draft_runner is not None:
             self.runner.on_forward = self.speculator.draft_runner.mirror
@@ -281,7 +289,7 @@ class DynamicGenerator:
         if ahead is None:
             if plan.empty:
                 results += emitter.emit(self.pipeline.take_staged())
-                return results + self._fail_unadmittable(results)
+                return results + fail_unadmittable(self, results)
             if self.speculator is not None:
                 self._draft(plan)
                 tick = stats.lap("draft", tick)
@@ -313,17 +321,6 @@ class DynamicGenerator:
         except Exception:  # noqa: BLE001 - drafting is an optimisation: the step goes on without it
             logger.exception("drafting failed; this step decodes without drafts")
             plan.chunks = [Chunk(c.seq, c.start, c.end) if c.verify else c for c in plan.chunks]
-
-    def _fail_unadmittable(self, results: list[Result]) -> list[Result]:
-        """Nothing ran, nothing is running and jobs wait: the first of them does not fit even an empty cache (the
-        checks at enqueue should make this impossible). Fail it rather than return nothing forever."""
-        if results or self.scheduler.active or not self.scheduler.pending:
-            return []
-        seq = self.scheduler.pending[0]
-        logger.error("job %s cannot be admitted into an empty cache; failing it", seq.job.serial)
-        return [self.emitter.fail(seq, RuntimeError(
-            f"the job ({len(seq.token_ids)} tokens) cannot be admitted even into an empty cache of "
-            f"{self.cache_manager.num_pages} pages of {self.page_size} tokens"))]
 
     def _sample_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
                          tick: float) -> list[Result]:

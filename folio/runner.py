@@ -15,6 +15,7 @@ import torch
 
 from folio.constrain.masks import MaskWorker
 from folio.embeddings import chunk_spans
+from folio.host_pages import HostPages
 from folio.kv_cache import Cache
 from folio.lora import LoraAdapter, LoraRegistry
 from folio.lora.slots import LoraSlots
@@ -132,6 +133,7 @@ class ModelRunner:
         self.masks: MaskWorker | None = None
         self.mask_errors: dict[Sequence, BaseException] = {}
         self.loras: LoraRegistry | None = None  # the LoRA adapters jobs may use (attach_loras)
+        self.host_pages: HostPages | None = None  # the host tier's buffers (set by the generator when it is on)
 
     def attach_loras(self, registry: LoraRegistry) -> LoraRegistry:
         """Apply the adapters of `registry` to the rows of jobs that name one; the decode graphs take the LoRA update
@@ -184,8 +186,13 @@ class ModelRunner:
         num_fed = 0 if fed_ids is None else fed_ids.shape[0]
         if self.on_forward is not None:
             self.on_forward(plan, num_fed)
+        host = self.host_pages if plan.transfers else None  # (in the order folio.cache.host_tier requires)
+        if host is not None:
+            host.write_back(plan.transfers)
         for copy in plan.copies:
             self.cache.copy_page_slots(copy.src_page, copy.dst_page, copy.num_slots)
+        if host is not None:
+            host.fetch(plan.transfers)
         if not plan.chunks:
             return None, False
         rows = plan.chunks

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from folio import cfg
+from folio.cache.host_tier import NO_TRANSFERS, HostTransfers
 from folio.cache.manager import KVCacheManager, PageCopy
 from folio.sequence import SeqStatus, Sequence
 
@@ -80,10 +81,19 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     # Sequences that made prompt progress without computing (whole pages reused, slots copied) this step.
     progressed: set[Sequence] = field(default_factory=set)
+    # Host-tier copies (folio.cache.host_tier.HostTransfers): pages evicted to the host, pages brought back
+    transfers: HostTransfers = NO_TRANSFERS
 
     @property
     def empty(self) -> bool:
-        return not self.chunks and not self.copies
+        return not self.chunks and not self.copies and not self.transfers
+
+    def take_transfers(self, cache: KVCacheManager) -> StepPlan:
+        """Attach the host copies listed while planning, unless nothing of this plan will run (a plan made ahead
+        that is dropped then: they wait for the next plan). Returns self."""
+        if self.chunks or self.copies or self.started or self.progressed:
+            self.transfers = cache.take_transfers()
+        return self
 
 
 class Scheduler:
@@ -194,7 +204,7 @@ class Scheduler:
         for chunk in plan.chunks:  # (a plan made ahead is launched at once: its chunks start now too)
             if chunk.seq.time_first_chunk is None:
                 chunk.seq.time_first_chunk = now
-        return plan
+        return plan.take_transfers(self.cache)
 
     def commit(self, plan: StepPlan) -> None:
         """The forward pass of `plan` ran: its tokens' K/V are in the cache."""
@@ -235,7 +245,7 @@ class Scheduler:
                 if not self._ensure_pages(seq, position + 1, plan):
                     raise AssertionError("plan_ahead preempted a sequence although enough pages were free")
                 plan.chunks.append(Chunk(seq, position, position + 1))
-            return plan
+            return plan.take_transfers(self.cache)
         if crossing + self._prompt_pages_bound(others, admissible) > self.cache.num_allocatable:
             return None
         sampling = set(seqs)

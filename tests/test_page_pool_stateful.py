@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from folio.cache import OutOfPages, PageEvent, PageEventKind, PagePool, PageState, PrefixLookup
+from folio.cache.host_tier import promote, take_transfers
 from folio.hashing import hash_page, prompt_page_hashes
 
 PAGE_SIZE = 4
@@ -84,7 +85,7 @@ class PoolMachine(RuleBasedStateMachine):
                 # Leaf first: no cached page may still name the victim as its parent.
                 assert not any(c.parent == victim.hash and self.refcount[p] == 0 for p, c in self.content.items())
                 del self.ready[victim.hash]
-                self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
+                self.on_evicted(page_id, victim)
         for page_id in page_ids:
             self.refcount[page_id] = 1
         return page_ids
@@ -114,9 +115,19 @@ class PoolMachine(RuleBasedStateMachine):
                 self.release([page_id])
             return
         self.pending.pop(page_hash, None)
+        self.on_ready(page_hash)
         self.ready[page_hash] = page_id
         self.content[page_id] = Content(parent, job.namespace, tokens, page_hash)
         self.expected_events.append(PageEvent(PageEventKind.STORED, page_hash))
+
+    def on_evicted(self, page_id: int, victim: Content) -> None:
+        self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
+
+    def on_ready(self, page_hash: bytes) -> None:
+        """A hash became ready on the pool's pages (the host-tier machine drops its host copy)."""
+
+    def promote(self, job: Job, prompt_hashes: list[bytes]) -> None:
+        """After the job took its ready prefix: pages the host-tier machine brings back."""
 
     def drop_claims_of(self, page_id: int) -> None:
         for page_hash, holder in list(self.pending.items()):
@@ -169,11 +180,13 @@ class PoolMachine(RuleBasedStateMachine):
         job.hashes = prompt_hashes[:num_ready]
         job.num_written = num_ready * PAGE_SIZE
         self.jobs.append(job)
-        fresh = self.allocate(len(prompt_hashes) - num_ready)
+        self.promote(job, prompt_hashes)
+        num_held = len(job.pages)
+        fresh = self.allocate(len(prompt_hashes) - num_held)
         if fresh is None:
             return self.preempt(job)
         job.pages += fresh
-        for page_idx in range(num_ready, len(prompt_hashes)):
+        for page_idx in range(num_held, len(prompt_hashes)):
             page_hash = prompt_hashes[page_idx]
             expected = page_hash not in self.ready and page_hash not in self.pending
             parent = prompt_hashes[page_idx - 1] if page_idx else None
@@ -255,7 +268,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.unpin(page_id)
         self.model_release([page_id])
 
-    @precondition(lambda self: not self.jobs and not self.pins and self.content)
+    @precondition(lambda self: not self.jobs and not self.pins and not +self.refcount and self.content)
     @rule(roll=st.integers(0, 3))
     def reset(self, roll):
         if roll:  # rarely: a reset wipes what the other rules have built up
@@ -266,6 +279,10 @@ class PoolMachine(RuleBasedStateMachine):
                 self.expected_events.append(PageEvent(PageEventKind.EVICTED, c.hash))
         self.content.clear()
         self.ready.clear()
+        self.on_reset()
+
+    def on_reset(self) -> None:
+        """After the pool's reset (the host-tier machine forgets its host entries)."""
 
     # ---- invariants -------------------------------------------------------------------------------------------
 
@@ -293,4 +310,135 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPagePoolStateful = PoolMachine.TestCase
 TestPagePoolStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+class HostPoolMachine(PoolMachine):
+    """The same job streams over a pool with a host tier: evicted ready pages move to host slots (the oldest
+    recycled when full), prefix lookups continue into them (promote: pages allocated, registered, pinned until the
+    plan's transfers are taken), and the model predicts every slot, copy and event."""
+
+    @initialize(num_pages=st.integers(3, 8), num_host_pages=st.integers(1, 12))  # small: evictions all the time
+    def setup_host(self, num_pages, num_host_pages):
+        self.pool = PagePool(num_pages, PAGE_SIZE, num_host_pages=num_host_pages)
+        self.jobs, self.pins, self.expected_events = [], [], []
+        self.refcount, self.content, self.ready, self.pending = Counter(), {}, {}, {}
+        self.host: dict[bytes, tuple[int, Content]] = {}  # hash -> (slot, content), oldest stored first
+        self.free_slots = list(range(num_host_pages))
+        self.deferred: list[int] = []
+        self.to_host: list[tuple[int, int]] = []
+        self.from_host: list[tuple[int, int]] = []
+        self.arriving: list[int] = []
+        self.finished: list[tuple[list[int], bytes]] = []  # tokens of jobs that ended, to admit again
+
+    def setup(self, num_pages):  # (the base machine's initializer is replaced by setup_host)
+        raise AssertionError("unused")
+
+    def on_evicted(self, page_id: int, victim: Content) -> None:
+        if self.free_slots:
+            slot = min(self.free_slots)
+            self.free_slots.remove(slot)
+        elif self.host:
+            oldest = next(iter(self.host))
+            slot, _ = self.host.pop(oldest)
+            self.expected_events.append(PageEvent(PageEventKind.EVICTED, oldest))
+        else:
+            self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
+            return
+        self.host[victim.hash] = (slot, victim)
+        self.to_host.append((page_id, slot))
+        self.expected_events.append(PageEvent(PageEventKind.MOVED_TO_HOST, victim.hash))
+
+    def on_ready(self, page_hash: bytes) -> None:
+        if page_hash in self.host:
+            slot, _ = self.host.pop(page_hash)
+            self.free_slots.append(slot)
+
+    def promote(self, job: Job, prompt_hashes: list[bytes]) -> None:
+        wanted = prompt_hashes[len(job.pages):]
+        num = 0
+        while num < len(wanted) and wanted[num] in self.host:
+            num += 1
+        num = min(num, self.pool.num_pages - len(+self.refcount))
+        taken = [self.host.pop(h) for h in wanted[:num]]
+        self.deferred += [slot for slot, _ in taken]
+        page_ids = promote(self.pool, prompt_hashes[len(job.pages):])
+        assert len(page_ids) == num
+        if not num:
+            return
+        free = sorted(p for p in range(self.pool.num_pages) if p not in +self.refcount and p not in self.content)
+        for expected_page, page_id in zip(free, page_ids):
+            assert page_id == expected_page  # free pages first, lowest id first (then eviction order)
+        model_pages = self.allocate_model_only(page_ids)
+        for page_hash, (slot, c), page_id in zip(wanted, taken, model_pages):
+            self.pending.pop(page_hash, None)
+            self.drop_claims_held_by_others(page_hash)
+            self.ready[page_hash] = page_id
+            self.content[page_id] = c
+            self.refcount[page_id] += 1  # the pin
+            self.arriving.append(page_id)
+            self.from_host.append((slot, page_id))
+            self.expected_events.append(PageEvent(PageEventKind.STORED, page_hash))
+        job.pages += page_ids
+        job.hashes += wanted[:num]
+        job.num_written = len(job.pages) * PAGE_SIZE
+
+    def allocate_model_only(self, page_ids: list[int]) -> list[int]:
+        """Model the evictions of an allocation the pool already made (promote's), as allocate() would."""
+        for page_id in page_ids:
+            victim = self.content.pop(page_id, None)
+            if victim is not None and victim.hash is not None:
+                assert not any(c.parent == victim.hash and self.refcount[p] == 0 for p, c in self.content.items())
+                del self.ready[victim.hash]
+                self.on_evicted(page_id, victim)
+            self.refcount[page_id] = 1
+        return page_ids
+
+    def drop_claims_held_by_others(self, page_hash: bytes) -> None:
+        self.pending.pop(page_hash, None)
+
+    def on_reset(self) -> None:
+        for page_hash in self.host:
+            self.expected_events.append(PageEvent(PageEventKind.EVICTED, page_hash))
+        self.host.clear()
+        self.free_slots = list(range(self.pool.host.num_host_pages))
+        self.deferred.clear()
+        self.to_host.clear()
+        self.from_host.clear()
+
+    def preempt(self, job: Job) -> None:
+        self.finished.append((list(job.tokens), job.namespace))
+        super().preempt(job)
+
+    @precondition(lambda self: self.finished)
+    @rule(pick=st.integers(0, 63))
+    def admit_again(self, pick):
+        """A prompt seen before (a chat's next turn, a retried request): its pages are likely on the host now."""
+        tokens, namespace = self.finished[pick % len(self.finished)]
+        self.admit(tokens, namespace)
+
+    @precondition(lambda self: self.content)
+    @rule()
+    def pressure(self):
+        """Another job takes every allocatable page for a moment: whatever is cached moves to the host."""
+        taken = self.allocate(self.pool.num_allocatable)
+        self.release(taken)
+
+    @rule()
+    def end_plan(self):
+        transfers = take_transfers(self.pool)
+        assert transfers.to_host == tuple(self.to_host) and transfers.from_host == tuple(self.from_host)
+        self.model_release(self.arriving)
+        self.free_slots += self.deferred
+        self.to_host, self.from_host, self.deferred, self.arriving = [], [], [], []
+
+    @invariant()
+    def host_matches_model(self):
+        assert self.pool.host.hashes() == tuple(self.host)
+        assert {h: e.slot for h, e in self.pool.host._entries.items()} == {h: s for h, (s, _) in self.host.items()}
+        assert not set(self.host) & set(self.ready)
+
+
+TestHostPoolStateful = HostPoolMachine.TestCase
+TestHostPoolStateful.settings = settings(max_examples=200, stateful_step_count=60, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])

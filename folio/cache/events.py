@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 class PageEventKind(enum.Enum):
     STORED = "stored"  # a hash became ready: a page now holds its K/V
-    EVICTED = "evicted"  # the page holding a ready hash was evicted or forgotten (reset)
+    EVICTED = "evicted"  # the page holding a ready hash was evicted or forgotten (reset), from either tier
+    MOVED_TO_HOST = "moved_to_host"  # evicted from the GPU into the host tier (folio.cache.host_tier): still held
 
 
 @dataclass(frozen=True, slots=True)

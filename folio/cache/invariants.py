@@ -29,6 +29,8 @@ def verify(pool: PagePool) -> None:
     _verify_eviction_queue(pool)
     _verify_partial_index(pool)
     _verify_all_cached_evictable(pool)
+    if pool._host is not None:
+        _verify_host_tier(pool)
 
 
 def _fail(message: str) -> None:
@@ -165,3 +167,30 @@ def _verify_all_cached_evictable(pool: PagePool) -> None:
                 frontier.append(parent)
     if num_reached != pool.num_cached:
         _fail(f"only {num_reached} of {pool.num_cached} cached pages can ever be evicted")
+
+
+def _verify_host_tier(pool: PagePool) -> None:
+    """Every host slot is free, deferred (read by this plan's host->GPU copies) or holds exactly one entry; no hash
+    is ready in both tiers; host entries describe full pages; pages being filled from the host are pinned, ready
+    GPU pages."""
+    host = pool._host
+    held = [entry.slot for entry in host._entries.values()]
+    slots = sorted(held + host._free + host._deferred)
+    if slots != list(range(host.num_host_pages)):
+        _fail(f"host slots are lost or shared: {len(held)} held, {len(host._free)} free, "
+              f"{len(host._deferred)} deferred of {host.num_host_pages}")
+    for idx in range(1, len(host._free)):
+        if host._free[idx] < host._free[(idx - 1) // 2]:
+            _fail(f"the host tier's free-slot heap order is broken at index {idx}")
+    both = pool._ready.keys() & host._entries.keys()
+    if both:
+        _fail(f"hash {next(iter(both)).hex()} is ready on the GPU and in the host tier")
+    for page_hash, entry in host._entries.items():
+        if len(entry.tokens) != pool.page_size or page_hash == entry.parent:
+            _fail(f"host entry {page_hash.hex()} (slot {entry.slot}) does not describe a full page")
+    for page_id in host._arriving:
+        page = pool._pages[page_id]
+        if not page.ready or page.state is not PageState.IN_USE:
+            _fail(f"{page.describe()}: filled from the host but not a ready page in use")
+    if len({slot for slot, _ in host._from_host}) != len(host._from_host):
+        _fail("two host->GPU copies of one plan read the same slot")

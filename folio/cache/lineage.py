@@ -84,6 +84,17 @@ class Lineage:
             return 0
         return 1 if self.num_cached_children.get(page.hash, 0) == 0 else None
 
+    def depth_after(self, parent_hash: bytes | None) -> int:
+        """Depth of a page following `parent_hash`: 0 for a first page, the parent's + 1 while the parent is ready
+        (a sequence holds its earlier pages when it registers the next), -1 otherwise."""
+        if parent_hash is None:
+            return 0
+        parent_id = self._ready.get(parent_hash)
+        if parent_id is None:
+            return -1
+        parent_depth = self._pages[parent_id].depth
+        return -1 if parent_depth < 0 else parent_depth + 1
+
     def clear(self) -> None:
         """Forget every link and empty the queue (all pages are being reset)."""
         self.num_children.clear()

@@ -13,12 +13,13 @@ window_release); a rollback that reaches back before it takes them back by hash,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from folio.cache.errors import OutOfPages
 from folio.cache.events import PageEvent, PageEventKind
+from folio.cache.host_tier import HostTransfers, promote, take_transfers
 from folio.cache.pool import PagePool
+from folio.cache.reports import CacheSnapshot, PrefixCacheStats
 from folio.cache.window_release import held_pages, release_before_window, restore_window
 from folio.hashing import hash_page, prompt_page_hashes
 from folio.sequence import Sequence
@@ -33,48 +34,19 @@ class PageCopy:
     num_slots: int
 
 
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Counted over first admissions (a preempted sequence re-reading its own pages is not a hit)."""
-
-    num_queried_tokens: int  # prompt tokens of sequences admitted for the first time
-    num_hit_tokens: int  # of those, tokens whose K/V came from the cache (whole pages and copied slots)
-    num_hit_pages: int  # whole pages reused
-    num_partial_copies: int  # partial pages whose leading slots were copied
-    num_evicted_pages: int  # ready pages evicted to make room
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class CacheSnapshot:
-    """The pool's state between two steps, for the router's digest (folio.router.digest reads these names)."""
-
-    page_size: int
-    num_pages: int
-    num_free: int
-    num_cached: int
-    num_in_use: int
-    num_allocatable: int
-    ready_hashes: tuple[bytes, ...]  # every ready page hash (cached or in use), in the order they became ready
-
-    def cached_hashes(self) -> Iterator[bytes]:
-        return iter(self.ready_hashes)
-
-
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True, pool: PagePool | None = None,
-                 window: int = 0):
+                 window: int = 0, num_host_pages: int = 0):
         """prefix_cache False: no page is ever shared or kept after its sequence (to measure what it is worth).
         pool: a new pool of num_pages pages of page_size by default; tests pass their own to inspect it.
         window: > 0 where every layer of every model reading these pages attends to at most this many tokens
-        (folio.model.windows.released_window): pages before a running sequence's window are released."""
+        (folio.model.windows.released_window): pages before a running sequence's window are released.
+        num_host_pages: slots of the host tier that keeps evicted pages (folio.cache.host_tier; 0: none)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window must be an int >= 0 (0: no page is released early), got {window!r}")
         self.window = window
-        self._pool = pool if pool is not None else PagePool(num_pages, page_size)
+        self._pool = pool if pool is not None else PagePool(num_pages, page_size,
+                                                            num_host_pages=num_host_pages if prefix_cache else 0)
         if (self._pool.num_pages, self._pool.page_size) != (num_pages, page_size):
             raise ValueError(f"pool of {self._pool.num_pages} pages of {self._pool.page_size} given for "
                              f"{num_pages} pages of {page_size}")
@@ -82,7 +54,7 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         self._copies: list[PageCopy] = []  # copy-on-write after rollbacks, for the next step
         self._num_queried = self._num_hit_tokens = self._num_hit_pages = self._num_partial = 0
-        self._num_evicted = 0
+        self._num_evicted = self._num_host_hit_pages = 0
         self._events: list[PageEvent] = []
 
     # --- counts ---
@@ -147,9 +119,15 @@ class KVCacheManager:
             if page_idx >= len(seq.page_hashes) or len(seq.block_table) > page_idx:
                 break
             num_ready = self._pool.lookup(seq.page_hashes[page_idx:]).num_ready
-            if num_ready == 0:
-                break
-            seq.block_table.extend(self._pool.acquire(seq.page_hashes[page_idx:page_idx + num_ready]))
+            if num_ready:
+                seq.block_table.extend(self._pool.acquire(seq.page_hashes[page_idx:page_idx + num_ready]))
+            else:  # past the GPU's pages: the host tier's, copied back (the copies run before the next forward)
+                promoted = promote(self._pool, seq.page_hashes[page_idx:])
+                if not promoted:
+                    break
+                seq.block_table.extend(promoted)
+                num_ready = len(promoted)
+                self._num_host_hit_pages += num_ready if seq.num_sampled == 0 else 0
             seq.num_cached_tokens += num_ready * size
             self._count_hit(seq, pages=num_ready, tokens=num_ready * size)
             advanced = True
@@ -184,8 +162,9 @@ class KVCacheManager:
             return None
         found = self._pool.find_partial(self._parent(seq, page_idx), seq.token_ids[start:end],
                                         namespace=seq.namespace)
-        if found is None:
-            return None
+        host = self._pool.host
+        if found is None or (host is not None and host.is_arriving(found.page_id)):
+            return None  # (a page filled from the host in this plan has no slots to copy before the forward)
         src_page, num_slots = found.page_id, min(found.num_matching, end - start)
         # Allocating the destination must not evict the source. Unpinning right after is safe: copies run before
         # the step's forward, in plan order, and nothing writes a page before the forward, so even if a later
@@ -242,6 +221,11 @@ class KVCacheManager:
         """Copies left by rollbacks that the next plan will run (take_copies); until then their slots are counted
         as cached but not yet written."""
         return tuple(self._copies)
+
+    def take_transfers(self) -> HostTransfers:
+        """Host-tier copies listed since the last call (pages evicted to the host, pages brought back), for the
+        plan being finished: the device runs them with its slot copies (folio.host_pages)."""
+        return take_transfers(self._pool)
 
     def take_copies(self) -> list[PageCopy]:
         """Slot copies left by rollbacks, to run before the next forward."""
@@ -357,9 +341,12 @@ class KVCacheManager:
                              num_allocatable=pool.num_allocatable, ready_hashes=tuple(pool.cached_hashes()))
 
     def stats(self) -> PrefixCacheStats:
+        host = self._pool.host
         return PrefixCacheStats(num_queried_tokens=self._num_queried, num_hit_tokens=self._num_hit_tokens,
                                 num_hit_pages=self._num_hit_pages, num_partial_copies=self._num_partial,
-                                num_evicted_pages=self._num_evicted)
+                                num_evicted_pages=self._num_evicted, num_host_hit_pages=self._num_host_hit_pages,
+                                num_pages_to_host=host.num_moved_to_host if host else 0,
+                                num_pages_from_host=host.num_moved_from_host if host else 0)
 
     def drain_events(self) -> list[PageEvent]:
         """Page stored/evicted events since the last call, oldest first."""

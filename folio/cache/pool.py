@@ -26,6 +26,7 @@ from folio.cache import invariants
 from folio.cache.errors import InvariantViolation, OutOfPages, PageNotReady, PageStateError, RefcountUnderflow
 from folio.cache.events import EventLog, PageEvent, PageEventKind
 from folio.cache.eviction import EvictionQueue
+from folio.cache.host_tier import HostTier
 from folio.cache.lineage import Lineage
 from folio.cache.page import PageRecord, PageState, check_hashes
 from folio.cache.partial_index import MIN_PARTIAL_MATCH, PartialIndex, PartialMatch
@@ -53,8 +54,10 @@ class PagePool:
         pool.release(block_table)                   # finished, cancelled or preempted
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, record_events: bool = True) -> None:
-        """record_events=False skips the event log, for engines whose caller never drains it."""
+    def __init__(self, num_pages: int, page_size: int, *, record_events: bool = True,
+                 num_host_pages: int = 0) -> None:
+        """record_events=False skips the event log, for engines whose caller never drains it. num_host_pages > 0:
+        evicted ready pages move to a host tier of that many slots (folio.cache.host_tier)."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if page_size <= 0:
@@ -68,6 +71,7 @@ class PagePool:
         self._lineage = Lineage(self._pages, self._ready, self._eviction)  # parent links, eviction tiers
         self._partial_index = PartialIndex(self._pages)  # recorded tokens, for find_partial()
         self._events = EventLog(record_events)
+        self._host = HostTier(num_host_pages, self._events) if num_host_pages else None
         self._clock = 0
         self._num_in_use = 0
         self._num_cached = 0
@@ -98,6 +102,10 @@ class PagePool:
     def num_allocatable(self) -> int:
         """Pages allocate() can hand out now: free plus cached (every cached page is evictable)."""
         return len(self._free) + self._num_cached
+
+    @property
+    def host(self) -> HostTier | None:
+        return self._host
 
     def refcount(self, page_id: int) -> int:
         return self._page(page_id).refcount
@@ -239,6 +247,8 @@ class PagePool:
             self._partial_index.clear_tokens(page)
             self._lineage.unlink(page)
             return False
+        if self._host is not None:
+            self._host.discard(page_hash)  # computed again: one tier holds a hash
         rival_id = self._pending.get(page_hash)
         if rival_id is not None and rival_id != page_id:
             self._drop_claim(self._pages[rival_id])
@@ -247,21 +257,10 @@ class PagePool:
         self._partial_index.set_tokens(page, token_ids, namespace)
         page.hash = page_hash
         page.ready = True
-        page.depth = self._depth_after(parent_hash)
+        page.depth = self._lineage.depth_after(parent_hash)
         self._ready[page_hash] = page_id
         self._events.log(PageEventKind.STORED, page_hash, page.depth)
         return True
-
-    def _depth_after(self, parent_hash: bytes | None) -> int:
-        """Depth of a page following `parent_hash`: 0 for a first page, the parent's + 1 while the parent is ready
-        (a sequence holds its earlier pages when it registers the next), -1 otherwise."""
-        if parent_hash is None:
-            return 0
-        parent_id = self._ready.get(parent_hash)
-        if parent_id is None:
-            return -1
-        parent_depth = self._pages[parent_id].depth
-        return -1 if parent_depth < 0 else parent_depth + 1
 
     def record_tokens(self, page_id: int, parent_hash: bytes | None, token_ids: Sequence[int],
                       *, namespace: bytes = b"") -> None:
@@ -317,8 +316,8 @@ class PagePool:
                 self._retire(page)
 
     def reset(self) -> None:
-        """Forget every cached page (all become FREE, ready hashes logged as "evicted"). Raises PageStateError if
-        any page is in use."""
+        """Forget every cached page, the host tier's too (all become FREE, ready hashes logged as "evicted").
+        Raises PageStateError if any page is in use."""
         if self._num_in_use:
             raise PageStateError(f"reset: {self._num_in_use} pages are in use")
         for page in self._pages:
@@ -332,6 +331,8 @@ class PagePool:
         self._lineage.clear()
         self._partial_index.clear()
         self._num_cached = 0
+        if self._host is not None:
+            self._host.clear()
 
     def check(self) -> None:
         """Verify every invariant of the bookkeeping; raises InvariantViolation naming the first one broken.
@@ -378,7 +379,8 @@ class PagePool:
         """Cached page -> anonymous in-use page with refcount 1 (the caller hands it out)."""
         if page.ready:
             del self._ready[page.hash]
-            self._events.log(PageEventKind.EVICTED, page.hash, page.depth)
+            if self._host is None or not self._host.offer(page):
+                self._events.log(PageEventKind.EVICTED, page.hash, page.depth)
             page.hash = None
             page.ready = False
             page.depth = -1

@@ -1,0 +1,156 @@
+"""Host tier benchmark: a W5-like workload whose shared prefixes do not fit the GPU cache, with and without the host
+tier (DynamicGenerator(host_cache_bytes=...)), in one invocation.
+
+    python bench/host_tier.py [--shape 8B] [--groups 32] [--per-group 8] [--prefix 2048] [--question 128]
+                              [--new-tokens 32] [--batch 8] [--host-gib 16] [--trace /path/trace.json]
+    python bench/host_tier.py --device cpu --tiny        (small sizes, the tiny random model: checks the script)
+
+Workload: `groups` distinct prefixes of `prefix` tokens, `per-group` requests each (prefix + its own question of
+`question` tokens, `new-tokens` generated, greedy), sent round-robin over the groups in waves of one request per group
+(so a prefix comes back only after every other group's). The GPU cache holds a quarter of the distinct prefixes'
+tokens (at least `batch` whole requests): without the host tier nearly every request computes its prefix again;
+with it, prefixes evicted from the GPU come back from host memory. Targets (GPU): prefill tokens with the tier
+<= 0.35x without, throughput >= 1.5x.
+
+Random bf16 weights of real shapes on CUDA (bench/engine.py's build_pair). --trace writes a torch.profiler chrome
+trace of a short extra run with the tier (the copy stream beside the compute stream). Prints one table; writes
+$OUT/host_tier.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import build_pair, log, random_prompts, sync  # noqa: E402
+
+from folio import Cache, DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
+
+
+def workload(args, vocab: int) -> list[list[int]]:
+    prefixes = [random_prompts(1, args.prefix, vocab, 100 + g)[0] for g in range(args.groups)]
+    questions = [random_prompts(args.per_group, args.question, vocab, 1000 + g) for g in range(args.groups)]
+    return [prefixes[g] + questions[g][r] for r in range(args.per_group) for g in range(args.groups)]
+
+
+def cache_tokens(args) -> int:
+    quarter = args.groups * args.prefix // 4
+    running = args.batch * (args.prefix + args.question + args.new_tokens)
+    return -(-max(quarter, running) // args.page_size) * args.page_size
+
+
+def run(pair, args, prompts: list[list[int]], host_bytes: int, profiler=None) -> dict:
+    cache = Cache(pair.model, num_tokens=cache_tokens(args), page_size=args.page_size)
+    gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=args.batch,
+                           max_seq_len=args.prefix + args.question + args.new_tokens,
+                           max_queued_jobs=len(prompts) + 1, host_cache_bytes=host_bytes)
+    gen.warmup()
+    jobs = [DynamicJob(input_ids=p, max_new_tokens=args.new_tokens, stop_conditions=[],
+                       gen_settings=SamplerSettings.greedy(), seed=i) for i, p in enumerate(prompts)]
+    device = pair.model.device
+    sync(device)
+    t0 = time.perf_counter()
+    gen.enqueue(jobs)
+    prompt_tokens = steps = 0
+    while gen.num_remaining_jobs():
+        results, stats = gen.step()
+        prompt_tokens += stats.num_prompt_tokens
+        steps += 1
+        for r in results:
+            if getattr(r, "error", None) is not None:
+                raise r.error
+        if profiler is not None:
+            profiler.step()
+    sync(device)
+    wall = time.perf_counter() - t0
+    prefix = gen.prefix_cache_stats()
+    out = {"host_pages": gen.host_pages.num_host_pages if gen.host_pages else 0,
+           "host_gib": (gen.host_pages.bytes if gen.host_pages else 0) / 2**30,
+           "cache_pages": cache.num_pages, "wall_s": wall, "steps": steps,
+           "prefill_tokens": prompt_tokens, "generated_tokens": sum(j.new_tokens for j in jobs),
+           "hit_tokens": prefix.num_hit_tokens, "host_hit_pages": prefix.num_host_hit_pages,
+           "pages_to_host": prefix.num_pages_to_host, "pages_from_host": prefix.num_pages_from_host,
+           "outputs": [list(j.generated_ids) for j in jobs]}
+    out["tokens_per_s"] = out["generated_tokens"] / wall
+    del gen, cache
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random model and small sizes (CPU check)")
+    parser.add_argument("--shape", default="8B")
+    parser.add_argument("--groups", type=int, default=None)
+    parser.add_argument("--per-group", type=int, default=None)
+    parser.add_argument("--prefix", type=int, default=None)
+    parser.add_argument("--question", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=None)
+    parser.add_argument("--host-gib", type=float, default=None, help="host tier size (default: room for every "
+                        "distinct prefix, plus a quarter)")
+    parser.add_argument("--trace", default="", help="write a chrome trace of a short run with the tier here")
+    args = parser.parse_args()
+    small = dict(groups=8, per_group=4, prefix=64, question=8, new_tokens=4, batch=4, page_size=16)
+    large = dict(groups=32, per_group=8, prefix=2048, question=128, new_tokens=32, batch=8, page_size=256)
+    for name, value in (small if args.tiny else large).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    device = torch.device(args.device)
+    pair = build_pair("tiny" if args.tiny else args.shape, device)
+    prompts = workload(args, pair.model.config.vocab_size)
+    page_bytes = Cache(pair.model, num_tokens=args.page_size, page_size=args.page_size).bytes
+    if args.host_gib is None:
+        host_bytes = int(1.25 * args.groups * (args.prefix // args.page_size + 1) * page_bytes)
+        if device.type == "cuda":
+            # (the pinned allocator rounds each buffer, k's and v's, up to a power of two)
+            host_bytes = 2 * (1 << max(0, (host_bytes // 2 - 1).bit_length()))
+    else:
+        host_bytes = int(args.host_gib * 2**30)
+    log(f"{len(prompts)} requests: {args.groups} prefixes of {args.prefix} tokens x {args.per_group}, question "
+        f"{args.question}, {args.new_tokens} new tokens; GPU cache {cache_tokens(args)} tokens "
+        f"(distinct prefixes: {args.groups * args.prefix}); host tier {host_bytes / 2**30:.2f} GiB")
+    without = run(pair, args, prompts, 0)
+    log(f"  without host tier: {without['wall_s']:.2f} s, prefill {without['prefill_tokens']} tokens")
+    with_host = run(pair, args, prompts, host_bytes)
+    log(f"  with host tier:    {with_host['wall_s']:.2f} s, prefill {with_host['prefill_tokens']} tokens")
+    same = with_host.pop("outputs") == without.pop("outputs")
+    prefill_ratio = with_host["prefill_tokens"] / max(without["prefill_tokens"], 1)
+    speedup = with_host["tokens_per_s"] / without["tokens_per_s"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"\n{name}, {'tiny' if args.tiny else args.shape}, {len(prompts)} requests")
+    print("| host tier | prefill tokens | generated tok/s | wall s | host hit pages | pages to / from host |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, r in (("off", without), (f"{with_host['host_gib'] * 1024:.1f} MiB ({with_host['host_pages']} pages)",
+                                        with_host)):
+        print(f"| {label} | {r['prefill_tokens']} | {r['tokens_per_s']:.1f} | {r['wall_s']:.2f} | "
+              f"{r['host_hit_pages']} | {r['pages_to_host']} / {r['pages_from_host']} |")
+    print(f"\nprefill tokens with / without: {prefill_ratio:.3f} (target <= 0.35); throughput: {speedup:.2f}x "
+          f"(target >= 1.5); greedy outputs equal: {same}")
+    if args.trace:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            run(pair, args, prompts[:2 * args.groups], host_bytes)
+        prof.export_chrome_trace(args.trace)
+        log(f"trace: {args.trace}")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "host_tier.json").write_text(json.dumps(
+            {"device": name, "args": vars(args), "without": without, "with": with_host,
+             "prefill_ratio": prefill_ratio, "speedup": speedup, "outputs_equal": same}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

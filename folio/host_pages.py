@@ -1,0 +1,138 @@
+"""HostPages: the device side of the host tier (folio.cache.host_tier): host buffers holding evicted KV pages, and
+the copies between them and the cache, run on their own CUDA stream.
+
+A plan's transfers run as the bookkeeping requires (see folio.cache.host_tier): `write_back` (GPU -> host: the
+pages evicted while planning) before the plan's slot copies, `fetch` (host -> GPU: the pages its prefix lookups
+found on the host) after them, and the forward after both. Each waits on the device, never on the host: the copy
+stream first waits for the compute stream (the pages' last writers and readers are done), and the compute stream
+then waits for the copy stream (nothing writes an evicted page before it is read, nothing reads a fetched page
+before it is written). Steps without transfers add no wait at all. On the CPU the copies are plain, in order.
+
+Host buffers: one per per-page tensor of the cache ([L, P, ...] on the device), [num_host_pages, L, ...] on the
+host so a page is one contiguous block there (one DMA per page and tensor); pinned on CUDA so that the copies are
+asynchronous.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from folio.cache.host_tier import HostTransfers
+from folio.kv_cache import Cache
+
+# Default host tier on CUDA: this share of the machine's RAM, at most twice the GPU cache and half of the memory
+# available now (pinned memory cannot be swapped out; several replicas on one node should give host_cache_bytes).
+DEFAULT_HOST_RAM_FRACTION = 0.25
+DEFAULT_HOST_CACHE_MULTIPLE = 2
+MAX_AVAILABLE_FRACTION = 0.5
+
+
+def page_tensors(cache: Cache) -> list[torch.Tensor]:
+    """The cache's per-page tensors, each [L, P, ...]: [k, v], plus the scales of a quantized cache."""
+    tensors = getattr(cache, "page_tensors", None)
+    if tensors is not None:
+        return list(tensors())
+    scales = [getattr(cache, name, None) for name in ("k_scale", "v_scale")]
+    return [cache.k, cache.v, *(s for s in scales if s is not None)]
+
+
+def slot_bytes(cache: Cache) -> list[int]:
+    """Bytes of one page of each per-page tensor (one host slot per tensor)."""
+    return [t[:, 0].numel() * t.element_size() for t in page_tensors(cache)]
+
+
+def resolve_num_host_pages(cache: Cache, host_cache_bytes: int | None) -> int:
+    """Host slots for `host_cache_bytes` (None: the default on CUDA, see DEFAULT_HOST_RAM_FRACTION; 0 on the CPU).
+    On CUDA the pinned allocator rounds each buffer up to a power of two: the count is the largest whose rounded
+    buffers fit."""
+    on_cuda = page_tensors(cache)[0].device.type == "cuda"
+    if host_cache_bytes is None:
+        host_cache_bytes = default_host_cache_bytes(cache.bytes) if on_cuda else 0
+    if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+        raise ValueError(f"host_cache_bytes must be an int >= 0 (0: no host tier), got {host_cache_bytes!r}")
+    sizes = slot_bytes(cache)
+    num = host_cache_bytes // sum(sizes)
+    if on_cuda:
+        def pinned_bytes(n: int) -> int:
+            return sum(1 << max(0, (n * size - 1).bit_length()) for size in sizes)
+        low, high = 0, num  # the largest n with pinned_bytes(n) <= host_cache_bytes
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if pinned_bytes(mid) <= host_cache_bytes else (low, mid - 1)
+        num = low
+    return num
+
+
+def default_host_cache_bytes(gpu_cache_bytes: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    limit = min(int(total * DEFAULT_HOST_RAM_FRACTION), DEFAULT_HOST_CACHE_MULTIPLE * gpu_cache_bytes)
+    available = _available_bytes()
+    return limit if available is None else min(limit, int(available * MAX_AVAILABLE_FRACTION))
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HostPages:
+    def __init__(self, cache: Cache, num_host_pages: int) -> None:
+        if num_host_pages < 1:
+            raise ValueError(f"num_host_pages must be >= 1, got {num_host_pages}")
+        self.tensors = page_tensors(cache)
+        self.device = self.tensors[0].device
+        on_cuda = self.device.type == "cuda"
+        self.num_host_pages = num_host_pages
+        self.buffers = [torch.zeros((num_host_pages, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=on_cuda)
+                        for t in self.tensors]
+        self.stream = torch.cuda.Stream(self.device) if on_cuda else None
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def write_back(self, transfers: HostTransfers) -> None:
+        """GPU -> host copies of the pages evicted while planning; whatever the plan writes afterwards on the
+        current stream waits for them."""
+        self._run([(self._host(slot), self._gpu(page)) for page, slot in transfers.to_host])
+
+    def fetch(self, transfers: HostTransfers) -> None:
+        """Host -> GPU copies of the pages found on the host; the forward (on the current stream) waits for them."""
+        self._run([(self._gpu(page), self._host(slot)) for slot, page in transfers.from_host])
+
+    def _gpu(self, page_id: int) -> list[torch.Tensor]:
+        return [t[:, page_id] for t in self.tensors]
+
+    def _host(self, slot: int) -> list[torch.Tensor]:
+        return [b[slot] for b in self.buffers]
+
+    def _run(self, copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        if not copies:
+            return
+        if self.stream is None:
+            for dst, src in copies:
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for dst, src in copies:
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
+        compute.wait_stream(self.stream)
+
+
+def build_host_pages(cache: Cache, host_cache_bytes: int | None) -> HostPages | None:
+    """The host tier's buffers for DynamicGenerator(host_cache_bytes=...), or None when it is off (0 slots)."""
+    num = resolve_num_host_pages(cache, host_cache_bytes)
+    return HostPages(cache, num) if num else None
