@@ -21,6 +21,14 @@ from typing import Any
 from folio.serve.config_values import ConfigError, check_type, convert, positive
 
 DTYPES = ("float32", "float16", "bfloat16")
+# folio.model.fp8_checkpoint.WEIGHT_FORMATS and folio.kv_formats' names, repeated: this module imports no torch
+# (tests/test_serving_units.py checks they agree).
+WEIGHT_FORMATS = ("fp8", "dense")
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8", "q8", "q4", "q4h")
+# kv_format names of the unquantized caches, by ServeConfig.dtype: a cache in another dtype than the model's is refused
+KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# q4h has no CUDA kernel: only the reference ops run it, which a served replica never selects on a GPU.
+CPU_ONLY_KV_FORMATS = ("q4h",)
 ROUTERS = ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
 # On a CPU (tests, the demo) the cache is sized in tokens; this many when neither size is given.
@@ -47,6 +55,17 @@ class ServeConfig:
         On a GPU the largest step's activations are set aside first (folio.activation_reserve_bytes, from
         max_chunk_size and max_batch_size); a cache_tokens that leaves too little for them fails at start-up.
     page_size: tokens per KV-cache page (a power of two >= 16); also the prefix-sharing granularity.
+    weight_format: the projections' weights: "fp8" (quantized per output channel on load: half a bf16 model's
+        memory), "dense" (an FP8 checkpoint dequantized to dtype); None keeps the checkpoint's (FP8 checkpoints
+        load as FP8). folio.model.fp8_checkpoint.
+    kv_format: what the KV cache holds (folio.kv_formats): the model's dtype by name ("bf16", "fp16", "fp32"), or
+        quantized codes with per-group scales: "fp8", "q8" (about half the bytes of bf16), "q4" (about a quarter),
+        "q4h" (q4 after a Hadamard rotation; CPU replicas only). None: the model's dtype. A memory-sized cache
+        (cache_memory_fraction) gets as many more pages as the format saves; cache_tokens stays a token count.
+    host_cache_bytes: host memory each replica keeps pages evicted from its KV cache in, copied back on a prefix
+        hit instead of computed again (folio.host_pages; pinned on a GPU). None: on a GPU a share of the node's RAM
+        (folio.host_pages.DEFAULT_HOST_RAM_FRACTION, at most twice the GPU cache; set it when several replicas
+        share a node), none on a CPU; 0: no host tier.
     max_batch_size: sequences one replica runs at once.
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
@@ -107,6 +126,9 @@ class ServeConfig:
     cache_tokens: int | None = None
     cache_memory_fraction: float | None = None
     page_size: int = 256
+    weight_format: str | None = None
+    kv_format: str | None = None
+    host_cache_bytes: int | None = None
     max_batch_size: int = 64
     max_chunk_size: int | None = None
     max_seq_len: int | None = None
@@ -185,6 +207,7 @@ class ServeConfig:
             raise ConfigError(f"cache_memory_fraction: must be in (0, 1], got {self.cache_memory_fraction}")
         if self.cache_memory_fraction is not None and self.resolved_device == "cpu":
             raise ConfigError("cache_memory_fraction: only for GPU replicas; give cache_tokens on a CPU")
+        self._check_formats()
         positive("max_batch_size", self.max_batch_size)
         if self.max_chunk_size is not None and (self.max_chunk_size <= 0 or self.max_chunk_size % self.page_size):
             raise ConfigError(f"max_chunk_size: must be a positive multiple of page_size ({self.page_size}), "
@@ -210,6 +233,22 @@ class ServeConfig:
         positive("max_constraint_chars", self.max_constraint_chars)
         positive("max_embedding_bytes", self.max_embedding_bytes)
         self._check_adapters()
+
+    def _check_formats(self) -> None:
+        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight_format: must be one of {', '.join(WEIGHT_FORMATS)} (or unset: the "
+                              f"checkpoint's format), got {self.weight_format!r}")
+        if self.kv_format is not None and self.kv_format not in KV_FORMATS:
+            raise ConfigError(f"kv_format: must be one of {', '.join(KV_FORMATS)} (or unset: the model's dtype), "
+                              f"got {self.kv_format!r}")
+        if (self.dtype is not None and self.kv_format in KV_FORMAT_OF_DTYPE.values()
+                and self.kv_format != KV_FORMAT_OF_DTYPE[self.dtype]):
+            raise ConfigError(f"kv_format: an unquantized cache holds the model's dtype ({self.dtype}: "
+                              f"{KV_FORMAT_OF_DTYPE[self.dtype]}), got {self.kv_format!r}")
+        if self.kv_format in CPU_ONLY_KV_FORMATS and self.resolved_device != "cpu":
+            raise ConfigError(f"kv_format: {self.kv_format} has no CUDA kernel (CPU replicas only); use q4 on a GPU")
+        if self.host_cache_bytes is not None:
+            positive("host_cache_bytes", self.host_cache_bytes, allow_zero=True)
 
     def _check_adapters(self) -> None:
         from folio.serve.adapters import ADAPTER_NAME
@@ -344,8 +383,9 @@ class ServeConfig:
         group.add_argument("--config", type=Path, default=None, metavar="FILE", help="YAML file of options")
         for field in dataclasses.fields(ServeConfig):
             flag = "--" + field.name.replace("_", "-")
+            text = FLAG_HELP.get(field.name, "")
             group.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
-                               help=f"(default: {defaults.get(field.name, field.default)})")
+                               help=f"{text + ' ' if text else ''}(default: {defaults.get(field.name, field.default)})")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **defaults: Any) -> ServeConfig:
@@ -366,6 +406,16 @@ class ServeConfig:
     def explicit_values(self) -> dict[str, Any]:
         """Options that differ from the defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+
+# Help of the flags whose values a name alone does not tell (the others: ServeConfig's docstring).
+FLAG_HELP = {
+    "weight_format": f"projection weights: {' / '.join(WEIGHT_FORMATS)}; none keeps the checkpoint's",
+    "kv_format": f"KV-cache format: {' / '.join(KV_FORMATS)}; none: the model's dtype (q8 ~1/2, q4 ~1/4 of bf16's "
+                 "bytes per token; q4h CPU only)",
+    "host_cache_bytes": "bytes of host memory per replica keeping evicted KV pages for prefix reuse (e.g. "
+                        "68719476736 for 64 GiB); 0: off; none: a share of RAM on a GPU, off on a CPU",
+}
 
 
 @functools.cache

@@ -30,15 +30,17 @@ from folio import (
     StreamingResult,
     Tokenizer,
 )
+from folio.cache.manager import PrefixCacheStats
 from folio.constrain.base import FilterError
 from folio.lora import LoraInfo, load_peft_adapter
 from folio.model.architectures import SUPPORTED_ARCHITECTURES
+from folio.model.fp8 import Fp8Weight
 from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.rates import ReplicaRates
 from folio.serve import speculation
 from folio.serve.adapters import AdapterInfo
-from folio.serve.config import ServeConfig
+from folio.serve.config import KV_FORMAT_OF_DTYPE, ServeConfig
 from folio.serve.errors import (
     InvalidRequest,
     Overloaded,
@@ -111,6 +113,8 @@ class Engine:
     _num_dropped_page_events: int = 0
     num_received: int = 0  # requests start_job was given (routers tell their share of the traffic from it)
     static_adapters: tuple[AdapterInfo, ...] = ()  # the config's LoRA adapters, loaded by build
+    # the prefix cache's counters (host tier's included) as of the last routing report, read on the engine thread
+    cache_stats: PrefixCacheStats | None = None
 
     def __post_init__(self) -> None:
         if self.cache_events is None:
@@ -129,7 +133,7 @@ class Engine:
             # leave room for the largest step's activations, the decode graphs and the draft model's cache (or fail
             # here, with the numbers)
             cache_size = speculation.gpu_cache_size(config, model, draft_model)
-        cache = Cache(model, page_size=config.page_size, **cache_size)
+        cache = Cache(model, page_size=config.page_size, kv_format=config.kv_format, **cache_size)
         generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                      max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                                      max_chunk_size=config.max_chunk_size,
@@ -138,6 +142,7 @@ class Engine:
                                      # so the queue holds them all: the engine never refuses what was admitted.
                                      max_queued_jobs=config.max_ongoing_requests,
                                      max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
+                                     host_cache_bytes=config.host_cache_bytes,
                                      **speculation.generator_kwargs(config, draft_model))
         # the config's adapters before the warm-up: their first load recaptures the decode graphs with LoRA
         static = tuple(replace(adapter_info(generator.load_lora(name, path), path), static=True)
@@ -181,6 +186,7 @@ class Engine:
 
         def build(generator: DynamicGenerator) -> dict[str, Any]:
             snapshot = generator.cache_snapshot()
+            self.cache_stats = generator.prefix_cache_stats()
             events.add(generator.drain_page_events())
             if generator.num_dropped_page_events != self._num_dropped_page_events:
                 self._num_dropped_page_events = generator.num_dropped_page_events
@@ -353,7 +359,8 @@ def load_model(config: ServeConfig) -> Model:
         raise RuntimeError(f"device {device} requested but torch sees no CUDA device "
                            f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
     dtype = _DTYPES[config.dtype] if config.dtype is not None else None
-    return Model.from_pretrained(config.model_path, device=device, dtype=dtype, progress=False)
+    return Model.from_pretrained(config.model_path, device=device, dtype=dtype, progress=False,
+                                 weight_format=config.weight_format)
 
 
 def adapter_info(info: LoraInfo, path: str) -> AdapterInfo:
@@ -378,4 +385,14 @@ def describe(config: ServeConfig, model: Model, tokenizer: Tokenizer, generator:
         add_bos_token=tokenizer.add_bos_token,
         supported_architectures=SUPPORTED_ARCHITECTURES,
         hidden_size=model.config.hidden_size,
+        weight_format=weight_format_of(model),
+        kv_format=generator.cache.kv_format or KV_FORMAT_OF_DTYPE[str(model.dtype).removeprefix("torch.")],
+        bytes_per_page=generator.cache.bytes_per_page,
+        num_host_pages=generator.host_pages.num_host_pages if generator.host_pages else 0,
+        host_cache_bytes=generator.host_pages.bytes if generator.host_pages else 0,
     )
+
+
+def weight_format_of(model: Model) -> str:
+    """"fp8" where the model's projections hold FP8 weights (folio.model.fp8), else "dense"."""
+    return "fp8" if any(isinstance(layer.qkv, Fp8Weight) for layer in model.weights.layers) else "dense"

@@ -43,6 +43,7 @@ class Generator:
         self.engine = Engine.build(config)
         self.replica_tag = _replica_tag()
         self.metrics = GeneratorMetrics(config.app_name, self.replica_tag)
+        self.metrics.record_formats(self.engine.info)
         self._last_enqueue_s = time.monotonic()
         # the config's adapters were loaded by Engine.build (a bad one fails the replica's start); recorded here
         registry = registry_handle(config.app_name, config.max_loras)
@@ -103,6 +104,8 @@ class Generator:
         self.metrics.record_pages(num_in_use=num_pages - num_allocatable,
                                   num_cached=num_allocatable - digest["num_free_pages"], num_pages=num_pages)
         self.metrics.record_steps(self.engine.totals)
+        if self.engine.cache_stats is not None:  # read by routing_digest on the engine thread
+            self.metrics.record_prefix_cache(self.engine.cache_stats)
         self.metrics.refresh()  # every gauge, those set only when a request ends included: none goes stale
         return digest
 

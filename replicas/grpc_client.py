@@ -55,14 +55,7 @@ class GrpcClient:
 
     def model_info(self) -> ModelInfo:
         m = self._stub.ModelInfo(pb.ModelInfoRequest(), metadata=self._metadata, timeout=self._timeout_s)
-        return ModelInfo(model_name=m.model_name, architecture=m.architecture, dtype=m.dtype,
-                         vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, page_size=m.page_size,
-                         num_pages=m.num_pages, max_batch_size=m.max_batch_size, num_replicas=m.num_replicas,
-                         eos_token_ids=tuple(m.eos_token_ids),
-                         bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
-                         add_bos_token=m.add_bos_token, supported_architectures=tuple(m.supported_architectures),
-                         adapters=tuple(grpc_convert.adapter_from_proto(a) for a in m.adapters),
-                         hidden_size=m.hidden_size)
+        return grpc_convert.model_info_from_proto(m)
 
     def list_loras(self) -> list[dict]:
         """The adapters requests may name (`lora=`): name, path, rank, scale, target_modules."""

@@ -205,10 +205,25 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:
         max_seq_len=info.max_request_tokens, page_size=info.page_size, num_pages=info.num_pages,
         max_batch_size=info.max_batch_size, num_replicas=info.num_replicas, eos_token_ids=list(info.eos_token_ids),
         add_bos_token=info.add_bos_token, supported_architectures=list(info.supported_architectures),
-        adapters=[adapter_to_proto(a) for a in info.adapters], hidden_size=info.hidden_size)
+        adapters=[adapter_to_proto(a) for a in info.adapters], hidden_size=info.hidden_size,
+        weight_format=info.weight_format, kv_format=info.kv_format, bytes_per_page=info.bytes_per_page,
+        num_host_pages=info.num_host_pages, host_cache_bytes=info.host_cache_bytes)
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
     return message
+
+
+def model_info_from_proto(m: pb.ModelInfoResponse) -> ModelInfo:
+    """What a client reads (adapters as dicts: adapter_from_proto); max_seq_len is the server's request limit."""
+    return ModelInfo(model_name=m.model_name, architecture=m.architecture, dtype=m.dtype,
+                     vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, page_size=m.page_size,
+                     num_pages=m.num_pages, max_batch_size=m.max_batch_size, num_replicas=m.num_replicas,
+                     eos_token_ids=tuple(m.eos_token_ids),
+                     bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
+                     add_bos_token=m.add_bos_token, supported_architectures=tuple(m.supported_architectures),
+                     adapters=tuple(adapter_from_proto(a) for a in m.adapters), hidden_size=m.hidden_size,
+                     weight_format=m.weight_format, kv_format=m.kv_format, bytes_per_page=m.bytes_per_page,
+                     num_host_pages=m.num_host_pages, host_cache_bytes=m.host_cache_bytes)
 
 
 # --- LoRA adapters ---

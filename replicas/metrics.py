@@ -12,6 +12,12 @@ Generator replicas:
                                                 the prefix-cache hit rate is cached / prompt (rate() of both)
     folio_prefix_cache_hit_rate                 the same ratio, over the replica's lifetime
     folio_pages_in_use / folio_pages_cached / folio_pages_total   KV-cache pages
+    folio_kv_page_bytes                         bytes of one KV-cache page (its kv_format's, scales included)
+    folio_replica_format_info{weight_format, kv_format}   1: the replica's memory formats (join on app, replica)
+    folio_host_tier_pages / folio_host_tier_bytes          the host tier's page slots and their host memory (0: off)
+    folio_host_tier_pages_to_host_total / folio_host_tier_pages_from_host_total
+                                                pages copied GPU -> host (evicted, kept) and host -> GPU
+    folio_prefix_cache_host_hit_pages_total     prefix-hit pages of first admissions that came from the host tier
     folio_engine_steps_total, folio_engine_busy_seconds_total      engine steps and the wall time inside them
     folio_engine_prompt_tokens_computed_total, folio_engine_decode_rows_total, folio_engine_preemptions_total,
     folio_engine_failed_jobs_total                                 from each step's StepStats
@@ -62,6 +68,13 @@ STEP_COUNTERS = {
     "failed_jobs": "Jobs that failed inside a step (the others went on).",
     "drafted_tokens": "Tokens drafted for the target to verify (speculative decoding).",
     "accepted_draft_tokens": "Drafted tokens the target accepted (speculative decoding).",
+}
+# folio_<name>_total counters: (PrefixCacheStats attribute, description); the stats come from folio.cache.reports
+HOST_TIER_COUNTERS = {
+    "host_tier_pages_to_host": ("num_pages_to_host", "Pages copied from the KV cache to the host tier (evicted)."),
+    "host_tier_pages_from_host": ("num_pages_from_host", "Pages copied from the host tier back to the KV cache."),
+    "prefix_cache_host_hit_pages": ("num_host_hit_pages",
+                                    "Prefix-hit pages of first admissions that came from the host tier."),
 }
 STEP_TOTAL_ATTRIBUTES = {"steps": "num_steps", "busy_seconds": "busy_s", "prompt_tokens_computed": "num_prompt_tokens",
                          "decode_rows": "num_decode_rows", "preemptions": "num_preemptions",
@@ -123,13 +136,24 @@ class GeneratorMetrics:
         self.draft_acceptance_rate = metrics.Gauge(
             "folio_engine_draft_acceptance_rate",
             description="Accepted / drafted tokens over the replica's life (speculative decoding).", tag_keys=keys)
+        self.page_bytes = metrics.Gauge("folio_kv_page_bytes", description="Bytes of one KV-cache page.",
+                                        tag_keys=keys)
+        self.host_pages = metrics.Gauge("folio_host_tier_pages", description="Host-tier page slots (0: no tier).",
+                                        tag_keys=keys)
+        self.host_bytes = metrics.Gauge("folio_host_tier_bytes", description="Host memory of the host tier.",
+                                        tag_keys=keys)
+        self.host_counters = {name: metrics.Counter(f"folio_{name}_total", description=text, tag_keys=keys)
+                              for name, (_, text) in HOST_TIER_COUNTERS.items()}
         for metric in (self.generated_tokens, self.prompt_tokens, self.cached_prompt_tokens, self.hit_rate,
                        self.pages_in_use, self.pages_cached, self.pages_total, self.running, self.waiting,
-                       self.draft_acceptance_rate, *counter.values()):
+                       self.draft_acceptance_rate, self.page_bytes, self.host_pages, self.host_bytes,
+                       *counter.values(), *self.host_counters.values()):
             metric.set_default_tags(tags)
+        self._tags = tags
+        self._format_info: Any = None  # folio_replica_format_info, once record_formats knows the formats
         self._num_prompt = 0
         self._num_cached = 0
-        self._published = {name: 0.0 for name in STEP_COUNTERS}
+        self._published = {name: 0.0 for name in (*STEP_COUNTERS, *HOST_TIER_COUNTERS)}
         self._gauge_values: dict[Any, float] = {}  # gauge -> the value last set (refresh sets it again)
 
     def _set(self, gauge: Any, value: float) -> None:
@@ -175,3 +199,26 @@ class GeneratorMetrics:
         self._set(self.pages_in_use, num_in_use)
         self._set(self.pages_cached, num_cached)
         self._set(self.pages_total, num_pages)
+
+    def record_formats(self, info: Any) -> None:
+        """The replica's memory formats and host tier (folio.serve.schema.ModelInfo): set once at start, kept
+        alive by refresh. The format names are labels of a gauge of 1 (Prometheus' info pattern)."""
+        if self._format_info is None:
+            self._format_info = metrics.Gauge(
+                "folio_replica_format_info", description="1, labelled with the replica's weight and KV formats.",
+                tag_keys=(*self._tags, "weight_format", "kv_format"))
+            self._format_info.set_default_tags({**self._tags, "weight_format": info.weight_format,
+                                                "kv_format": info.kv_format})
+        self._set(self._format_info, 1)
+        self._set(self.page_bytes, info.bytes_per_page)
+        self._set(self.host_pages, info.num_host_pages)
+        self._set(self.host_bytes, info.host_cache_bytes)
+
+    def record_prefix_cache(self, stats: Any) -> None:
+        """Publish the prefix cache's host-tier counters (folio.cache.reports.PrefixCacheStats, running totals) by
+        what grew since the last call."""
+        for name, (attribute, _) in HOST_TIER_COUNTERS.items():
+            value = float(getattr(stats, attribute))
+            if value > self._published[name]:
+                self.host_counters[name].inc(value - self._published[name])
+                self._published[name] = value

@@ -282,6 +282,13 @@ class ModelInfo:
     supported_architectures: tuple[str, ...] = ()  # what this server's folio can load
     hidden_size: int = 0  # values per row of injected embeddings
     adapters: tuple[Any, ...] = ()  # folio.serve.adapters.AdapterInfo: filled by the ingress, per call
+    # The replica's memory formats ("" where not reported): weight_format "fp8" / "dense"; kv_format the cache's
+    # (folio.kv_formats: "bf16", "q8", ...); bytes_per_page of the KV cache (K and V, every layer, scales included)
+    weight_format: str = ""
+    kv_format: str = ""
+    bytes_per_page: int = 0
+    num_host_pages: int = 0  # the host tier's page slots per replica (0: none)
+    host_cache_bytes: int = 0  # the host memory they take
 
     @property
     def max_request_tokens(self) -> int:

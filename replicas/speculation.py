@@ -64,7 +64,8 @@ def gpu_cache_size(config: ServeConfig, model: Model, draft_model: Model | None)
     if draft_model is None:
         return {**size, "reserve_bytes": reserve}
     reserve += draft_reserve_bytes(config, draft_model)
-    target_page_bytes = page_bytes(model, config.page_size)
+    # the target's pages in its kv_format; the generator makes the draft's cache unquantized (the draft model's dtype)
+    target_page_bytes = page_bytes(model, config.page_size, config.kv_format)
     draft_page_bytes = page_bytes(draft_model, config.page_size)
     if "max_memory_fraction" in size:
         # Cache takes fraction * (free - reserve) // target_page_bytes pages: scaled, both caches fit the fraction

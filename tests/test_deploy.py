@@ -385,6 +385,26 @@ def test_chart_passes_lora_adapters_to_the_application(helm, crd_validator):
     assert "lora_adapters" not in default_args and "lora_admin" not in default_args  # admin RPCs stay off
 
 
+def test_chart_passes_memory_formats_to_the_application(helm, crd_validator):
+    """model.weightFormat, cache.kvFormat and cache.hostCacheGiB become ServeConfig's weight_format, kv_format and
+    host_cache_bytes (check_rayservice validates the args with ServeConfig.from_dict)."""
+    def args_of(values):
+        rayservice, _ = render(helm, values)
+        return check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)["applications"][0]["args"]
+
+    args = args_of({"model": {"weightFormat": "fp8"}, "cache": {"kvFormat": "q8", "hostCacheGiB": 0.5}})
+    assert (args["weight_format"], args["kv_format"], args["host_cache_bytes"]) == ("fp8", "q8", 1 << 29)
+    default = args_of({})
+    assert "weight_format" not in default and "kv_format" not in default  # the checkpoint's, the model's dtype
+    assert default["host_cache_bytes"] == 8 << 30 and isinstance(default["host_cache_bytes"], int)
+    assert args_of({"cache": {"hostCacheGiB": 0}})["host_cache_bytes"] == 0  # off
+    assert "host_cache_bytes" not in args_of({"cache": {"hostCacheGiB": None}})  # the engine's default
+    # replicas per pod x hostCacheGiB + shmSize just fits the pod's limit: 8 x 5 + 8 = 48 GiB
+    fits = args_of({"generator": {"replicas": 8}, "workers": {"gpusPerWorker": 8, "shmSize": "8Gi"},
+                    "cache": {"hostCacheGiB": 5}})
+    assert fits["host_cache_bytes"] == 5 << 30
+
+
 @pytest.mark.parametrize("router", ["pow2", "ray_prefix"])
 def test_chart_renders_each_router(helm, crd_validator, router):
     """The chart's router table and kwargs equal folio.serve.app's (check_serve_config compares them)."""
@@ -422,6 +442,10 @@ SCHEMA_VIOLATIONS = {
     "unknown auth mode": {"rayAuthMode": "basic"},
     "no draft tokens": {"model": {"numDraftTokens": 0}},
     "adapter name with a space": {"model": {"loraAdapters": {"my adapter": "/models/a"}}},
+    "unknown weight format": {"model": {"weightFormat": "int8"}},
+    "unknown KV format": {"cache": {"kvFormat": "q3"}},
+    "q4h has no CUDA kernel": {"cache": {"kvFormat": "q4h"}},
+    "negative host tier": {"cache": {"hostCacheGiB": -1}},
 }
 
 
@@ -441,6 +465,11 @@ CROSS_VALUE_VIOLATIONS = {
     "cache tokens not whole pages": ({"cache": {"tokens": 1000}}, "multiple of cache.pageSize"),
     "ports clash": ({"ports": {"http": 50051}}, "ports: must all differ"),
     "two drafters": ({"model": {"ngram": True, "draftPath": "/models/d"}}, "exclude each other"),
+    "host tier beyond the pod's memory": ({"generator": {"replicas": 8}, "workers": {"gpusPerWorker": 8,
+                                                                                      "shmSize": "8Gi"},
+                                           "cache": {"hostCacheGiB": 6}},
+                                          "8 generator replicas per worker pod x 6 GiB of pinned host memory plus "
+                                          "workers.shmSize (8Gi) exceed workers.resources.limits.memory (48Gi)"),
 }
 
 

@@ -68,3 +68,44 @@ def check_a_cache_of_all_free_memory_still_runs_full_chunks(demo_dir: Path, draf
         asyncio.run(engine.close(drain_timeout_s=5))
         del engine
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model"])
+def test_memory_formats_on_a_gpu_replica(demo_dir, drafter):
+    """weight_format fp8, kv_format q8 and a pinned host tier on CUDA (with a draft model: beside its unquantized
+    cache): ModelInfo says so, the host tier stays within its bytes, and a prompt evicted to the host comes back
+    generating what it generated first."""
+    from folio.serve.engine import Engine
+
+    spec = {"none": {}, "draft_model": {"draft_model_path": str(demo_dir)}}[drafter]
+    config = ServeConfig(model_path=str(demo_dir), device="cuda", num_gpus=1, dtype="bfloat16",
+                         cache_tokens=2048, page_size=16, max_batch_size=4, warmup=True,
+                         weight_format="fp8", kv_format="q8", host_cache_bytes=64 << 20, **spec)
+    engine = Engine.build(config)
+    try:
+        info, cfg = engine.info, engine.model.config
+        page_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.head_dim + 2 * (cfg.head_dim // 32))
+        assert (info.weight_format, info.kv_format, info.bytes_per_page) == ("fp8", "q8", page_bytes)
+        assert engine.cache.k.dtype == torch.uint8 and info.num_pages == engine.cache.num_pages
+        assert 0 < info.num_host_pages and info.host_cache_bytes <= 64 << 20
+        if drafter == "draft_model":
+            assert engine.generator.speculator is not None
+
+        async def run(prompt):
+            job = engine.start_job(EngineRequest(input_ids=prompt, max_new_tokens=8, stop_conditions=(),
+                                                 sampler={"temperature": 0.0, "top_k": 1}))
+            return Completion.from_chunks([c async for c in engine.stream(job, time.monotonic())])
+
+        prompt = tuple(range(3, 103))  # 6 full pages and a partial one
+        first = asyncio.run(run(prompt))
+        # fill the GPU cache (128 pages) with other prompts until the first one's pages have left it for the host
+        filler_len = 16 * 32
+        for i in range(info.num_pages * 16 // filler_len + 2):
+            asyncio.run(run(tuple((i * 131 + j) % 900 + 3 for j in range(filler_len))))
+        again = asyncio.run(run(prompt))
+        assert again.token_ids == first.token_ids and again.finish.usage.cached_tokens == 96
+        assert engine.generator.prefix_cache_stats().num_host_hit_pages > 0
+    finally:
+        asyncio.run(engine.close(drain_timeout_s=5))
+        del engine
+        torch.cuda.empty_cache()

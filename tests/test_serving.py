@@ -9,9 +9,11 @@ decoding. The replica-kill test runs last: it takes a replica of "folio" down.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from fakes import free_port, wait_for
@@ -129,6 +131,12 @@ def test_model_info(served):
     info = _stub(served).ModelInfo(pb.ModelInfoRequest(), metadata=_md())
     assert (info.architecture, info.page_size, info.num_pages, info.num_replicas) == ("LlamaForCausalLM", 16, 256, 2)
     assert info.max_seq_len == 4096 and info.vocab_size == 1000 and list(info.eos_token_ids)
+    # the demo model's float32 K and V, every layer; no host tier on a CPU unless asked
+    demo = json.loads((Path(served["main"].model_path) / "config.json").read_text())
+    head_dim = demo["head_dim"]
+    assert (info.weight_format, info.kv_format) == ("dense", "fp32")
+    assert info.bytes_per_page == 2 * demo["num_hidden_layers"] * 16 * demo["num_key_value_heads"] * head_dim * 4
+    assert (info.num_host_pages, info.host_cache_bytes) == (0, 0)
 
 
 def test_prefix_cache_hits_are_reported(served):
@@ -304,7 +312,8 @@ def test_metrics_are_exported(served):
               "ray_folio_time_per_output_token_seconds_bucket", "ray_folio_generated_tokens_total",
               "ray_folio_prompt_tokens_total", "ray_folio_cached_prompt_tokens_total",
               "ray_folio_prefix_cache_hit_rate", "ray_folio_pages_in_use", "ray_folio_engine_steps_total",
-              "ray_folio_engine_decode_rows_total", "ray_folio_engine_running_jobs"]
+              "ray_folio_engine_decode_rows_total", "ray_folio_engine_running_jobs", "ray_folio_replica_format_info",
+              "ray_folio_kv_page_bytes", "ray_folio_host_tier_pages"]
 
     def scrape():
         url = f"http://127.0.0.1:{served['metrics_port']}/metrics"
@@ -313,10 +322,12 @@ def test_metrics_are_exported(served):
         except OSError:
             return None
         found = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line.startswith("ray_folio_")}
-        return body if all(name in found for name in wanted) else None
+        missing[:] = [name for name in wanted if name not in found]
+        return None if missing else body
 
+    missing = list(wanted)
     body = wait_for(scrape, timeout_s=40, interval_s=1.0)
-    assert body is not None, "folio's metrics did not all appear on the metrics endpoint"
+    assert body is not None, f"folio's metrics did not all appear on the metrics endpoint: missing {missing}"
     generated = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                  if line.startswith("ray_folio_generated_tokens_total{")]
     assert sum(generated) > 0
@@ -325,6 +336,8 @@ def test_metrics_are_exported(served):
     assert sum(steps) > 0
     ok = [line for line in body.splitlines() if line.startswith("ray_folio_requests_total{") and 'status="OK"' in line]
     assert ok and sum(float(line.rsplit(" ", 1)[1]) for line in ok) > 0
+    formats = [line for line in body.splitlines() if line.startswith("ray_folio_replica_format_info{")]
+    assert formats and all('kv_format="fp32"' in line and 'weight_format="dense"' in line for line in formats)
 
 
 def test_gauges_stay_exported_while_the_server_is_idle(served):

@@ -48,11 +48,54 @@ from folio.serve.validation import to_engine_request
     ({"warmup": "maybe"}, "warmup"),
     ({"max_batch_size": 2.5}, "max_batch_size"),
     ({"num_gpus": float("nan")}, "num_gpus"),
+    ({"weight_format": "int8"}, "weight_format"),
+    ({"weight_format": "FP8"}, "weight_format"),
+    ({"kv_format": "q3"}, "kv_format"),
+    ({"kv_format": "bfloat16"}, "kv_format"),  # the dtype's ServeConfig name, not the format's
+    ({"kv_format": "fp16", "dtype": "bfloat16"}, "kv_format"),  # an unquantized cache is in the model's dtype
+    ({"kv_format": "q4h", "num_gpus": 1}, "kv_format"),  # no CUDA kernel
+    ({"host_cache_bytes": -1}, "host_cache_bytes"),
+    ({"host_cache_bytes": "64GiB"}, "host_cache_bytes"),
 ])
 def test_config_rejects_invalid_values_naming_the_option(values, field):
     with pytest.raises(ConfigError) as info:
         ServeConfig.from_dict(values)
     assert str(info.value).startswith(field + ":"), str(info.value)
+
+
+def test_config_format_refusals_list_the_valid_names():
+    from folio.serve.config import KV_FORMATS, WEIGHT_FORMATS
+
+    with pytest.raises(ConfigError) as kv:
+        ServeConfig.from_dict({"kv_format": "int4"})
+    assert all(name in str(kv.value) for name in KV_FORMATS) and "'int4'" in str(kv.value)
+    with pytest.raises(ConfigError) as weights:
+        ServeConfig.from_dict({"weight_format": "int8"})
+    assert all(name in str(weights.value) for name in WEIGHT_FORMATS) and "'int8'" in str(weights.value)
+
+
+def test_config_format_names_are_the_engines():
+    """ServeConfig repeats the engine's format names (it imports no torch): they must stay equal."""
+    import torch
+
+    from folio import kv_formats
+    from folio.model import fp8_checkpoint
+    from folio.serve.config import KV_FORMAT_OF_DTYPE, KV_FORMATS, WEIGHT_FORMATS
+
+    assert set(WEIGHT_FORMATS) == set(fp8_checkpoint.WEIGHT_FORMATS) - {None}
+    assert set(KV_FORMATS) == set(kv_formats.UNQUANTIZED_DTYPES) | set(kv_formats.QUANTIZED_FORMATS)
+    for dtype, short in KV_FORMAT_OF_DTYPE.items():
+        assert kv_formats.UNQUANTIZED_DTYPES[short] == getattr(torch, dtype)
+
+
+def test_config_accepts_formats_as_serve_run_passes_them():
+    config = ServeConfig.from_dict({"num_gpus": "0", "kv_format": "q4h", "weight_format": "fp8",
+                                    "host_cache_bytes": "1048576"})
+    assert (config.kv_format, config.weight_format, config.host_cache_bytes) == ("q4h", "fp8", 1 << 20)
+    unset = ServeConfig.from_dict({"kv_format": "none", "weight_format": "", "host_cache_bytes": "none"})
+    assert (unset.kv_format, unset.weight_format, unset.host_cache_bytes) == (None, None, None)
+    assert ServeConfig(kv_format="bf16", dtype="bfloat16").kv_format == "bf16"  # the model's dtype by name
+    assert ServeConfig(host_cache_bytes=0).host_cache_bytes == 0  # off
 
 
 def test_config_rejects_unknown_options():
@@ -92,6 +135,25 @@ def test_config_from_yaml_and_flags(tmp_path):
     path.write_text("page_size: 10\n")
     with pytest.raises(ConfigError, match=r"serve.yaml: page_size:"):
         ServeConfig.from_yaml(path)
+
+
+def test_serve_flags_set_the_memory_formats(capsys):
+    """`folio serve --weight-format/--kv-format/--host-cache-bytes` reach ServeConfig over the demo defaults; a bad
+    one is refused naming the option before anything starts (exit 2)."""
+    from folio.serve import cli
+
+    parser = cli._parser()
+    args = parser.parse_args(["serve", "--weight-format", "fp8", "--kv-format", "q8", "--host-cache-bytes", "4096"])
+    config = ServeConfig.from_args(args, **cli.DEMO_DEFAULTS)
+    assert (config.weight_format, config.kv_format, config.host_cache_bytes) == ("fp8", "q8", 4096)
+    assert config.page_size == cli.DEMO_DEFAULTS["page_size"]  # the other defaults stay
+    plain = ServeConfig.from_args(parser.parse_args(["serve"]), **cli.DEMO_DEFAULTS)
+    assert (plain.weight_format, plain.kv_format, plain.host_cache_bytes) == (None, None, None)
+    assert cli.main(["serve", "--kv-format", "q3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("folio serve: kv_format: must be one of bf16, fp16, fp32, fp8, q8, q4, q4h"), err
+    assert cli.main(["serve", "--host-cache-bytes", "-5"]) == 2
+    assert "folio serve: host_cache_bytes: must be >= 0" in capsys.readouterr().err
 
 
 def test_app_builder_and_serve_config():
@@ -395,6 +457,80 @@ def test_engine_queue_full_is_overloaded(engine):
     assert engine.num_remaining == 0
 
 
+def _page_bytes(model, page_size: int, bytes_per_head_token: int) -> int:
+    """K and V of every layer and kv head, by hand."""
+    cfg = model.config
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * bytes_per_head_token
+
+
+def test_model_info_reports_the_unquantized_cache(engine):
+    info, cfg = engine.info, engine.model.config
+    assert (info.weight_format, info.kv_format) == ("dense", "fp32")  # the demo model's float32
+    assert info.bytes_per_page == _page_bytes(engine.model, 16, cfg.head_dim * 4)
+    assert (info.num_host_pages, info.host_cache_bytes) == (0, 0)  # no host tier on a CPU unless asked
+
+
+def test_engine_builds_the_memory_formats_it_is_configured_with(demo_dir):
+    """weight_format, kv_format and host_cache_bytes reach the model, the cache and the generator: ModelInfo (and
+    its proto) report them, and a prompt evicted from the small GPU cache comes back from the host tier, generating
+    what it generated the first time; without the tier it is computed again."""
+    import dataclasses
+
+    from folio.serve import grpc_convert
+    from folio.serve.engine import Engine
+
+    config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=128, page_size=16, max_batch_size=2,
+                         warmup=False, weight_format="fp8", kv_format="q8", host_cache_bytes=1 << 20)
+    engine = Engine.build(config)
+    info, cfg = engine.info, engine.model.config
+    # q8: a byte per element plus a float16 scale per 32 elements
+    page_bytes = _page_bytes(engine.model, 16, cfg.head_dim + 2 * (cfg.head_dim // 32))
+    assert (info.weight_format, info.kv_format, info.bytes_per_page, info.num_pages) == ("fp8", "q8", page_bytes, 8)
+    assert info.num_host_pages == (1 << 20) // page_bytes > 0
+    assert info.host_cache_bytes == info.num_host_pages * page_bytes
+    message = grpc_convert.model_info_to_proto(info)
+    assert (message.weight_format, message.kv_format, message.bytes_per_page) == ("fp8", "q8", page_bytes)
+    assert grpc_convert.model_info_from_proto(message) == dataclasses.replace(info, max_seq_len=info.max_request_tokens)
+
+    prompt_a, prompt_b = tuple(range(2, 102)), tuple(range(300, 400))  # 6 full pages each: B evicts A's
+
+    async def run(engine):
+        completions = []
+        for prompt in (prompt_a, prompt_b, prompt_a):
+            job = engine.start_job(_request(4, prompt=prompt))
+            completions.append(Completion.from_chunks([c async for c in engine.stream(job, time.monotonic())]))
+        await engine.routing_digest(1, "test")  # takes the cache's stats on the engine thread
+        await engine.close(drain_timeout_s=1)
+        return completions
+
+    first_a, _, again_a = asyncio.run(run(engine))
+    assert again_a.finish.usage.cached_tokens == 96 and again_a.token_ids == first_a.token_ids
+    stats = engine.cache_stats
+    assert 1 <= stats.num_host_hit_pages <= stats.num_pages_from_host <= stats.num_pages_to_host
+    without = Engine.build(config.replace(host_cache_bytes=0))
+    assert without.info.num_host_pages == 0
+    _, _, recomputed_a = asyncio.run(run(without))
+    assert recomputed_a.token_ids == first_a.token_ids and without.cache_stats.num_pages_to_host == 0
+    # the pages that the GPU cache lost are the ones that came back from the host
+    num_lost_pages = (96 - recomputed_a.finish.usage.cached_tokens) // 16
+    assert num_lost_pages >= 1 and stats.num_host_hit_pages == num_lost_pages
+
+
+def test_gpu_cache_sizing_splits_memory_by_the_kv_formats_page_bytes(engine):
+    """With a draft model, a cache_memory_fraction is split in proportion to the two caches' page bytes: the
+    target's in its kv_format, the draft's (unquantized) in its dtype."""
+    from folio.serve import speculation
+
+    model = engine.model
+    config = ServeConfig(model_path="unused", num_gpus=1, cache_memory_fraction=0.5, page_size=16, kv_format="q8")
+    target = _page_bytes(model, 16, model.config.head_dim + 2 * (model.config.head_dim // 32))
+    draft = _page_bytes(model, 16, model.config.head_dim * 4)
+    size = speculation.gpu_cache_size(config, model, draft_model=model)
+    assert size["max_memory_fraction"] == pytest.approx(0.5 * target / (target + draft))
+    plain = speculation.gpu_cache_size(config.replace(kv_format=None), model, draft_model=model)
+    assert plain["max_memory_fraction"] == pytest.approx(0.25)
+
+
 def test_engine_close_lets_running_jobs_finish(demo_dir):
     from folio.serve.engine import Engine
 
@@ -660,7 +796,7 @@ async def _drain(call):
 
 class _FakeMetric:
     def __init__(self, name, description="", tag_keys=(), boundaries=None):
-        self.name, self.values = name, []
+        self.name, self.values, self.tag_keys = name, [], tuple(tag_keys)
 
     def set_default_tags(self, tags):
         return self
@@ -704,7 +840,7 @@ def test_every_routing_stats_poll_sets_every_gauge_again(fake_ray_metrics):
     async def routing_digest(epoch, instance_id):
         return digest
 
-    replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(num_running=1))
+    replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(num_running=1), cache_stats=None)
     replica.adapters = SimpleNamespace(sync=lambda: asyncio.sleep(0))  # no LoRA registry to follow here
     replica.metrics.record_job(prompt_tokens=100, cached_tokens=40, generated_tokens=5)
     gauges = {name: m for name, m in fake_ray_metrics.items() if name in (
@@ -718,6 +854,48 @@ def test_every_routing_stats_poll_sets_every_gauge_again(fake_ray_metrics):
             "folio_prefix_cache_hit_rate": [0.4], "folio_pages_in_use": [4], "folio_pages_cached": [10],
             "folio_pages_total": [64], "folio_engine_running_jobs": [1], "folio_engine_waiting_jobs": [0]}
     assert not fake_ray_metrics["folio_engine_draft_acceptance_rate"].values  # never drafted: never exported
+
+
+def test_host_tier_metrics(fake_ray_metrics):
+    """The replica's formats and host tier size are gauges set at start (and on every poll); the host tier's
+    counters grow by what the prefix cache's running totals grew since the last poll."""
+    from folio.cache.reports import PrefixCacheStats
+    from folio.serve.engine import StepTotals
+    from folio.serve.generator import Generator
+    from folio.serve.metrics import GeneratorMetrics
+
+    cls = Generator.func_or_class
+    replica = cls.__new__(cls)
+    replica.config, replica.epoch, replica.instance_id = ServeConfig(num_gpus=0), 0, "x"
+    replica.metrics = GeneratorMetrics("app", "r1")
+    info = SimpleNamespace(weight_format="fp8", kv_format="q8", bytes_per_page=8704, num_host_pages=120,
+                           host_cache_bytes=120 * 8704)
+    replica.metrics.record_formats(info)
+    gauges = {name: fake_ray_metrics[name] for name in (
+        "folio_replica_format_info", "folio_kv_page_bytes", "folio_host_tier_pages", "folio_host_tier_bytes")}
+    assert {name: g.values for name, g in gauges.items()} == {
+        "folio_replica_format_info": [1], "folio_kv_page_bytes": [8704], "folio_host_tier_pages": [120],
+        "folio_host_tier_bytes": [120 * 8704]}
+    assert fake_ray_metrics["folio_replica_format_info"].tag_keys == ("app", "replica", "weight_format", "kv_format")
+
+    async def routing_digest(epoch, instance_id):
+        return {"num_pages": 8, "num_allocatable_pages": 8, "num_free_pages": 8}
+
+    replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(), cache_stats=None)
+    replica.adapters = SimpleNamespace(sync=lambda: asyncio.sleep(0))
+    polls = [PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6),
+             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6),
+             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=7, num_pages_to_host=13, num_pages_from_host=9)]
+    for stats in [None, *polls]:
+        replica.engine.cache_stats = stats
+        asyncio.run(replica.record_routing_stats())
+    counted = {name: [value for value, _ in fake_ray_metrics[name].values] for name in (
+        "folio_host_tier_pages_to_host_total", "folio_host_tier_pages_from_host_total",
+        "folio_prefix_cache_host_hit_pages_total")}
+    assert counted == {"folio_host_tier_pages_to_host_total": [10.0, 3.0],
+                       "folio_host_tier_pages_from_host_total": [6.0, 3.0],
+                       "folio_prefix_cache_host_hit_pages_total": [5.0, 2.0]}
+    assert gauges["folio_host_tier_pages"].values[-1] == 120  # refreshed on every poll
 
 
 def test_requests_refused_at_the_ingress_are_counted(fake_ray_metrics):

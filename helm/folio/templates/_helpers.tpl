@@ -59,6 +59,15 @@ Checks across values that values.schema.json cannot express; a failure stops `he
 {{- if gt (float64 $maxGen) (mulf $perWorker (float64 $workers.maxReplicas)) -}}
 {{- fail (printf "workers.maxReplicas (%v pods of %v GPUs) cannot hold %v generator replicas of %v GPUs" $workers.maxReplicas $workers.gpusPerWorker $maxGen $gen.gpusPerReplica) -}}
 {{- end -}}
+{{- /* The host tier is pinned memory of every replica on a pod, beside /dev/shm: checked where both sizes are in Gi. */ -}}
+{{- $hostGiB := .Values.cache.hostCacheGiB -}}
+{{- $memory := toString (dig "limits" "memory" "" $workers.resources) -}}
+{{- if and (ne $hostGiB nil) (regexMatch "^[0-9]+Gi$" $memory) (regexMatch "^[0-9]+Gi$" (toString $workers.shmSize)) -}}
+{{- $needGiB := addf (mulf $perWorker $hostGiB) (float64 (trimSuffix "Gi" (toString $workers.shmSize))) -}}
+{{- if gt $needGiB (float64 (trimSuffix "Gi" $memory)) -}}
+{{- fail (printf "cache.hostCacheGiB: %v generator replicas per worker pod x %v GiB of pinned host memory plus workers.shmSize (%v) exceed workers.resources.limits.memory (%v)" $perWorker $hostGiB $workers.shmSize $memory) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (ne .Values.cache.tokens nil) (ne (mod (int .Values.cache.tokens) (int .Values.cache.pageSize)) 0) -}}
 {{- fail (printf "cache.tokens (%v) must be a multiple of cache.pageSize (%v)" .Values.cache.tokens .Values.cache.pageSize) -}}
 {{- end -}}
@@ -144,6 +153,15 @@ applications:
       cache_memory_fraction: {{ .Values.cache.memoryFraction | toJson }}
       {{- end }}
       page_size: {{ .Values.cache.pageSize | int }}
+      {{- if ne .Values.model.weightFormat nil }}
+      weight_format: {{ .Values.model.weightFormat | toJson }}
+      {{- end }}
+      {{- if ne .Values.cache.kvFormat nil }}
+      kv_format: {{ .Values.cache.kvFormat | toJson }}
+      {{- end }}
+      {{- if ne .Values.cache.hostCacheGiB nil }}
+      host_cache_bytes: {{ mulf .Values.cache.hostCacheGiB 1073741824 | int64 }}
+      {{- end }}
       max_batch_size: {{ $gen.maxBatchSize | int }}
       max_queue_size: {{ $gen.maxQueueSize | int }}
       {{- if ne $gen.maxQueuedRequests nil }}
