@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "device_utils.cuh"
+#include "gemv_common.cuh"
 #include "kernels.cuh"
 #include "launch.cuh"
 
@@ -51,17 +52,7 @@ constexpr int kWarpStepChunks = 4 * kUnroll; // 8-element chunks of a row per wa
 constexpr int kMaxRows = static_cast<int>(kLinearMaxRows);
 static_assert(kMaxRows <= 8, "x is the A operand of m16n8k16: rows 0..7 of a group of 8 lanes");
 
-// 16 bytes of W: read-only, no L1 allocation, with a hint to fetch the surrounding 256 bytes into L2 (the next
-// loads of this warp read them).
-// (volatile: kept in program order with the other volatile asm, so that the first loads stay ahead of the
-// grid-dependency wait.)
-__device__ __forceinline__ uint4 load_streaming(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+using gemv::load_streaming;  // (gemv_common.cuh)
 
 // Chunk c (elements 8c .. 8c+7) of a row of 16-bit values as four words, element 2i in the low half of word i;
 // elements at k >= K read as zero. VEC: the row is 16-byte aligned and K % 8 == 0 (the chunk is whole).
@@ -179,38 +170,8 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
   partial[warp][g][2 * t] = acc[0];
   partial[warp][g][2 * t + 1] = acc[1];
   __syncthreads();
-  if constexpr (GATED) {
-    if (threadIdx.x < kMaxRows * 4) {
-      const int m = threadIdx.x / 4, j = threadIdx.x % 4;
-      const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + j;  // output column: gate row i, up row I + i
-      if (m < p.num_rows && i < half) {
-        float gate = 0.0f, up = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          gate += partial[w][m][j];
-          up += partial[w][m][j + 4];
-        }
-        if (p.bias != nullptr) {
-          gate += to_float(static_cast<const T*>(p.bias)[i]);
-          up += to_float(static_cast<const T*>(p.bias)[half + i]);
-        }
-        const float g_r = to_float(from_float<T>(gate)), u_r = to_float(from_float<T>(up));  // as stored unfused
-        static_cast<T*>(p.out)[m * half + i] = from_float<T>(g_r / (1.0f + expf(-g_r)) * u_r);
-      }
-    }
-    return;
-  }
-  if (threadIdx.x < kMaxRows * kTileRows) {
-    const int m = threadIdx.x / kTileRows, j = threadIdx.x % kTileRows;
-    const int64_t n = n0 + j;
-    if (m < p.num_rows && n < p.out_features) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += partial[w][m][j];
-      if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
-      static_cast<T*>(p.out)[m * p.out_features + n] = from_float<T>(sum);
-    }
-  }
+  gemv::store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial, p.num_rows, p.out_features, nullptr,
+                                                                   p.bias, p.out);
 }
 
 constexpr int kF32Unroll = 4;  // float4 loads of W in flight per lane

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "device_utils.cuh"
+#include "gemv_common.cuh"
 #include "kernels.cuh"
 #include "launch.cuh"
 
@@ -41,14 +42,7 @@ constexpr int kChunk = 16;                      // weights per 16-byte load
 constexpr int kMaxRows = static_cast<int>(kLinearMaxRows);
 static_assert(kMaxRows <= 8, "x is the A operand of m16n8k16: rows 0..7 of a group of 8 lanes");
 
-// 16 bytes of W, streamed past L1 (as gemv.cu's load_streaming; volatile for the same ordering reason).
-__device__ __forceinline__ uint4 load_streaming(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+using gemv::load_streaming;  // (gemv_common.cuh)
 
 // Chunk c of a row of W: weights 16c .. 16c+15 as bytes, byte i of word i / 4 at bits 8 * (i % 4). k >= K reads 0.
 template <bool VEC>
@@ -196,41 +190,8 @@ __global__ void __launch_bounds__(kThreads, 2) linear_fp8_kernel(LinearFp8Params
   partial[warp][g][2 * t] = acc[0];
   partial[warp][g][2 * t + 1] = acc[1];
   __syncthreads();
-  if constexpr (GATED) {
-    if (threadIdx.x < kMaxRows * 4) {
-      const int m = threadIdx.x / 4, j = threadIdx.x % 4;
-      const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + j;
-      if (m < p.num_rows && i < half) {
-        float gate = 0.0f, up = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          gate += partial[w][m][j];
-          up += partial[w][m][j + 4];
-        }
-        gate *= p.weight_scale[i];
-        up *= p.weight_scale[half + i];
-        if (p.bias != nullptr) {
-          gate += to_float(static_cast<const T*>(p.bias)[i]);
-          up += to_float(static_cast<const T*>(p.bias)[half + i]);
-        }
-        const float g_r = to_float(from_float<T>(gate)), u_r = to_float(from_float<T>(up));
-        static_cast<T*>(p.out)[m * half + i] = from_float<T>(g_r / (1.0f + expf(-g_r)) * u_r);
-      }
-    }
-    return;
-  }
-  if (threadIdx.x < kMaxRows * kTileRows) {
-    const int m = threadIdx.x / kTileRows, j = threadIdx.x % kTileRows;
-    const int64_t n = n0 + j;
-    if (m < p.num_rows && n < p.out_features) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += partial[w][m][j];
-      sum *= p.weight_scale[n];
-      if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
-      static_cast<T*>(p.out)[m * p.out_features + n] = from_float<T>(sum);
-    }
-  }
+  gemv::store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial, p.num_rows, p.out_features, p.weight_scale,
+                                                                   p.bias, p.out);
 }
 
 bool aligned_rows(const void* base, int64_t row_stride_bytes) {

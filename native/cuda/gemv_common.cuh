@@ -1,0 +1,73 @@
+// What the decode GEMVs (gemv.cu: 16-bit weights; gemv_fp8.cu: FP8 weights with per-channel scales) share: the
+// streaming load of W and the block epilogue. See gemv.cu for the layout both follow.
+#pragma once
+
+#include <cstdint>
+
+#include "device_utils.cuh"
+
+namespace folio::cuda::gemv {
+
+// 16 bytes of W: read-only, no L1 allocation, with a hint to fetch the surrounding 256 bytes into L2 (the next
+// loads of this warp read them).
+// (volatile: kept in program order with the other volatile asm, so that the first loads stay ahead of the
+// grid-dependency wait.)
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// A block's epilogue, after its warps wrote their partial sums (partial[w][m][j]: row m of x against row j of the
+// block's 8 rows of W, over warp w's part of K) and synchronized. The warps' sums are added in warp order (the
+// summation order depends on K only), multiplied by the row's scale (FP8 weights; nullptr: none), the bias added,
+// and the result rounded once to T. GATED: the block's rows are gate rows 4b..4b+3 (j < 4) and up rows I+4b..
+// I+4b+3 (j >= 4) of a [gate; up] weight of out_features = 2I rows; each factor is rounded to T as the unfused
+// product would be, then combined with silu_and_mul's arithmetic into out [num_rows, I].
+template <typename T, bool GATED, int kWarps, int kMaxRows, int kTileRows>
+__device__ __forceinline__ void store_block_rows(const float (&partial)[kWarps][kMaxRows][kTileRows], int num_rows,
+                                                 int64_t out_features, const float* scale, const void* bias,
+                                                 void* out) {
+  const T* bias_t = static_cast<const T*>(bias);
+  T* out_t = static_cast<T*>(out);
+  if constexpr (GATED) {
+    const int64_t half = out_features / 2;
+    if (threadIdx.x < kMaxRows * 4) {
+      const int m = threadIdx.x / 4, j = threadIdx.x % 4;
+      const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + j;  // output column: gate row i, up row I + i
+      if (m < num_rows && i < half) {
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          gate += partial[w][m][j];
+          up += partial[w][m][j + 4];
+        }
+        if (scale != nullptr) {
+          gate *= scale[i];
+          up *= scale[half + i];
+        }
+        if (bias_t != nullptr) {
+          gate += to_float(bias_t[i]);
+          up += to_float(bias_t[half + i]);
+        }
+        const float g_r = to_float(from_float<T>(gate)), u_r = to_float(from_float<T>(up));  // as stored unfused
+        out_t[m * half + i] = from_float<T>(g_r / (1.0f + expf(-g_r)) * u_r);
+      }
+    }
+  } else if (threadIdx.x < kMaxRows * kTileRows) {
+    const int m = threadIdx.x / kTileRows, j = threadIdx.x % kTileRows;
+    const int64_t n = static_cast<int64_t>(blockIdx.x) * kTileRows + j;
+    if (m < num_rows && n < out_features) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][m][j];
+      if (scale != nullptr) sum *= scale[n];
+      if (bias_t != nullptr) sum += to_float(bias_t[n]);
+      out_t[m * out_features + n] = from_float<T>(sum);
+    }
+  }
+}
+
+}  // namespace folio::cuda::gemv
