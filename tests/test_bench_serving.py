@@ -1,0 +1,45 @@
+"""bench/serving.py at a tiny size: one demo replica, a few requests in both arrival modes, and the engine alone;
+the table's numbers must agree with what was asked (tokens = OK requests x new tokens, ordered percentiles)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("grpc")
+pytest.importorskip("ray.serve")
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.mark.ray
+def test_serving_bench_tiny(tmp_path, monkeypatch, capsys):
+    # imported by name (bench/ as a namespace package): the client processes (spawned) unpickle its functions
+    monkeypatch.syspath_prepend(ROOT)
+    bench = importlib.import_module("bench.serving")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = bench.main(["--workload", "chat", "--scale", "32", "--turns", "2", "--concurrency", "2",
+                         "--duration", "2", "--rate", "4", "--requests", "4", "--conversations", "2",
+                         "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000"])
+    new_tokens = result["workload"]["new_tokens"]
+    rows = {row["run"]: row for row in result["rows"]}
+    assert set(rows) == {"server closed", "server open", "engine closed", "engine open"}
+    for run, row in rows.items():
+        assert row["ok"] == row["codes"].get("OK", 0) == row["requests"] > 0, (run, row["codes"])
+        assert row["output_tokens"] == row["ok"] * new_tokens, run
+        assert row["streamed_tokens"] == row["output_tokens"], run
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] <= row["itl_p99_ms"], run
+        assert row["ttft_p50_ms"] > 0 and not math.isnan(row["itl_p50_ms"]), run
+        assert 0.0 <= row["prefix_hit_rate"] <= 1.0, run
+        # SLOs nobody misses: every OK request is good
+        assert row["good_requests"] == row["ok"], run
+        assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["window_s"])
+    assert rows["server open"]["requests"] == 4
+    # chat turns repeat their system prompt and earlier turns: the open loop's second turns hit the cache
+    assert rows["server open"]["prefix_hit_rate"] > 0 and rows["engine open"]["prefix_hit_rate"] > 0
+    assert rows["server closed"]["client_cpu_ms_per_request"] > 0
+    assert (tmp_path / "serving.json").exists()
+    assert "| server closed |" in capsys.readouterr().out
