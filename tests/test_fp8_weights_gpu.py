@@ -202,6 +202,7 @@ def test_fp8_model_kl_against_bf16_on_a_realistic_shape(capsys):
     # decode reads bf16 activations: the weights' error only, so about the oracle's
     assert decode <= MAX_MEAN_KL
     assert decode <= 1.3 * kl_weights[PREFILL_ROWS:].mean().item() + 1e-3
-    # prefill also quantizes each token's activations to e4m3: at most about twice the weights' error
+    # prefill also quantizes each token's activations to e4m3: at most about twice the weights' error, and the
+    # issue's bound holds for the model as it runs, prefill included
     assert prefill <= 2.5 * kl_weights[:PREFILL_ROWS].mean().item() + 1e-3
-    assert prefill <= 2 * MAX_MEAN_KL
+    assert prefill <= MAX_MEAN_KL
