@@ -65,12 +65,38 @@ def resolve_num_host_pages(cache: Cache, host_cache_bytes: int | None) -> int:
     return num
 
 
+# Where a container's memory limit is written (cgroup v2, then v1): in a Kubernetes pod the machine's RAM is not
+# what this process may use.
+CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def default_host_cache_bytes(gpu_cache_bytes: int) -> int:
+    """DEFAULT_HOST_RAM_FRACTION of the memory this process may use (the machine's RAM, or its container's limit
+    when lower), at most DEFAULT_HOST_CACHE_MULTIPLE times the GPU cache and MAX_AVAILABLE_FRACTION of what is
+    available now."""
     page = os.sysconf("SC_PAGE_SIZE")
     total = os.sysconf("SC_PHYS_PAGES") * page
+    container = container_memory_limit()
+    if container is not None:
+        total = min(total, container)
     limit = min(int(total * DEFAULT_HOST_RAM_FRACTION), DEFAULT_HOST_CACHE_MULTIPLE * gpu_cache_bytes)
     available = _available_bytes()
     return limit if available is None else min(limit, int(available * MAX_AVAILABLE_FRACTION))
+
+
+def container_memory_limit(paths: tuple[str, ...] | None = None) -> int | None:
+    """The first memory limit found in `paths` (default CGROUP_MEMORY_LIMIT_FILES) in bytes; None where there is
+    none ("max", no file, or cgroup v1's "unlimited", a number near 2^63)."""
+    for path in CGROUP_MEMORY_LIMIT_FILES if paths is None else paths:
+        try:
+            with open(path) as limit_file:
+                text = limit_file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+        return None
+    return None
 
 
 def _available_bytes() -> int | None:

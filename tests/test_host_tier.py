@@ -304,3 +304,23 @@ def test_cuda_generator_with_the_host_tier_equals_without(peaked_dir, ahead):
     assert _run(gen, token_lists, with_stats) == _run(generator(), token_lists, without_stats)
     assert gen.prefix_cache_stats().num_host_hit_pages > 0
     assert sum(s.num_prompt_tokens for s in with_stats) < 0.75 * sum(s.num_prompt_tokens for s in without_stats)
+
+
+def test_the_default_host_tier_follows_a_containers_memory_limit(tmp_path, monkeypatch):
+    """In a pod, the container's cgroup limit, not the machine's RAM, bounds the default host tier."""
+    from folio import host_pages
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert host_pages.container_memory_limit((str(v2), str(v1))) is None  # no file: no limit
+    v1.write_text(str(1 << 63) + "\n")
+    assert host_pages.container_memory_limit((str(v2), str(v1))) is None  # cgroup v1's "unlimited"
+    v1.write_text("8589934592\n")
+    assert host_pages.container_memory_limit((str(v2), str(v1))) == 8 << 30
+    v2.write_text("max\n")
+    assert host_pages.container_memory_limit((str(v2), str(v1))) is None  # v2 first: unlimited there
+    v2.write_text("4294967296\n")
+    assert host_pages.container_memory_limit((str(v2), str(v1))) == 4 << 30
+    monkeypatch.setattr(host_pages, "CGROUP_MEMORY_LIMIT_FILES", (str(v2),))
+    monkeypatch.setattr(host_pages, "_available_bytes", lambda: None)
+    # 4 GiB container: a quarter of it, whatever the machine has and however large the GPU cache
+    assert host_pages.default_host_cache_bytes(gpu_cache_bytes=100 << 30) == 1 << 30
