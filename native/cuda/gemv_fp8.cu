@@ -104,22 +104,7 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair) {
   }
 }
 
-// d += A * B over one k16 step of m16n8k16 (fp32 accumulators); fragments as in gemv.cu's mma_k16.
-template <typename T>
-__device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b_lo, uint32_t b_hi) {
-  const uint32_t zero = 0u;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a_lo), "r"(zero), "r"(a_hi), "r"(zero), "r"(b_lo), "r"(b_hi));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a_lo), "r"(zero), "r"(a_hi), "r"(zero), "r"(b_lo), "r"(b_hi));
-  }
-}
+using gemv::mma_k16;  // (gemv_common.cuh)
 
 // One chunk: four mmas. mma j takes weights 4j .. 4j+3 (word j of w) and x elements 4j .. 4j+3 (words 2j, 2j+1 of
 // the chunk's 32 bytes of x) at its k positions {2t, 2t+1, 2t+8, 2t+9}, the same on both operands.
