@@ -18,17 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from folio.serve.config_formats import (  # noqa: F401 (KV_FORMAT_OF_DTYPE, KV_FORMATS, WEIGHT_FORMATS re-exported)
+    FLAG_HELP,
+    KV_FORMAT_OF_DTYPE,
+    KV_FORMATS,
+    WEIGHT_FORMATS,
+    check_memory_formats,
+)
 from folio.serve.config_values import ConfigError, check_type, convert, positive
 
 DTYPES = ("float32", "float16", "bfloat16")
-# folio.model.fp8_checkpoint.WEIGHT_FORMATS and folio.kv_formats' names, repeated: this module imports no torch
-# (tests/test_serving_units.py checks they agree).
-WEIGHT_FORMATS = ("fp8", "dense")
-KV_FORMATS = ("bf16", "fp16", "fp32", "fp8", "q8", "q4", "q4h")
-# kv_format names of the unquantized caches, by ServeConfig.dtype: a cache in another dtype than the model's is refused
-KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-# q4h has no CUDA kernel: only the reference ops run it, which a served replica never selects on a GPU.
-CPU_ONLY_KV_FORMATS = ("q4h",)
 ROUTERS = ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
 # On a CPU (tests, the demo) the cache is sized in tokens; this many when neither size is given.
@@ -207,7 +206,8 @@ class ServeConfig:
             raise ConfigError(f"cache_memory_fraction: must be in (0, 1], got {self.cache_memory_fraction}")
         if self.cache_memory_fraction is not None and self.resolved_device == "cpu":
             raise ConfigError("cache_memory_fraction: only for GPU replicas; give cache_tokens on a CPU")
-        self._check_formats()
+        check_memory_formats(self.weight_format, self.kv_format, self.dtype, self.resolved_device,
+                             self.host_cache_bytes)
         positive("max_batch_size", self.max_batch_size)
         if self.max_chunk_size is not None and (self.max_chunk_size <= 0 or self.max_chunk_size % self.page_size):
             raise ConfigError(f"max_chunk_size: must be a positive multiple of page_size ({self.page_size}), "
@@ -233,22 +233,6 @@ class ServeConfig:
         positive("max_constraint_chars", self.max_constraint_chars)
         positive("max_embedding_bytes", self.max_embedding_bytes)
         self._check_adapters()
-
-    def _check_formats(self) -> None:
-        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
-            raise ConfigError(f"weight_format: must be one of {', '.join(WEIGHT_FORMATS)} (or unset: the "
-                              f"checkpoint's format), got {self.weight_format!r}")
-        if self.kv_format is not None and self.kv_format not in KV_FORMATS:
-            raise ConfigError(f"kv_format: must be one of {', '.join(KV_FORMATS)} (or unset: the model's dtype), "
-                              f"got {self.kv_format!r}")
-        if (self.dtype is not None and self.kv_format in KV_FORMAT_OF_DTYPE.values()
-                and self.kv_format != KV_FORMAT_OF_DTYPE[self.dtype]):
-            raise ConfigError(f"kv_format: an unquantized cache holds the model's dtype ({self.dtype}: "
-                              f"{KV_FORMAT_OF_DTYPE[self.dtype]}), got {self.kv_format!r}")
-        if self.kv_format in CPU_ONLY_KV_FORMATS and self.resolved_device != "cpu":
-            raise ConfigError(f"kv_format: {self.kv_format} has no CUDA kernel (CPU replicas only); use q4 on a GPU")
-        if self.host_cache_bytes is not None:
-            positive("host_cache_bytes", self.host_cache_bytes, allow_zero=True)
 
     def _check_adapters(self) -> None:
         from folio.serve.adapters import ADAPTER_NAME
@@ -406,16 +390,6 @@ class ServeConfig:
     def explicit_values(self) -> dict[str, Any]:
         """Options that differ from the defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
-
-
-# Help of the flags whose values a name alone does not tell (the others: ServeConfig's docstring).
-FLAG_HELP = {
-    "weight_format": f"projection weights: {' / '.join(WEIGHT_FORMATS)}; none keeps the checkpoint's",
-    "kv_format": f"KV-cache format: {' / '.join(KV_FORMATS)}; none: the model's dtype (q8 ~1/2, q4 ~1/4 of bf16's "
-                 "bytes per token; q4h CPU only)",
-    "host_cache_bytes": "bytes of host memory per replica keeping evicted KV pages for prefix reuse (e.g. "
-                        "68719476736 for 64 GiB); 0: off; none: a share of RAM on a GPU, off on a CPU",
-}
 
 
 @functools.cache

@@ -1,0 +1,41 @@
+"""The memory options of a ServeConfig (weight format, KV-cache format, host tier): their names, checks and flag
+help. The names repeat folio.model.fp8_checkpoint.WEIGHT_FORMATS and folio.kv_formats' (tests/test_serving_units.py
+checks they agree): the serving config imports no torch."""
+
+from __future__ import annotations
+
+from folio.serve.config_values import ConfigError, positive
+
+WEIGHT_FORMATS = ("fp8", "dense")
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8", "q8", "q4", "q4h")
+# kv_format names of the unquantized caches, by ServeConfig.dtype: a cache in another dtype than the model's is refused
+KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# q4h has no CUDA kernel: only the reference ops run it, which a served replica never selects on a GPU.
+CPU_ONLY_KV_FORMATS = ("q4h",)
+
+# Help of the flags whose values a name alone does not tell (the others: ServeConfig's docstring).
+FLAG_HELP = {
+    "weight_format": f"projection weights: {' / '.join(WEIGHT_FORMATS)}; none keeps the checkpoint's",
+    "kv_format": f"KV-cache format: {' / '.join(KV_FORMATS)}; none: the model's dtype (q8 ~1/2, q4 ~1/4 of bf16's "
+                 "bytes per token; q4h CPU only)",
+    "host_cache_bytes": "bytes of host memory per replica keeping evicted KV pages for prefix reuse (e.g. "
+                        "68719476736 for 64 GiB); 0: off; none: a share of RAM on a GPU, off on a CPU",
+}
+
+
+def check_memory_formats(weight_format: str | None, kv_format: str | None, dtype: str | None, device: str,
+                         host_cache_bytes: int | None) -> None:
+    """ConfigError naming the field where a value is unknown or does not fit the others."""
+    if weight_format is not None and weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(f"weight_format: must be one of {', '.join(WEIGHT_FORMATS)} (or unset: the "
+                          f"checkpoint's format), got {weight_format!r}")
+    if kv_format is not None and kv_format not in KV_FORMATS:
+        raise ConfigError(f"kv_format: must be one of {', '.join(KV_FORMATS)} (or unset: the model's dtype), "
+                          f"got {kv_format!r}")
+    if dtype is not None and kv_format in KV_FORMAT_OF_DTYPE.values() and kv_format != KV_FORMAT_OF_DTYPE[dtype]:
+        raise ConfigError(f"kv_format: an unquantized cache holds the model's dtype ({dtype}: "
+                          f"{KV_FORMAT_OF_DTYPE[dtype]}), got {kv_format!r}")
+    if kv_format in CPU_ONLY_KV_FORMATS and device != "cpu":
+        raise ConfigError(f"kv_format: {kv_format} has no CUDA kernel (CPU replicas only); use q4 on a GPU")
+    if host_cache_bytes is not None:
+        positive("host_cache_bytes", host_cache_bytes, allow_zero=True)
