@@ -5,7 +5,14 @@
 #   ENGINE_BENCH=1 bash bench/gpu.sh     # then also the engine benchmark (bench/engine.py, its table last)
 #   ENGINE_BENCH=only bash bench/gpu.sh  # the engine benchmark instead of the kernel one; ENGINE_ARGS passes options
 #   ENGINE_BENCH=only EXTRA_BENCH="bench/constrained.py --batches 1,64" bash bench/gpu.sh
-#                                        # a feature benchmark instead (its table last)
+#                                        # a feature benchmark instead (its table last); several: separate them by ';'
+#   GPU_TESTS="tests/test_kv_quant_gpu.py tests/test_fp8_weights_gpu.py" ...
+#                                        # only these test files' gpu tests after the native ones (default: all)
+#   The quantized formats and the host tier (issue 21) in one call:
+#   ENGINE_BENCH=only GPU_TESTS="tests/test_kv_quant_gpu.py tests/test_kv_formats.py tests/test_fp8_weights_gpu.py
+#     tests/test_host_tier.py tests/test_replica_engine_gpu.py" EXTRA_BENCH="bench/kv_attention.py;
+#     bench/engine.py --workloads W1,W2 --compare-formats --kv-format fp8 --no-peers; bench/host_tier.py --shape 8B"
+#     bash bench/gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -41,10 +48,11 @@ if grep -q "crashed" "$OUT/pytest-native.log" && command -v cuda-gdb >/dev/null;
     -p no:xdist >"$OUT/crash-backtrace.log" 2>&1
   grep -E "^#" "$OUT/crash-backtrace.log" | head -25
 fi
+# shellcheck disable=SC2086  # GPU_TESTS is a list of files
 timeout "${OTHER_TESTS_TIMEOUT_S:-150}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
-  --deselect tests/test_native_ops.py >"$OUT/pytest-gpu-others.log" 2>&1
+  --deselect tests/test_native_ops.py -rfE ${GPU_TESTS:-} >"$OUT/pytest-gpu-others.log" 2>&1
 others_rc=$?
-grep -E "^(FAILED|ERROR)|crashed" "$OUT/pytest-native.log" | head -20
+grep -E "^(FAILED|ERROR)|crashed" "$OUT/pytest-native.log" "$OUT/pytest-gpu-others.log" | head -30
 
 bench_rc=0
 if [ "${ENGINE_BENCH:-0}" != "only" ]; then
@@ -55,10 +63,13 @@ fi
 engine_rc=
 extra_rc=
 if [ -n "${EXTRA_BENCH:-}" ]; then
-  # shellcheck disable=SC2086  # EXTRA_BENCH is a script and its options
-  "$PY" ${EXTRA_BENCH} >"$OUT/extra.log" 2>&1
-  extra_rc=$?
-  tail -30 "$OUT/extra.log"
+  extra_rc=0
+  IFS=';' read -d '' -ra benches <<<"$EXTRA_BENCH"  # (-d '': the list may span lines)
+  for i in "${!benches[@]}"; do
+    # shellcheck disable=SC2086  # each is a script and its options
+    "$PY" ${benches[$i]} >"$OUT/extra-$i.log" 2>&1 || extra_rc=$?
+    tail -30 "$OUT/extra-$i.log"
+  done
 elif [ "${ENGINE_BENCH:-0}" != "0" ]; then
   # shellcheck disable=SC2086  # ENGINE_ARGS is a list of options
   "$PY" bench/engine.py ${ENGINE_ARGS:-} >"$OUT/engine.log" 2>&1
