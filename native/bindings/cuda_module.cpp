@@ -255,6 +255,56 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
   C10_CUDA_CHECK(cuda::mask_tokens(p, current_stream(logits)));
 }
 
+// What linear and linear_fp8 check alike (dtypes are their own): everything on x's CUDA device; x [M, K] with
+// M <= kLinearMaxRows, weight [N, K], last dims dense; weight_scale (FP8) a contiguous [N]; bias None or a contiguous
+// [N] of x's dtype; silu_gate needs N even ([gate; up] halves).
+void check_gemv_args(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor* weight_scale,
+                     const at::Tensor* bias, bool silu_gate) {
+  check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}});
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{weight_scale, "weight_scale"},
+                                std::pair<const at::Tensor*, const char*>{bias, "bias"}}) {
+    if (t != nullptr) check_all_on(kCuda, {{&x, "x"}, {t, name}});
+  }
+  check_dim(x, "x", 2, "[num_rows, in_features]");
+  check_dim(weight, "weight", 2, "[out_features, in_features]");
+  check_size(weight, "weight", 1, x.size(1), "in_features (x.size(1))");
+  if (weight_scale != nullptr) {
+    check_dim(*weight_scale, "weight_scale", 1, "[out_features]");
+    check_size(*weight_scale, "weight_scale", 0, weight.size(0), "out_features (weight.size(0))");
+    check_contiguous(*weight_scale, "weight_scale");
+  }
+  FOLIO_CHECK_VALUE(x.size(0) <= cuda::kLinearMaxRows, "CUDA ", op, " is a matrix-vector product for decode: 'x' may "
+                    "have at most ", cuda::kLinearMaxRows, " rows, got shape ", shape_str(x),
+                    " (use torch.nn.functional.linear)");
+  check_inner_contiguous(x, "x");
+  check_inner_contiguous(weight, "weight");
+  if (bias != nullptr) {
+    check_same_dtype(*bias, "bias", x, "x");
+    check_dim(*bias, "bias", 1, "[out_features]");
+    check_size(*bias, "bias", 0, weight.size(0), "out_features (weight.size(0))");
+    check_contiguous(*bias, "bias");
+  }
+  FOLIO_CHECK_VALUE(!silu_gate || weight.size(0) % 2 == 0, "CUDA ", op, "'s silu_gate needs 'weight' of [gate; up] "
+                    "halves (an even number of rows), got shape ", shape_str(weight));
+}
+
+// The output of a decode GEMV, [M, N] (silu_gate: [M, N / 2]) in x's dtype, contiguous, and the fields of its
+// params both GEMVs share (the weight's pointer, typed per GEMV, is the caller's).
+template <typename Params>
+at::Tensor gemv_out(Params& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, bool silu_gate) {
+  const auto out = at::empty({x.size(0), weight.size(0) / (silu_gate ? 2 : 1)}, x.options());
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.x_row_stride = x.stride(0);
+  p.weight_row_stride = weight.stride(0);
+  p.bias = bias != nullptr ? bias->data_ptr() : nullptr;
+  p.num_rows = x.size(0);
+  p.out_features = weight.size(0);
+  p.in_features = x.size(1);
+  p.silu_gate = silu_gate;
+  return out;
+}
+
 // linear for decode: x [M, K] with M <= kLinearMaxRows, weight [N, K] (F.linear's layout), bias [N] or None; all of
 // one float dtype on one device, last dims dense (any row strides and alignment; the fast path wants 16-byte aligned
 // rows and K % 8 == 0, float32 K % 4 == 0). folio.ops.linear_supported says when the model calls it: these checks
@@ -265,47 +315,17 @@ at::Tensor linear(const at::Tensor& x,                    // [M, K] float
                   const std::optional<at::Tensor>& bias,  // [N] x's dtype, or None
                   bool silu_gate, bool pdl) {
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
-  if (b != nullptr) {
-    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {b, "bias"}});
-  } else {
-    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}});
-  }
   cuda::LinearParams p{};
   p.dtype = float_type(x, "x");
   check_same_dtype(weight, "weight", x, "x");
-  check_dim(x, "x", 2, "[num_rows, in_features]");
-  check_dim(weight, "weight", 2, "[out_features, in_features]");
-  check_size(weight, "weight", 1, x.size(1), "in_features (x.size(1))");
-  FOLIO_CHECK_VALUE(x.size(0) <= cuda::kLinearMaxRows, "CUDA linear is a matrix-vector product for decode: 'x' may "
-                    "have at most ", cuda::kLinearMaxRows, " rows, got shape ", shape_str(x),
-                    " (use torch.nn.functional.linear)");
-  check_inner_contiguous(x, "x");
-  check_inner_contiguous(weight, "weight");
-  if (b != nullptr) {
-    check_same_dtype(*b, "bias", x, "x");
-    check_dim(*b, "bias", 1, "[out_features]");
-    check_size(*b, "bias", 0, weight.size(0), "out_features (weight.size(0))");
-    check_contiguous(*b, "bias");
-  }
   if (silu_gate) {
     FOLIO_CHECK_VALUE(x.scalar_type() != at::kFloat, "CUDA linear's silu_gate takes float16 or bfloat16 'x', got ",
                       x.scalar_type());
-    FOLIO_CHECK_VALUE(weight.size(0) % 2 == 0, "CUDA linear's silu_gate needs 'weight' of [gate; up] halves (an "
-                      "even number of rows), got shape ", shape_str(weight));
   }
+  check_gemv_args("linear", x, weight, nullptr, b, silu_gate);
   const c10::cuda::CUDAGuard guard(x.device());
-  // [M, N] (silu_gate: [M, N / 2]) x's dtype, contiguous
-  const auto out = at::empty({x.size(0), weight.size(0) / (silu_gate ? 2 : 1)}, x.options());
-  p.out = out.data_ptr();
-  p.x = x.data_ptr();
-  p.x_row_stride = x.stride(0);
+  const at::Tensor out = gemv_out(p, x, weight, b, silu_gate);
   p.weight = weight.data_ptr();
-  p.weight_row_stride = weight.stride(0);
-  p.bias = b != nullptr ? b->data_ptr() : nullptr;
-  p.num_rows = x.size(0);
-  p.out_features = weight.size(0);
-  p.in_features = x.size(1);
-  p.silu_gate = silu_gate;
   C10_CUDA_CHECK(cuda::linear(p, launch_on(x, pdl)));
   return out;
 }
@@ -320,49 +340,17 @@ at::Tensor linear_fp8(const at::Tensor& x,                    // [M, K] float16/
                       const std::optional<at::Tensor>& bias,  // [N] x's dtype, or None
                       bool silu_gate, bool pdl) {
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
-  if (b != nullptr) {
-    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {&weight_scale, "weight_scale"}, {b, "bias"}});
-  } else {
-    check_all_on(kCuda, {{&x, "x"}, {&weight, "weight"}, {&weight_scale, "weight_scale"}});
-  }
   cuda::LinearFp8Params p{};
   p.dtype = float_type(x, "x");
   FOLIO_CHECK_TYPE(x.scalar_type() != at::kFloat, "CUDA linear_fp8 takes float16 or bfloat16 'x', got ",
                    x.scalar_type());
   check_dtype(weight, "weight", at::kFloat8_e4m3fn);
   check_dtype(weight_scale, "weight_scale", at::kFloat);
-  check_dim(x, "x", 2, "[num_rows, in_features]");
-  check_dim(weight, "weight", 2, "[out_features, in_features]");
-  check_size(weight, "weight", 1, x.size(1), "in_features (x.size(1))");
-  check_dim(weight_scale, "weight_scale", 1, "[out_features]");
-  check_size(weight_scale, "weight_scale", 0, weight.size(0), "out_features (weight.size(0))");
-  check_contiguous(weight_scale, "weight_scale");
-  FOLIO_CHECK_VALUE(x.size(0) <= cuda::kLinearMaxRows, "CUDA linear_fp8 is a matrix-vector product for decode: 'x' "
-                    "may have at most ", cuda::kLinearMaxRows, " rows, got shape ", shape_str(x));
-  check_inner_contiguous(x, "x");
-  check_inner_contiguous(weight, "weight");
-  if (b != nullptr) {
-    check_same_dtype(*b, "bias", x, "x");
-    check_dim(*b, "bias", 1, "[out_features]");
-    check_size(*b, "bias", 0, weight.size(0), "out_features (weight.size(0))");
-    check_contiguous(*b, "bias");
-  }
-  FOLIO_CHECK_VALUE(!silu_gate || weight.size(0) % 2 == 0, "CUDA linear_fp8's silu_gate needs 'weight' of [gate; up] "
-                    "halves (an even number of rows), got shape ", shape_str(weight));
+  check_gemv_args("linear_fp8", x, weight, &weight_scale, b, silu_gate);
   const c10::cuda::CUDAGuard guard(x.device());
-  // [M, N] (silu_gate: [M, N / 2]) x's dtype, contiguous
-  const auto out = at::empty({x.size(0), weight.size(0) / (silu_gate ? 2 : 1)}, x.options());
-  p.out = out.data_ptr();
-  p.x = x.data_ptr();
-  p.x_row_stride = x.stride(0);
+  const at::Tensor out = gemv_out(p, x, weight, b, silu_gate);
   p.weight = static_cast<const uint8_t*>(weight.data_ptr());
-  p.weight_row_stride = weight.stride(0);
   p.weight_scale = weight_scale.data_ptr<float>();
-  p.bias = b != nullptr ? b->data_ptr() : nullptr;
-  p.num_rows = x.size(0);
-  p.out_features = weight.size(0);
-  p.in_features = x.size(1);
-  p.silu_gate = silu_gate;
   C10_CUDA_CHECK(cuda::linear_fp8(p, launch_on(x, pdl)));
   return out;
 }

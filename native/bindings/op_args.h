@@ -80,19 +80,18 @@ inline SiluAndMulParams silu_and_mul_args(const at::Tensor& out, const at::Tenso
   return p;
 }
 
-// k_cache, v_cache: [P, S, Hkv, D], same dtype and strides, inner dim dense. Returns nothing; fills strides.
+// k_cache, v_cache: [P, S, Hkv, last_dim] of equal shapes and strides, inner dim dense; fills the pointers, strides
+// and page size.
 template <typename Params>
-void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
-                int64_t num_kv_heads, int64_t head_dim) {
-  check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]");
-  check_same_dtype(k_cache, "k_cache", q, "q");
-  check_same_dtype(v_cache, "v_cache", q, "q");
+void cache_layout_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_kv_heads,
+                       int64_t last_dim, const char* last_dim_what) {
+  // (dtypes are the caller's: the model's for a float cache, uint8 codes for a quantized one)
   FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
                     " but 'k_cache' has ", shape_str(k_cache));
   FOLIO_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "arguments 'k_cache' and 'v_cache' must have equal "
                     "strides, got ", k_cache.strides(), " and ", v_cache.strides());
   check_size(k_cache, "k_cache", 2, num_kv_heads, "num_kv_heads");
-  check_size(k_cache, "k_cache", 3, head_dim, "head_dim (q.size(2))");
+  check_size(k_cache, "k_cache", 3, last_dim, last_dim_what);
   check_inner_contiguous(k_cache, "k_cache");
   const int64_t page_size = k_cache.size(1);
   FOLIO_CHECK_VALUE(page_size > 0, "argument 'k_cache' has page_size 0");
@@ -102,6 +101,16 @@ void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache,
   p.cache_stride_slot = k_cache.stride(1);
   p.cache_stride_head = k_cache.stride(2);
   p.page_size = page_size;
+}
+
+// k_cache, v_cache: [P, S, Hkv, D] of q's dtype.
+template <typename Params>
+void cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                int64_t num_kv_heads, int64_t head_dim) {
+  check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]");
+  check_same_dtype(k_cache, "k_cache", q, "q");
+  check_same_dtype(v_cache, "v_cache", q, "q");
+  cache_layout_args(p, k_cache, v_cache, num_kv_heads, head_dim, "head_dim (q.size(2))");
 }
 
 // The scales and format code of a quantized cache (the *_quant ops, folio.kv_formats).
@@ -128,13 +137,8 @@ void quant_cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_
   check_dim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, code_dim]");
   check_dtype(k_cache, "k_cache", at::kByte);
   check_dtype(v_cache, "v_cache", at::kByte);
-  FOLIO_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "argument 'v_cache' has shape ", shape_str(v_cache),
-                    " but 'k_cache' has ", shape_str(k_cache));
-  FOLIO_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "arguments 'k_cache' and 'v_cache' must have equal "
-                    "strides, got ", k_cache.strides(), " and ", v_cache.strides());
-  check_size(k_cache, "k_cache", 2, num_kv_heads, "num_kv_heads");
-  check_size(k_cache, "k_cache", 3, code_dim, "the code bytes per head (head_dim, or head_dim / 2 for q4)");
-  check_inner_contiguous(k_cache, "k_cache");
+  cache_layout_args(p, k_cache, v_cache, num_kv_heads, code_dim,
+                    "the code bytes per head (head_dim, or head_dim / 2 for q4)");
   for (const auto& [scale, name] : {std::pair<const at::Tensor*, const char*>{&quant.k_scale, "k_scale"},
                                     std::pair<const at::Tensor*, const char*>{&quant.v_scale, "v_scale"}}) {
     check_dtype(*scale, name, at::kHalf);
@@ -148,14 +152,6 @@ void quant_cache_args(Params& p, const at::Tensor& k_cache, const at::Tensor& v_
   }
   FOLIO_CHECK_VALUE(quant.v_scale.strides() == quant.k_scale.strides(), "arguments 'k_scale' and 'v_scale' must "
                     "have equal strides, got ", quant.k_scale.strides(), " and ", quant.v_scale.strides());
-  const int64_t page_size = k_cache.size(1);
-  FOLIO_CHECK_VALUE(page_size > 0, "argument 'k_cache' has page_size 0");
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.cache_stride_page = k_cache.stride(0);
-  p.cache_stride_slot = k_cache.stride(1);
-  p.cache_stride_head = k_cache.stride(2);
-  p.page_size = page_size;
   p.quant.format = format;
   p.quant.group_size = static_cast<int32_t>(group);
   p.quant.k_scale = quant.k_scale.data_ptr();

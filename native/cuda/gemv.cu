@@ -93,18 +93,12 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
   __shared__ float partial[kWarps][kMaxRows][kTileRows];  // per warp: y[m][n0 + j] over its part of K
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int64_t K = p.in_features;
   const int64_t num_chunks = (K + 7) / 8;
   // Lanes past the last row of W or of x read row 0 instead: the mma keeps rows of D apart (D[m][n] reads only
   // row m of A and column n of B), and those rows of D are never stored. Loads are unconditional (chunks past K
   // re-read the last chunk, then count as zero) so that the compiler keeps all of them in flight.
-  const int64_t half = p.out_features / 2;  // GATED: I
-  int64_t w_row_index = n0 + g;
-  if constexpr (GATED) {  // gate rows 4b .. 4b+3, then their up rows
-    const int64_t gate_row = static_cast<int64_t>(blockIdx.x) * 4 + (g & 3);
-    w_row_index = gate_row < half ? gate_row + (g < 4 ? 0 : half) : p.out_features;
-  }
+  const int64_t w_row_index = gemv::weight_row_index<GATED, kTileRows>(g, p.out_features);
   const uint16_t* w_row = static_cast<const uint16_t*>(p.weight) +
                           (w_row_index < p.out_features ? w_row_index * p.weight_row_stride : 0);
   const uint16_t* x_row = static_cast<const uint16_t*>(p.x) + (g < p.num_rows ? g * p.x_row_stride : 0);
@@ -142,18 +136,8 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
       mma_k16<T>(acc_hi, xv[u].z, xv[u].w, wv[u].z, wv[u].w);
     }
   }
-  if (!waited) {  // a warp with no chunk (K below one warp step) still waits
-    grid_dependency_wait();
-    allow_dependent_launch();
-  }
-  acc[0] += acc_hi[0];
-  acc[1] += acc_hi[1];
-  // acc[0], acc[1] = y[m = g][n0 + 2t], y[g][n0 + 2t + 1] over this warp's chunks (meaningless for g >= M)
-  partial[warp][g][2 * t] = acc[0];
-  partial[warp][g][2 * t + 1] = acc[1];
-  __syncthreads();
-  gemv::store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial, p.num_rows, p.out_features, nullptr,
-                                                                   p.bias, p.out);
+  gemv::finish_block<T, GATED, kWarps, kMaxRows, kTileRows>(waited, acc, acc_hi, partial, warp, g, t, p.num_rows,
+                                                             p.out_features, nullptr, p.bias, p.out);
 }
 
 constexpr int kF32Unroll = 4;  // float4 loads of W in flight per lane

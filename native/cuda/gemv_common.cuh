@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "device_utils.cuh"
+#include "launch.cuh"
 
 namespace folio::cuda::gemv {
 
@@ -38,6 +39,21 @@ __device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a_lo), "r"(zero), "r"(a_hi), "r"(zero), "r"(b_lo), "r"(b_hi));
+  }
+}
+
+// The row of W lane group g (of kTileRows) of block b = blockIdx.x reads: row kTileRows * b + g; GATED: gate rows
+// 4b..4b+3 (g < 4) and their up rows I+4b..I+4b+3 (g >= 4) of a [gate; up] weight of out_features = 2I rows. A row
+// past the last is out_features (the caller reads row 0 there; that row of D is never stored).
+template <bool GATED, int kTileRows>
+__device__ __forceinline__ int64_t weight_row_index(int g, int64_t out_features) {
+  static_assert(!GATED || kTileRows == 8, "a gated block holds 4 gate and 4 up rows");
+  if constexpr (GATED) {
+    const int64_t half = out_features / 2;
+    const int64_t gate_row = static_cast<int64_t>(blockIdx.x) * 4 + (g & 3);
+    return gate_row < half ? gate_row + (g < 4 ? 0 : half) : out_features;
+  } else {
+    return static_cast<int64_t>(blockIdx.x) * kTileRows + g;
   }
 }
 
@@ -89,6 +105,26 @@ __device__ __forceinline__ void store_block_rows(const float (&partial)[kWarps][
       out_t[m * out_features + n] = from_float<T>(sum);
     }
   }
+}
+
+// After a warp's last step: the grid-dependency wait for a warp that ran none (K below one warp step), then its two
+// accumulator chains added and written to partial (acc[0], acc[1] = y[m = g][n0 + 2t], y[g][n0 + 2t + 1] over
+// this warp's chunks, meaningless for g >= M), and the block's epilogue (store_block_rows).
+template <typename T, bool GATED, int kWarps, int kMaxRows, int kTileRows>
+__device__ __forceinline__ void finish_block(bool waited, float (&acc)[4], const float (&acc_hi)[4],
+                                             float (&partial)[kWarps][kMaxRows][kTileRows], int warp, int g, int t,
+                                             int num_rows, int64_t out_features, const float* scale,
+                                             const void* bias, void* out) {
+  if (!waited) {
+    grid_dependency_wait();
+    allow_dependent_launch();
+  }
+  acc[0] += acc_hi[0];
+  acc[1] += acc_hi[1];
+  partial[warp][g][2 * t] = acc[0];
+  partial[warp][g][2 * t + 1] = acc[1];
+  __syncthreads();
+  store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial, num_rows, out_features, scale, bias, out);
 }
 
 }  // namespace folio::cuda::gemv

@@ -126,15 +126,9 @@ __global__ void __launch_bounds__(kThreads, 2) linear_fp8_kernel(LinearFp8Params
   __shared__ float partial[kWarps][kMaxRows][kTileRows];  // per warp: unscaled y[m][n0 + j] over its part of K
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int64_t K = p.in_features;
   const int64_t num_chunks = (K + kChunk - 1) / kChunk;
-  const int64_t half = p.out_features / 2;  // GATED: I
-  int64_t w_row_index = n0 + g;
-  if constexpr (GATED) {
-    const int64_t gate_row = static_cast<int64_t>(blockIdx.x) * 4 + (g & 3);
-    w_row_index = gate_row < half ? gate_row + (g < 4 ? 0 : half) : p.out_features;
-  }
+  const int64_t w_row_index = gemv::weight_row_index<GATED, kTileRows>(g, p.out_features);
   // Lanes past the last row of W or x read row 0: their rows of D are never stored (see gemv.cu).
   const uint8_t* w_row = p.weight + (w_row_index < p.out_features ? w_row_index * p.weight_row_stride : 0);
   const uint16_t* x_row = static_cast<const uint16_t*>(p.x) + (g < p.num_rows ? g * p.x_row_stride : 0);
@@ -166,17 +160,8 @@ __global__ void __launch_bounds__(kThreads, 2) linear_fp8_kernel(LinearFp8Params
       mma_chunk<T>(acc, acc_hi, wv[u], x_lo, x_hi);
     }
   }
-  if (!waited) {
-    grid_dependency_wait();
-    allow_dependent_launch();
-  }
-  acc[0] += acc_hi[0];
-  acc[1] += acc_hi[1];
-  partial[warp][g][2 * t] = acc[0];
-  partial[warp][g][2 * t + 1] = acc[1];
-  __syncthreads();
-  gemv::store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial, p.num_rows, p.out_features, p.weight_scale,
-                                                                   p.bias, p.out);
+  gemv::finish_block<T, GATED, kWarps, kMaxRows, kTileRows>(waited, acc, acc_hi, partial, warp, g, t, p.num_rows,
+                                                             p.out_features, p.weight_scale, p.bias, p.out);
 }
 
 bool aligned_rows(const void* base, int64_t row_stride_bytes) {
