@@ -29,25 +29,16 @@ DEFAULT_HOST_CACHE_MULTIPLE = 2
 MAX_AVAILABLE_FRACTION = 0.5
 
 
-def page_tensors(cache: Cache) -> list[torch.Tensor]:
-    """The cache's per-page tensors, each [L, P, ...]: [k, v], plus the scales of a quantized cache."""
-    tensors = getattr(cache, "page_tensors", None)
-    if tensors is not None:
-        return list(tensors())
-    scales = [getattr(cache, name, None) for name in ("k_scale", "v_scale")]
-    return [cache.k, cache.v, *(s for s in scales if s is not None)]
-
-
 def slot_bytes(cache: Cache) -> list[int]:
     """Bytes of one page of each per-page tensor (one host slot per tensor)."""
-    return [t[:, 0].numel() * t.element_size() for t in page_tensors(cache)]
+    return [t[:, 0].numel() * t.element_size() for t in cache.page_tensors()]
 
 
 def resolve_num_host_pages(cache: Cache, host_cache_bytes: int | None) -> int:
     """Host slots for `host_cache_bytes` (None: the default on CUDA, see DEFAULT_HOST_RAM_FRACTION; 0 on the CPU).
     On CUDA the pinned allocator rounds each buffer up to a power of two: the count is the largest whose rounded
     buffers fit."""
-    on_cuda = page_tensors(cache)[0].device.type == "cuda"
+    on_cuda = cache.page_tensors()[0].device.type == "cuda"
     if host_cache_bytes is None:
         host_cache_bytes = default_host_cache_bytes(cache.bytes) if on_cuda else 0
     if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
@@ -100,21 +91,21 @@ def container_memory_limit(paths: tuple[str, ...] | None = None) -> int | None:
 
 
 def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where the kernel does not say (not Linux, or an old kernel)."""
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            lines = meminfo.readlines()
     except OSError:
-        pass
-    return None
+        return None
+    found = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
+    return found[0] if found else None
 
 
 class HostPages:
     def __init__(self, cache: Cache, num_host_pages: int) -> None:
         if num_host_pages < 1:
             raise ValueError(f"num_host_pages must be >= 1, got {num_host_pages}")
-        self.tensors = page_tensors(cache)
+        self.tensors = cache.page_tensors()
         self.device = self.tensors[0].device
         on_cuda = self.device.type == "cuda"
         self.num_host_pages = num_host_pages

@@ -104,14 +104,9 @@ class Cache:
                 raise IndexError(f"page {page} outside [0, num_pages={self.num_pages})")
         if not 0 <= num_slots <= self.page_size:
             raise ValueError(f"num_slots={num_slots} outside [0, page_size={self.page_size}]")
-        if self.kv_format is None:
-            self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
-            return
-        # The kernel copies bytes; the codes go through as float16 (every Dq is even), the same bytes, so that a
-        # native module built before its binding took uint8 copies them too.
-        self.ops.copy_page_slots(self.k.view(torch.float16), self.v.view(torch.float16), src_page, dst_page,
-                                 num_slots)
-        self.ops.copy_page_slots(self.k_scale, self.v_scale, src_page, dst_page, num_slots)
+        self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
+        if self.k_scale is not None:
+            self.ops.copy_page_slots(self.k_scale, self.v_scale, src_page, dst_page, num_slots)
 
     def _resolve_num_pages(
         self, device: torch.device, num_tokens: int | None, max_memory_fraction: float | None, reserve_bytes: int

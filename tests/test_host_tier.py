@@ -12,7 +12,7 @@ from folio.cache import PageEvent, PageEventKind, PagePool
 from folio.cache.host_tier import HostTransfers, promote, take_transfers
 from folio.cache.manager import KVCacheManager
 from folio.hashing import prompt_page_hashes
-from folio.host_pages import HostPages, page_tensors, resolve_num_host_pages
+from folio.host_pages import HostPages, resolve_num_host_pages
 from folio.sequence import Sequence
 
 PAGE_SIZE = 4
@@ -167,26 +167,26 @@ def test_kv_pages_round_trip_bit_exactly(peaked):
     hashes = prompt_page_hashes(ids, 16)
     pool = manager._pool
     pages = [pool._ready[h] for h in hashes]
-    before = [t[:, pages].clone() for t in page_tensors(gen.cache)]
+    before = [t[:, pages].clone() for t in gen.cache.page_tensors()]
     assert all(t.abs().sum() > 0 for t in before)
     host = HostPages(gen.cache, 8)
     evicting = pool.allocate(pool.num_allocatable)  # every cached page moves to the host
     host.write_back(take_transfers(pool))
-    for t in page_tensors(gen.cache):
+    for t in gen.cache.page_tensors():
         t.fill_(float("nan"))  # whatever the pool holds now is garbage
     pool.release(evicting)
     pool.allocate(1)  # page 0 stays taken: the pages come back elsewhere
     promoted = promote(pool, hashes)
     assert len(promoted) == len(hashes) and set(promoted).isdisjoint({0})
     host.fetch(take_transfers(pool))
-    after = [t[:, promoted] for t in page_tensors(gen.cache)]
+    after = [t[:, promoted] for t in gen.cache.page_tensors()]
     for b, a in zip(before, after):
         assert torch.equal(b, a)
 
 
 def test_host_cache_bytes_resolution(peaked):
     cache = folio.Cache(peaked.model, num_tokens=16 * 4, page_size=16)
-    page = sum(t[:, 0].numel() * t.element_size() for t in page_tensors(cache))
+    page = sum(t[:, 0].numel() * t.element_size() for t in cache.page_tensors())
     assert resolve_num_host_pages(cache, None) == 0  # off on the CPU unless given
     assert resolve_num_host_pages(cache, 5 * page + 1) == 5
     with pytest.raises(ValueError):
