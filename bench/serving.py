@@ -148,25 +148,15 @@ class EngineAlone:
     settings), driven by a step loop in this process with the same arrivals as the server's clients."""
 
     def __init__(self, config) -> None:
-        from folio import Cache, DynamicGenerator, Tokenizer
-        from folio.serve import speculation
-        from folio.serve.engine import load_model
+        from folio.serve.build import build_generator
 
         if config.resolved_device == "cpu":
             import torch
 
             # Ray gives a replica's process OMP_NUM_THREADS = its num_cpus (at least 1): the same threads here
             torch.set_num_threads(max(1, int(config.num_cpus)))
-        model = load_model(config)
-        cache_size = config.cache_size()
-        if model.device.type == "cuda":
-            cache_size = speculation.gpu_cache_size(config, model, None)
-        self.cache = Cache(model, page_size=config.page_size, kv_format=config.kv_format, **cache_size)
-        self.generator = DynamicGenerator(model=model, cache=self.cache,
-                                          tokenizer=Tokenizer.from_pretrained(config.model_path),
-                                          max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                          max_chunk_size=config.max_chunk_size, max_queued_jobs=None,
-                                          host_cache_bytes=config.host_cache_bytes)
+        # (no queue bound: the step loop here admits what the clients' arrivals bring)
+        _, _, _, self.cache, self.generator = build_generator(config, max_queued_jobs=None)
         self.generator.warmup()
 
     def _job(self, message, slot: int):

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from folio import (
     Cache,
     DynamicGenerator,
@@ -38,8 +36,8 @@ from folio.model.fp8 import Fp8Weight
 from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.rates import ReplicaRates
-from folio.serve import speculation
 from folio.serve.adapters import AdapterInfo
+from folio.serve.build import build_generator, load_model  # noqa: F401 (load_model re-exported)
 from folio.serve.config import KV_FORMAT_OF_DTYPE, ServeConfig
 from folio.serve.errors import (
     InvalidRequest,
@@ -59,7 +57,6 @@ from folio.serve.schema import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _END = object()
 
 
@@ -125,25 +122,7 @@ class Engine:
     def build(cls, config: ServeConfig, num_replicas: int | None = None) -> Engine:
         """Load model (and draft model) -> tokenizer -> allocate cache -> generator -> warm up -> start the engine
         thread."""
-        model = load_model(config)
-        draft_model = speculation.load_draft_model(config, model)
-        tokenizer = Tokenizer.from_pretrained(config.model_path)
-        cache_size = config.cache_size()
-        if model.device.type == "cuda":
-            # leave room for the largest step's activations, the decode graphs and the draft model's cache (or fail
-            # here, with the numbers)
-            cache_size = speculation.gpu_cache_size(config, model, draft_model)
-        cache = Cache(model, page_size=config.page_size, kv_format=config.kv_format, **cache_size)
-        generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
-                                     max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                     max_chunk_size=config.max_chunk_size,
-                                     # Serve sends a replica at most max_batch_size + max_queue_size requests; jobs
-                                     # wait in the engine's queue until a step takes them in, even with free rows,
-                                     # so the queue holds them all: the engine never refuses what was admitted.
-                                     max_queued_jobs=config.max_ongoing_requests,
-                                     max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
-                                     host_cache_bytes=config.host_cache_bytes,
-                                     **speculation.generator_kwargs(config, draft_model))
+        model, draft_model, tokenizer, cache, generator = build_generator(config)
         # the config's adapters before the warm-up: their first load recaptures the decode graphs with LoRA
         static = tuple(replace(adapter_info(generator.load_lora(name, path), path), static=True)
                        for name, path in (config.lora_adapters or {}).items())
@@ -351,16 +330,6 @@ def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:
                             generate_s=result.time_generate or 0.0,
                             time_to_first_token_s=max(0.0, first_token - arrival_s), total_s=now - arrival_s))
     return chunk
-
-
-def load_model(config: ServeConfig) -> Model:
-    device = config.resolved_device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device} requested but torch sees no CUDA device "
-                           f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
-    dtype = _DTYPES[config.dtype] if config.dtype is not None else None
-    return Model.from_pretrained(config.model_path, device=device, dtype=dtype, progress=False,
-                                 weight_format=config.weight_format)
 
 
 def adapter_info(info: LoraInfo, path: str) -> AdapterInfo:
