@@ -1,5 +1,5 @@
-// Stand-alone timing of folio's GEMV (native/cuda/gemv.cu) on the 8B decode shapes, no torch: bench/gemv_sweep.sh
-// builds it once per tuning variant. Prints GB/s of weight read per shape and the time of one 8B decode step's
+// Stand-alone timing of folio's GEMV (native/cuda/gemv.cu, or with -DSWEEP_FP8 the FP8 one, native/cuda/gemv_fp8.cu)
+// on the 8B decode shapes, no torch: bench/gemv_sweep.sh builds it once per tuning variant. Prints GB/s of weight read per shape and the time of one 8B decode step's
 // projections (32 x (qkv, o, gate_up, down) + lm_head). Each shape rotates over enough weight copies to exceed L2.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -12,6 +12,12 @@
 #include "../native/cuda/kernels.cuh"
 
 namespace {
+
+#ifdef SWEEP_FP8
+constexpr size_t kWeightElementBytes = 1;  // e4m3 (+ one fp32 scale per row, not counted)
+#else
+constexpr size_t kWeightElementBytes = 2;  // bfloat16
+#endif
 
 struct Shape {
   const char* name;
@@ -48,12 +54,18 @@ int main() {
   CHECK(cudaMalloc(&out, 8 * 128256 * 2));
   CHECK(cudaMemset(x, 0, 8 * 14336 * 2));
   CHECK(cudaMemset(out, 0, 8 * 128256 * 2));
+  float* scales;  // FP8: one per output row, all 1
+  CHECK(cudaMalloc(&scales, 128256 * sizeof(float)));
+  {
+    std::vector<float> ones(128256, 1.0f);
+    CHECK(cudaMemcpy(scales, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
   double step_us = 0, gated_step_us = 0;
   for (const Shape& s : shapes) {
-    const size_t bytes = static_cast<size_t>(s.n) * s.k * 2;
+    const size_t bytes = static_cast<size_t>(s.n) * s.k * kWeightElementBytes;
     const int copies = static_cast<int>(std::max<size_t>(1, (256u << 20) / bytes + 1));
     std::vector<void*> weights(copies);
     for (auto& w : weights) {
@@ -62,7 +74,18 @@ int main() {
     }
     for (const Mode& mode : modes) {
       if (mode.gated && std::string(s.name) != "gate_up") continue;
+#ifdef SWEEP_FP8
+      folio::cuda::LinearFp8Params p{};
+      p.weight_scale = scales;
+      auto run = [](const folio::cuda::LinearFp8Params& q, const folio::cuda::Launch& l) {
+        return folio::cuda::linear_fp8(q, l);
+      };
+#else
       folio::cuda::LinearParams p{};
+      auto run = [](const folio::cuda::LinearParams& q, const folio::cuda::Launch& l) {
+        return folio::cuda::linear(q, l);
+      };
+#endif
       p.out = out;
       p.x = x;
       p.x_row_stride = s.k;
@@ -74,13 +97,13 @@ int main() {
       p.silu_gate = mode.gated;
       const int reps = 40 * copies;
       for (int r = 0; r < copies; ++r) {
-        p.weight = weights[r];
-        CHECK(folio::cuda::linear(p, launch));
+        p.weight = static_cast<decltype(p.weight)>(weights[r]);
+        CHECK(run(p, launch));
       }
       CHECK(cudaEventRecord(start, stream));
       for (int r = 0; r < reps; ++r) {
-        p.weight = weights[r % copies];
-        CHECK(folio::cuda::linear(p, launch));
+        p.weight = static_cast<decltype(p.weight)>(weights[r % copies]);
+        CHECK(run(p, launch));
       }
       CHECK(cudaEventRecord(stop, stream));
       CHECK(cudaEventSynchronize(stop));

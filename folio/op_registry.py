@@ -88,6 +88,7 @@ OPS: tuple[OpSpec, ...] = (
     # The FP8-weight decode GEMV (folio.model.fp8: float8_e4m3fn weight, fp32 per-output-channel scales).
     _op("linear_fp8", "x", "weight", "weight_scale", "bias", "silu_gate", native=("cuda",), launch=_PDL, bias=None,
         silu_gate=False),
+    _op("quantize_rows_fp8", "x", native=("cuda",), launch=_PDL),
     _op("sample_rows", "logits", "temperature", "top_k", "top_p", "min_p", "u", reference=SAMPLING_REFERENCE),
     _op("apply_penalties", "logits", "history", "rep", "freq", "pres", "sustain", "decay",
         reference=SAMPLING_REFERENCE),

@@ -355,6 +355,31 @@ at::Tensor linear_fp8(const at::Tensor& x,                    // [M, K] float16/
   return out;
 }
 
+// Per-row dynamic FP8 quantization of x [M, K] float16/bfloat16 (last dim dense): (codes [M, K] float8_e4m3fn,
+// scales [M, 1] float32), folio.reference_ops.quantize_rows_fp8's arithmetic (the _scaled_mm path's activations).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x,  // [M, K] float16/bfloat16
+                                                     bool pdl) {
+  check_all_on(kCuda, {{&x, "x"}});
+  check_dim(x, "x", 2, "[num_rows, width]");
+  check_inner_contiguous(x, "x");
+  cuda::QuantizeRowsFp8Params p{};
+  p.dtype = float_type(x, "x");
+  FOLIO_CHECK_TYPE(x.scalar_type() != at::kFloat, "CUDA quantize_rows_fp8 takes float16 or bfloat16 'x', got ",
+                   x.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  const at::Tensor scale = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  p.out = static_cast<uint8_t*>(out.data_ptr());
+  p.out_row_stride = out.stride(0);
+  p.scale = scale.data_ptr<float>();
+  p.x = x.data_ptr();
+  p.x_row_stride = x.stride(0);
+  p.num_rows = x.size(0);
+  p.width = x.size(1);
+  C10_CUDA_CHECK(cuda::quantize_rows_fp8(p, launch_on(x, pdl)));
+  return {out, scale};
+}
+
 }  // namespace
 }  // namespace folio::bind
 

@@ -46,7 +46,8 @@
   OP(linear, CUDA_ONLY, PDL, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),                          \
      py::arg("silu_gate") = false)                                                                                   \
   OP(linear_fp8, CUDA_ONLY, PDL, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),                          \
-     py::arg("bias") = py::none(), py::arg("silu_gate") = false)
+     py::arg("bias") = py::none(), py::arg("silu_gate") = false)                                                     \
+  OP(quantize_rows_fp8, CUDA_ONLY, PDL, py::arg("x"))
 // clang-format on
 
 // Launch options: keyword-only, defaulting to EngineOptions' defaults (PDL on, the tensor-core decode kernel) so

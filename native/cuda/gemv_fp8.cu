@@ -29,14 +29,19 @@
 namespace folio::cuda {
 namespace {
 
+// (bench/gemv_sweep.sh FP8=1 times other values; 2 loads in flight per lane at 4 blocks per SM beat 4 at 2 by 6%
+// on the 8B decode shapes on an H200)
 #ifndef FOLIO_GEMV_FP8_UNROLL
-#define FOLIO_GEMV_FP8_UNROLL 4
+#define FOLIO_GEMV_FP8_UNROLL 2
+#endif
+#ifndef FOLIO_GEMV_FP8_MIN_BLOCKS
+#define FOLIO_GEMV_FP8_MIN_BLOCKS 4
 #endif
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 8;                    // rows of W per block (the mma's n)
-constexpr int kUnroll = FOLIO_GEMV_FP8_UNROLL;  // 16-byte loads of W in flight per lane (8 spills registers)
+constexpr int kUnroll = FOLIO_GEMV_FP8_UNROLL;  // 16-byte loads of W in flight per lane
 constexpr int kWarpStepChunks = 4 * kUnroll;    // 16-element chunks of a row per warp step (4 lanes share a row)
 constexpr int kChunk = 16;                      // weights per 16-byte load
 constexpr int kMaxRows = static_cast<int>(kLinearMaxRows);
@@ -122,7 +127,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], float (&acc_hi)[4], u
 // Block b owns rows n0 = 8b .. 8b+7 of W (GATED: see the file comment). In warp w, lane (g, t) reads row n0 + g of W
 // and row g of x: at warp step s and unroll u, chunk c = (s * kWarps + w) * kWarpStepChunks + 4u + t.
 template <typename T, bool VEC, bool GATED>
-__global__ void __launch_bounds__(kThreads, 2) linear_fp8_kernel(LinearFp8Params p) {
+__global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp8_kernel(LinearFp8Params p) {
   __shared__ float partial[kWarps][kMaxRows][kTileRows];  // per warp: unscaled y[m][n0 + j] over its part of K
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;

@@ -97,4 +97,18 @@ struct LinearFp8Params {
 };
 cudaError_t linear_fp8(const LinearFp8Params& p, const Launch& launch);
 
+// Per-row dynamic FP8 quantization of activations (quantize_fp8.cu), folio.reference_ops.quantize_rows_fp8's
+// arithmetic: scale[m] = max(max_k |x[m, k]| / 448, 1e-12) (fp32), out[m, k] = e4m3(x[m, k] / scale[m]) with
+// round-to-nearest-even and saturation. x float16/bfloat16 (cudaErrorInvalidValue for float32), last dim dense.
+struct QuantizeRowsFp8Params {
+  uint8_t* out;               // [num_rows, width] float8 e4m3
+  int64_t out_row_stride;
+  float* scale;               // [num_rows] fp32
+  const void* x;              // [num_rows, width] dtype
+  int64_t x_row_stride;
+  int64_t num_rows, width;
+  ScalarType dtype;
+};
+cudaError_t quantize_rows_fp8(const QuantizeRowsFp8Params& p, const Launch& launch);
+
 }  // namespace folio::cuda
