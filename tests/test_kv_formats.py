@@ -304,6 +304,12 @@ def test_quant_ops_dispatch_to_the_reference_on_cpu() -> None:
 # --- on a GPU: the native kernels against these references ---
 
 
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64 on the CPU."""
+    a, b = actual.double().cpu(), expected.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("fmt", ["fp8", "q8", "q4"])  # q4h has no CUDA kernel (Cache refuses it on CUDA)
@@ -318,7 +324,7 @@ def test_native_quant_ops_match_the_reference(fmt: str) -> None:
     dq, ng = kv_formats.code_dim(fmt, d), kv_formats.scale_dim(fmt, d)
     caches = {}
     for impl, dev in ((ref, torch.device("cpu")), (native, device)):
-        x = qkv.to(dev)
+        x = qkv.to(dev, copy=True)  # (the ops rotate q and k in place)
         q, k, v = x.split([hq * d, hkv * d, hkv * d], dim=-1)
         kc = torch.zeros(num_pages, page_size, hkv, dq, dtype=torch.uint8, device=dev)
         ks = torch.zeros(num_pages, page_size, hkv, ng, dtype=torch.float16, device=dev)
@@ -328,14 +334,23 @@ def test_native_quant_ops_match_the_reference(fmt: str) -> None:
                                       KV_FORMAT_CODES[fmt])
         caches[impl is ref] = (x.cpu(), [c.cpu() for c in tensors])
     (x_ref, want), (x_nat, got) = caches[True], caches[False]
-    torch.testing.assert_close(x_nat, x_ref, rtol=0, atol=0)
-    for g, w in zip(got, want):
-        if g.dtype == torch.float16:
-            torch.testing.assert_close(g, w, rtol=1e-3, atol=0)
-    # codes: compare the dequantized values (a tie may round the other way after a differently ordered sum)
+    # rotary: the device's sin/cos differ from the CPU's in the last bit (the unquantized op's test's tolerance)
+    torch.testing.assert_close(x_nat, x_ref)
+    # the cache write: the reference quantizer applied to the K and V the native op rotated itself gives its codes
+    # and scales bit for bit (same fp32 arithmetic, IEEE division, round to nearest even)
+    _, k_nat, v_nat = x_nat.split([hq * d, hkv * d, hkv * d], dim=-1)
+    for x_written, codes, scales in ((k_nat, got[0], got[2]), (v_nat, got[1], got[3])):
+        want_codes, want_scales = quantize(x_written.unflatten(-1, (hkv, d)), fmt)
+        flat_codes, flat_scales = codes.view(-1, hkv, dq), scales.view(-1, hkv, ng)
+        assert torch.equal(flat_codes[slots], want_codes)
+        assert torch.equal(flat_scales[slots], want_scales)
+        unwritten = torch.ones(flat_codes.shape[0], dtype=torch.bool)
+        unwritten[slots] = False
+        assert (flat_codes[unwritten] == 0).all() and (flat_scales[unwritten] == 0).all()
+    # and the same codes as the reference op's, up to the few the rotary's last bit moved across a rounding edge
     for gc, gs, wc, ws in ((got[0], got[2], want[0], want[2]), (got[1], got[3], want[1], want[3])):
-        torch.testing.assert_close(dequantize(gc, gs, fmt), dequantize(wc, ws, fmt), rtol=0.02, atol=0.02)
-        assert (gc != wc).float().mean() < 0.01
+        assert (gc != wc).float().mean() < 0.05
+        torch.testing.assert_close(gs, ws, rtol=1e-2, atol=0)
 
     kc, vc, ks, vs = [c.to(device) for c in got]
     tables = torch.tensor([[1, 4, 6, 0], [7, 2, 3, 5]], dtype=torch.int32, device=device)
@@ -344,9 +359,10 @@ def test_native_quant_ops_match_the_reference(fmt: str) -> None:
     code = KV_FORMAT_CODES[fmt]
     out = native.paged_attention_decode_quant(q, kc, vc, ks, vs, tables, lens, d ** -0.5, 0, 0.0, code)
     want_out = ref.paged_attention_decode_quant(q, kc, vc, ks, vs, tables, lens, d ** -0.5, 0, 0.0, code)
-    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+    # (tests/test_kv_quant_gpu.py's measure and bound: the kernels round the dequantized tiles to bf16)
+    assert rel_err(out, want_out) <= 2e-2
     cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
     q = torch.randn(19, hq, d, device=device).bfloat16()
     out = native.paged_attention_quant(q, kc, vc, ks, vs, tables, cu, lens, d ** -0.5, 12, 0, 0.0, code)
     want_out = ref.paged_attention_quant(q, kc, vc, ks, vs, tables, cu, lens, d ** -0.5, 12, 0, 0.0, code)
-    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+    assert rel_err(out, want_out) <= 2e-2
