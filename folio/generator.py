@@ -102,7 +102,9 @@ class DynamicGenerator:
         self.vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
         # (a draft model reads the same block tables: pages go back early only where neither model reads them)
         window = released_window(*(m.config.layer_windows for m in (model, draft_model) if m is not None))
-        self.host_pages = build_host_pages(cache, host_cache_bytes if prefix_cache else 0)  # None: no host tier
+        # None: no host tier (tensor parallelism: rank 0's mirror builds every rank's, folio.tp_worker)
+        host_pages_for = build_host_pages if cache.mirror is None else cache.mirror.build_host_pages
+        self.host_pages = host_pages_for(cache, host_cache_bytes if prefix_cache else 0)
         self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window,
                                             num_host_pages=self.host_pages.num_host_pages if self.host_pages else 0)
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)

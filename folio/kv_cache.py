@@ -4,20 +4,40 @@ Unquantized (kv_format None or the model's dtype): k, v [L, P, S, Hkv, D] in the
 (folio.kv_formats: "fp8", "q8", "q4", "q4h"): k, v [L, P, S, Hkv, Dq] uint8 codes and k_scale, v_scale
 [L, P, S, Hkv, D // G] float16 scales. Which page holds what is the page pool's business (folio.cache); this module
 only owns the memory.
+
+Under tensor parallelism each rank's Cache holds its kv heads of every page (Hkv is the rank's share: the model's
+config is its shard's), and rank 0's cache has a `mirror` that tells the other ranks of everything written into it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from folio import kv_formats
 
 if TYPE_CHECKING:
+    from folio.host_pages import HostPages
+    from folio.model.batch import ForwardBatch
     from folio.model.model import Model
 
 MIN_PAGE_SIZE = 16
+
+
+class CacheMirror(Protocol):
+    """The other ranks of a tensor-parallel replica, as rank 0's cache sees them (folio.tp_worker.Driver): told of
+    each operation that writes the cache's tensors before rank 0 runs it, they run it on their shards, so that every
+    rank holds the same pages under the same ids."""
+
+    def forward(self, batch: ForwardBatch) -> None:
+        """A forward over this cache (Model.forward: its K/V writes, and its collectives)."""
+
+    def copy_page_slots(self, src_page: int, dst_page: int, num_slots: int) -> None:
+        """Cache.copy_page_slots."""
+
+    def build_host_pages(self, cache: Cache, host_cache_bytes: int | None) -> HostPages | None:
+        """The host tier's buffers for this cache (folio.host_pages.build_host_pages), their copies mirrored."""
 
 
 def page_bytes(model: Model, page_size: int, kv_format: str | None = None) -> int:
@@ -52,6 +72,7 @@ class Cache:
         _check_page_size(page_size)
         cfg = model.config
         self.ops = model.ops  # the model's op set (backend, launch options): copy_page_slots runs through it
+        self.mirror: CacheMirror | None = None  # tensor parallelism: rank 0's link to the other ranks' shards
         self.page_size = page_size
         # the quantized format's name, or None: K/V in the model's dtype
         self.kv_format = kv_formats.resolve(kv_format, model.dtype, cfg.head_dim)
@@ -104,6 +125,8 @@ class Cache:
                 raise IndexError(f"page {page} outside [0, num_pages={self.num_pages})")
         if not 0 <= num_slots <= self.page_size:
             raise ValueError(f"num_slots={num_slots} outside [0, page_size={self.page_size}]")
+        if self.mirror is not None:
+            self.mirror.copy_page_slots(src_page, dst_page, num_slots)
         self.ops.copy_page_slots(self.k, self.v, src_page, dst_page, num_slots)
         if self.k_scale is not None:
             self.ops.copy_page_slots(self.k_scale, self.v_scale, src_page, dst_page, num_slots)

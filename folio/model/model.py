@@ -18,6 +18,7 @@ from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
 from folio.model.rotary import layer_inv_freqs
+from folio.model.tensor_parallel import TensorParallel, check_shardable, shard
 from folio.model.windows import released_window
 from folio.options import EngineOptions
 
@@ -51,10 +52,15 @@ class Model:
     its ops through `ops` (an OpSet built from them: backend, PDL, decode attention kernel) and keeps what it probes
     on its device in `flash_state` and here, never in module globals (two models with other options never share
     a decision). On a CUDA device, ops_backend "auto" or "native" needs the native CUDA module: building the model
-    raises a RuntimeError saying how to build it (ops_backend "reference" runs the torch reference ops instead)."""
+    raises a RuntimeError saying how to build it (ops_backend "reference" runs the torch reference ops instead).
+
+    tensor_parallel: this process's rank of a tensor-parallel replica (folio.model.tensor_parallel); config and
+    weights are then the rank's shard (`shard`, as from_pretrained makes them), and forward sums the attention and
+    MLP outputs over the ranks and gathers the logits of the whole vocabulary. None (or one rank): one process."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, tensor_parallel: TensorParallel | None = None) -> None:
+        self.tensor_parallel = tensor_parallel if getattr(tensor_parallel, "world_size", 1) > 1 else None
         self.options = options if options is not None else EngineOptions()
         self.ops = _op_set_for(self.options, device)
         self.config = config
@@ -86,19 +92,26 @@ class Model:
         progress: bool = True,
         options: EngineOptions | None = None,
         weight_format: str | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> Model:
         """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype. weight_format: None
         keeps the checkpoint's (FP8 checkpoints load as FP8), "fp8" quantizes the projections on load, "dense"
-        dequantizes an FP8 checkpoint (folio.model.fp8_checkpoint)."""
+        dequantizes an FP8 checkpoint (folio.model.fp8_checkpoint). tensor_parallel: load this rank's shard (the
+        whole model is read into host memory, and only the shard goes to `device`)."""
         config = ModelConfig.from_pretrained(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         _op_set_for(options or EngineOptions(), device)  # a missing native module fails before the weights load
         dtype = check_dtype(dtype if dtype is not None else config.torch_dtype)
+        split = tensor_parallel is not None and tensor_parallel.world_size > 1
+        if split:
+            check_shardable(config, tensor_parallel.world_size)  # before the weights load
         convert = fp8_checkpoint.converter_for(path, config, dtype, weight_format)
-        weights = load_weights(path, config, device, dtype, progress, convert)
-        return cls(config, weights, device, dtype, options)
+        weights = load_weights(path, config, torch.device("cpu") if split else device, dtype, progress, convert)
+        if split:
+            weights, config = shard(weights, config, tensor_parallel, device)
+        return cls(config, weights, device, dtype, options, tensor_parallel)
 
     @classmethod
     def from_state_dict(
@@ -109,25 +122,34 @@ class Model:
         dtype: torch.dtype | None = None,
         options: EngineOptions | None = None,
         weight_format: str | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> Model:
         """Build from weights already in memory under their checkpoint names (a transformers model's
         `state_dict()`), e.g. random weights made on the GPU for a benchmark. device None: the tensors' device;
         dtype None: the tensors' dtype. q/k/v and gate/up are fused into new tensors; the others are used as given
-        (no copy) when already on `device` in `dtype`. weight_format "fp8": the projections quantized to FP8."""
+        (no copy) when already on `device` in `dtype`. weight_format "fp8": the projections quantized to FP8.
+        tensor_parallel: this rank's shard (the whole model is fused where the tensors are; the shard goes to
+        `device`)."""
         first = next(iter(state_dict.values()))
         device = torch.device(device if device is not None else first.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         _op_set_for(options or EngineOptions(), device)
         dtype = check_dtype(dtype if dtype is not None else first.dtype)
-        tensors = tensors_from_state_dict(state_dict, config, device, dtype)
+        split = tensor_parallel is not None and tensor_parallel.world_size > 1
+        if split:
+            check_shardable(config, tensor_parallel.world_size)
+        tensors = tensors_from_state_dict(state_dict, config, first.device if split else device, dtype)
         tensors = fp8_checkpoint.quantize_state(tensors, config, weight_format)
-        return cls(config, fuse_weights(tensors, config), device, dtype, options)
+        weights = fuse_weights(tensors, config)
+        if split:
+            weights, config = shard(weights, config, tensor_parallel, device)
+        return cls(config, weights, device, dtype, options, tensor_parallel)
 
     def with_options(self, options: EngineOptions) -> Model:
         """A model over the same weights (shared, not copied) with other options, e.g. another prefill attention
         path for an A/B benchmark. It probes its device afresh."""
-        return Model(self.config, self.weights, self.device, self.dtype, options)
+        return Model(self.config, self.weights, self.device, self.dtype, options, self.tensor_parallel)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: Cache) -> torch.Tensor:
@@ -136,6 +158,11 @@ class Model:
         Returns fp32 logits [len(batch.logits_idx), vocab_size] for the rows selected by batch.logits_idx.
         """
         self._check_cache(cache)
+        if cache.mirror is not None:  # tensor parallelism, rank 0: the other ranks run this batch too
+            cache.mirror.forward(batch)
+        tp = self.tensor_parallel
+        if tp is not None and batch.lora is not None:
+            raise NotImplementedError("LoRA adapters are not supported under tensor parallelism")
         w = self.weights
         residual = F.embedding(batch.input_ids, w.embed_tokens)  # [T, H], updated in place layer by layer
         if self.embed_scale != 1.0:
@@ -145,16 +172,21 @@ class Model:
         prefill = self._prefill_plan(batch, cache)
         mlp_out = None  # embeddings: nothing to add yet
         for layer_idx, layer in enumerate(w.layers):
-            # Gemma normalizes each sublayer's output before the residual add: no GEMM adds itself into it there
-            into = residual if layer.attn_out_norm is None else None
+            # Gemma normalizes each sublayer's output before the residual add: no GEMM adds itself into it there;
+            # nor under tensor parallelism, where each rank's product is a partial sum, summed first
+            into = residual if layer.attn_out_norm is None and tp is None else None
             x = self._add_norm(mlp_out, residual, layer.input_norm)
-            attn_out = self._attention(layer_idx, layer, x, batch, cache, prefill, into)
+            attn_out = self._all_reduce(self._attention(layer_idx, layer, x, batch, cache, prefill, into))
             x = self._add_norm(self._out_norm(attn_out, layer.attn_out_norm), residual, layer.post_attention_norm)
-            mlp_out = self._mlp(layer, x, into, None if batch.lora is None else batch.lora.at(layer_idx))
+            lora = None if batch.lora is None else batch.lora.at(layer_idx)
+            mlp_out = self._all_reduce(self._mlp(layer, x, into, lora))
             mlp_out = self._out_norm(mlp_out, layer.mlp_out_norm)
         x = self._add_norm(mlp_out, residual, w.final_norm)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
-        return mlp.softcap_(self._logits(x[batch.logits_idx], w.lm_head), self.config.final_logit_softcap)
+        logits = self._logits(x[batch.logits_idx], w.lm_head)
+        if tp is not None:  # each rank's vocabulary shard -> the whole vocabulary
+            logits = tp.gather_vocab(logits, self.config.vocab_size)
+        return mlp.softcap_(logits, self.config.final_logit_softcap)
 
     def step_activation_bytes(self, num_tokens: int, num_logit_rows: int, max_context_tokens: int | None = None,
                               sampling: bool = True) -> int:
@@ -192,6 +224,12 @@ class Model:
         if sampling:
             logits += num_logit_rows * cfg.vocab_size * 4 * SAMPLER_LOGITS_COPIES
         return max(attention, mlp_bytes) + logits
+
+    def _all_reduce(self, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Under tensor parallelism: the sum over the ranks of their partial o_proj / down outputs (in place)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
     def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """residual += out, then RMSNorm(residual). out None: a projection already added itself into the residual

@@ -1,0 +1,144 @@
+"""Start the processes of a tensor-parallel replica on one machine (tests, benchmarks): one process per rank
+(torch.multiprocessing, spawn), each in a torch.distributed process group (gloo on the CPU; NCCL with one GPU per
+rank, rank r on GPU r), initialised through a file in a new temporary directory (no port to choose, none to collide
+on when several replicas share a machine).
+
+`launch(main, world_size, args)` runs main(tp, *args) on every rank and returns rank 0's result. `replica_main` is
+such a main for a model directory: every rank loads its shard, rank 0 builds the cache with its Driver and runs
+`drive(model, cache)` (a DynamicGenerator's jobs, say), and the other ranks run the worker loop until rank 0 is done.
+main, drive and the arguments must be picklable (module-level functions): spawned processes import them afresh.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from folio.kv_cache import Cache
+from folio.model.model import Model
+from folio.model.tensor_parallel import TensorParallel
+from folio.tp_worker import Driver, run_worker
+
+T = TypeVar("T")
+_POLL_S = 0.1  # how often the parent looks for a rank that died without a word
+_EXIT_GRACE_S = 10.0  # after every rank reported: how long each may take to exit before it is killed
+_FAILURE_GRACE_S = 2.0  # after a rank failed: how long to wait for the others' reports
+
+
+def launch(main: Callable[..., T], world_size: int, args: tuple = (), backend: str = "gloo",
+           timeout_s: float = 600.0, num_threads: int | None = None) -> T:
+    """Run main(tp, *args) in world_size new processes, one per rank; return rank 0's result (returned through
+    pickle, as a copy).
+
+    timeout_s: the limit of the whole run, and of each collective in it (the process group's timeout). When a rank
+    fails (its traceback is in the error), dies, or the time runs out, every process is ended and RuntimeError
+    (TimeoutError for the time) raised. num_threads: torch's intra-op threads in each process (None: its default;
+    ranks sharing few cores want 1)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="folio-tp-") as rendezvous:
+        init_method = (Path(rendezvous) / "init").as_uri()
+        processes = [context.Process(target=_run_rank, name=f"folio-tp-rank{rank}", daemon=True,
+                                     args=(rank, world_size, backend, init_method, timeout_s, num_threads, main, args,
+                                           results))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        finished = False
+        try:
+            outcomes = _collect(processes, results, time.monotonic() + timeout_s)
+            finished = True
+        finally:
+            _stop(processes, _EXIT_GRACE_S if finished else 0.0)
+    return pickle.loads(outcomes[0])
+
+
+def replica_main(tp: TensorParallel, model_dir: str | Path, drive: Callable[[Model, Cache], T],
+                 model_kwargs: dict[str, Any] | None = None, cache_kwargs: dict[str, Any] | None = None) -> T | None:
+    """One rank of a replica of the model in model_dir: Model.from_pretrained(model_dir, tensor_parallel=tp,
+    **model_kwargs) on every rank; rank 0 builds Cache(model, **cache_kwargs) with its Driver, returns
+    drive(model, cache) and then shuts the workers down; the other ranks serve until then (and return None)."""
+    model = Model.from_pretrained(model_dir, tensor_parallel=tp, **{"progress": False, **(model_kwargs or {})})
+    if tp.rank != 0:
+        run_worker(model, tp)
+        return None
+    driver = Driver(tp, Cache(model, **(cache_kwargs or {})))
+    try:
+        return drive(model, driver.cache)
+    finally:
+        driver.shutdown()
+
+
+def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
+              num_threads: int | None, main: Callable[..., Any], args: tuple, results: Any) -> None:
+    try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            # pickled here, not by the queue: torch's queue would hand tensors over in shared memory, which needs
+            # this process alive until the parent has read them
+            value = pickle.dumps(main(TensorParallel.from_group(), *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - whatever it is, the parent reports it
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, value))
+
+
+def _collect(processes: list, results: Any, deadline: float) -> dict[int, bytes]:
+    """Every rank's pickled result. At the first failure, the others' failures are awaited a moment (the first to
+    report is often a rank that lost its peer, not the cause) and all are raised together; a rank that dies without a
+    word and the deadline raise too."""
+    outcomes: dict[int, bytes] = {}
+    failures: dict[int, str] = {}
+    while len(outcomes) + len(failures) < len(processes):
+        try:
+            rank, ok, value = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            waiting = [r for r in range(len(processes)) if r not in outcomes and r not in failures]
+            dead = [r for r in waiting if processes[r].exitcode is not None]
+            if dead and results.empty():
+                failures.update({r: f"exited with code {processes[r].exitcode} without a result" for r in dead})
+                break
+            if time.monotonic() > deadline:
+                if failures:
+                    break
+                raise TimeoutError(f"tensor-parallel ranks {waiting} did not finish in time") from None
+            continue
+        if ok:
+            outcomes[rank] = value
+        else:
+            failures[rank] = value
+            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    if failures:
+        raise RuntimeError("\n".join(f"tensor-parallel rank {rank} failed:\n{text}"
+                                     for rank, text in sorted(failures.items())))
+    return outcomes
+
+
+def _stop(processes: list, grace_s: float) -> None:
+    """Wait up to grace_s for each process to exit, then kill what is left (only these processes, by handle)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
