@@ -134,14 +134,6 @@ class Fp8Linear:
             return self.ops.silu_and_mul(y) if silu_gate else y
         return reference_linear(x, weight.weight, weight.scale, bias, silu_gate)
 
-    def path(self, x: torch.Tensor, weight: Fp8Weight) -> str:
-        """Which implementation `linear` takes for these arguments (for benchmarks' and logs' sake)."""
-        if self.gemv_supported(x, weight):
-            return "fp8 gemv"
-        if self.scaled_mm_supported(x, weight):
-            return "_scaled_mm"
-        return "dequantized 16-bit GEMM" if x.device.type == "cuda" and x.dtype in _GEMV_DTYPES else "reference"
-
     def scaled_mm_supported(self, x: torch.Tensor, weight: Fp8Weight) -> bool:
         """CUDA, 16-bit x, N and K multiples of 16 (cuBLASLt's FP8 layout rule), and row-wise _scaled_mm works here."""
         if x.device.type != "cuda" or x.dtype not in _GEMV_DTYPES or x.dim() != 2:
