@@ -42,19 +42,23 @@ __device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a
   }
 }
 
-// The row of W lane group g (of kTileRows) of block b = blockIdx.x reads: row kTileRows * b + g; GATED: gate rows
-// 4b..4b+3 (g < 4) and their up rows I+4b..I+4b+3 (g >= 4) of a [gate; up] weight of out_features = 2I rows. A row
-// past the last is out_features (the caller reads row 0 there; that row of D is never stored).
+// The row of W lane group g (of kTileRows) of tile b (a block's, by default blockIdx.x) reads: row kTileRows * b + g;
+// GATED: gate rows 4b..4b+3 (g < 4) and their up rows I+4b..I+4b+3 (g >= 4) of a [gate; up] weight of out_features
+// = 2I rows. A row past the last is out_features (the caller reads row 0 there; that row of D is never stored).
 template <bool GATED, int kTileRows>
-__device__ __forceinline__ int64_t weight_row_index(int g, int64_t out_features) {
+__device__ __forceinline__ int64_t weight_row_index(int g, int64_t out_features, int64_t tile) {
   static_assert(!GATED || kTileRows == 8, "a gated block holds 4 gate and 4 up rows");
   if constexpr (GATED) {
     const int64_t half = out_features / 2;
-    const int64_t gate_row = static_cast<int64_t>(blockIdx.x) * 4 + (g & 3);
+    const int64_t gate_row = tile * 4 + (g & 3);
     return gate_row < half ? gate_row + (g < 4 ? 0 : half) : out_features;
   } else {
-    return static_cast<int64_t>(blockIdx.x) * kTileRows + g;
+    return tile * kTileRows + g;
   }
+}
+template <bool GATED, int kTileRows>
+__device__ __forceinline__ int64_t weight_row_index(int g, int64_t out_features) {
+  return weight_row_index<GATED, kTileRows>(g, out_features, static_cast<int64_t>(blockIdx.x));
 }
 
 // A block's epilogue, after its warps wrote their partial sums (partial[w][m][j]: row m of x against row j of the
@@ -66,14 +70,15 @@ __device__ __forceinline__ int64_t weight_row_index(int g, int64_t out_features)
 template <typename T, bool GATED, int kWarps, int kMaxRows, int kTileRows>
 __device__ __forceinline__ void store_block_rows(const float (&partial)[kWarps][kMaxRows][kTileRows], int num_rows,
                                                  int64_t out_features, const float* scale, const void* bias,
-                                                 void* out) {
+                                                 void* out, int64_t tile = -1) {
+  if (tile < 0) tile = blockIdx.x;  // (a block of one tile)
   const T* bias_t = static_cast<const T*>(bias);
   T* out_t = static_cast<T*>(out);
   if constexpr (GATED) {
     const int64_t half = out_features / 2;
     if (threadIdx.x < kMaxRows * 4) {
       const int m = threadIdx.x / 4, j = threadIdx.x % 4;
-      const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + j;  // output column: gate row i, up row I + i
+      const int64_t i = tile * 4 + j;  // output column: gate row i, up row I + i
       if (m < num_rows && i < half) {
         float gate = 0.0f, up = 0.0f;
 #pragma unroll
@@ -95,7 +100,7 @@ __device__ __forceinline__ void store_block_rows(const float (&partial)[kWarps][
     }
   } else if (threadIdx.x < kMaxRows * kTileRows) {
     const int m = threadIdx.x / kTileRows, j = threadIdx.x % kTileRows;
-    const int64_t n = static_cast<int64_t>(blockIdx.x) * kTileRows + j;
+    const int64_t n = tile * kTileRows + j;
     if (m < num_rows && n < out_features) {
       float sum = 0.0f;
 #pragma unroll

@@ -1,9 +1,9 @@
 // linear for decode with FP8 weights: y[m, n] = scale[n] * sum_k x[m, k] * W[n, k] (+ bias[n]) for M <= 8 rows of x;
 // W is [N, K] float8 e4m3 (row-major, F.linear's layout) with one fp32 scale per output channel, x float16/bfloat16.
-// The layout is gemv.cu's (read it first): a block owns 8 rows of W, its warps split K, every byte of W is loaded
-// once with a streaming 16-byte load, and the products run on tensor cores as mma.m16n8k16 with x as A and eight
-// rows of W as B. What differs:
+// The layout is gemv.cu's (read it first): a tile of 8 rows of W is the B operand of mma.m16n8k16 with x as A, a
+// block's warps split K, and every byte of W is loaded once with a streaming 16-byte load. What differs:
 //
+//  * A block owns kTiles tiles (16 rows) sharing each chunk of x: see linear_fp8_kernel.
 //  * A 16-byte load holds 16 weights (one "chunk"), so a chunk feeds four mmas and pairs with 32 bytes of x: the
 //    weight stream is half the bf16 GEMV's bytes for the same instructions on x.
 //  * e4m3 -> f16 is exact (3 mantissa bits, exponents 2^-9 .. 2^8 all fit f16), two at a time with the hardware
@@ -13,7 +13,7 @@
 //    restores, exactly (every e4m3 value is a normal f16, hence a normal bf16 after the shift). Folding 2^112 into
 //    the fp32 scale instead would leave products near fp32's subnormal range inside the mma.
 //  * The per-channel scale multiplies the fp32 sum in the epilogue, before the bias and the single rounding.
-//  * silu_gate as in gemv.cu: block b takes gate rows 4b..4b+3 and up rows I+4b..I+4b+3; each factor is scaled,
+//  * silu_gate as in gemv.cu: tile b takes gate rows 4b..4b+3 and up rows I+4b..I+4b+3; each factor is scaled,
 //    biased and rounded to the dtype, then combined with silu_and_mul's arithmetic.
 //
 // Deterministic and batch-invariant like gemv.cu: the summation order of y[m, n] depends on K only.
@@ -29,18 +29,23 @@
 namespace folio::cuda {
 namespace {
 
-// (bench/gemv_sweep.sh FP8=1 times other values; 2 loads in flight per lane at 4 blocks per SM beat 4 at 2 by 6%
-// on the 8B decode shapes on an H200)
+// Tuning knobs (bench/gemv_sweep.sh FP8=1 times other values): tiles of 8 rows per block, 16-byte loads per lane
+// and tile in flight, blocks per SM. On an H200's 8B decode shapes, 2 tiles x 4 loads at 2 blocks per SM took the
+// projections and lm_head in 2,798 us, one tile x 2 loads at 4 blocks 2,916 us (the best of one tile).
+#ifndef FOLIO_GEMV_FP8_TILES
+#define FOLIO_GEMV_FP8_TILES 2
+#endif
 #ifndef FOLIO_GEMV_FP8_UNROLL
-#define FOLIO_GEMV_FP8_UNROLL 2
+#define FOLIO_GEMV_FP8_UNROLL 4
 #endif
 #ifndef FOLIO_GEMV_FP8_MIN_BLOCKS
-#define FOLIO_GEMV_FP8_MIN_BLOCKS 4
+#define FOLIO_GEMV_FP8_MIN_BLOCKS 2
 #endif
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileRows = 8;                    // rows of W per block (the mma's n)
+constexpr int kTileRows = 8;                    // rows of W per tile (the mma's n)
+constexpr int kTiles = FOLIO_GEMV_FP8_TILES;     // tiles per block
 constexpr int kUnroll = FOLIO_GEMV_FP8_UNROLL;  // 16-byte loads of W in flight per lane
 constexpr int kWarpStepChunks = 4 * kUnroll;    // 16-element chunks of a row per warp step (4 lanes share a row)
 constexpr int kChunk = 16;                      // weights per 16-byte load
@@ -124,22 +129,29 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], float (&acc_hi)[4], u
   }
 }
 
-// Block b owns rows n0 = 8b .. 8b+7 of W (GATED: see the file comment). In warp w, lane (g, t) reads row n0 + g of W
-// and row g of x: at warp step s and unroll u, chunk c = (s * kWarps + w) * kWarpStepChunks + 4u + t.
+// Block b owns kTiles tiles of 8 rows of W: tile j = kTiles * b + j has rows 8 tile .. 8 tile + 7 (GATED: see the
+// file comment). In warp w, lane (g, t) reads row g of each tile and row g of x: at warp step s and unroll u, chunk
+// c = (s * kWarps + w) * kWarpStepChunks + 4u + t. The tiles share x's chunks, and their loads double a block's
+// bytes per round trip: a block does the same few dependent rounds of loads whatever their width, so with 1-byte
+// weights 8 rows a block left half the bandwidth unused.
 template <typename T, bool VEC, bool GATED>
 __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp8_kernel(LinearFp8Params p) {
-  __shared__ float partial[kWarps][kMaxRows][kTileRows];  // per warp: unscaled y[m][n0 + j] over its part of K
+  __shared__ float partial[kTiles][kWarps][kMaxRows][kTileRows];  // per tile and warp: unscaled y[m][row j]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t K = p.in_features;
   const int64_t num_chunks = (K + kChunk - 1) / kChunk;
-  const int64_t w_row_index = gemv::weight_row_index<GATED, kTileRows>(g, p.out_features);
-  // Lanes past the last row of W or x read row 0: their rows of D are never stored (see gemv.cu).
-  const uint8_t* w_row = p.weight + (w_row_index < p.out_features ? w_row_index * p.weight_row_stride : 0);
+  const uint8_t* w_rows[kTiles];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    const int64_t index = gemv::weight_row_index<GATED, kTileRows>(g, p.out_features, kTiles * blockIdx.x + j);
+    // Lanes past the last row of W or x read row 0: their rows of D are never stored (see gemv.cu).
+    w_rows[j] = p.weight + (index < p.out_features ? index * p.weight_row_stride : 0);
+  }
   const uint16_t* x_row = static_cast<const uint16_t*>(p.x) + (g < p.num_rows ? g * p.x_row_stride : 0);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc[kTiles][4] = {}, acc_hi[kTiles][4] = {};
   bool waited = !VEC;  // the weight loads of the first step go out before the wait for x's producer (launch.cuh)
   if constexpr (!VEC) {
     grid_dependency_wait();
@@ -147,10 +159,11 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp
   }
   for (int64_t step = static_cast<int64_t>(warp) * kWarpStepChunks; step < num_chunks;
        step += kWarps * kWarpStepChunks) {
-    uint4 wv[kUnroll];
+    uint4 wv[kTiles][kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      wv[u] = load_w_chunk<VEC>(w_row, min(step + 4 * u + t, num_chunks - 1), K);
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) wv[j][u] = load_w_chunk<VEC>(w_rows[j], min(step + 4 * u + t, num_chunks - 1), K);
     }
     if (!waited) {
       grid_dependency_wait();
@@ -161,12 +174,28 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = min(step + 4 * u + t, num_chunks - 1);
       uint4 x_lo = load_x_half<VEC>(x_row, c, 0, K), x_hi = load_x_half<VEC>(x_row, c, 1, K);
-      if (step + 4 * u + t >= num_chunks) wv[u] = x_lo = x_hi = zero;
-      mma_chunk<T>(acc, acc_hi, wv[u], x_lo, x_hi);
+      const bool past = step + 4 * u + t >= num_chunks;
+      if (past) x_lo = x_hi = zero;
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) mma_chunk<T>(acc[j], acc_hi[j], past ? zero : wv[j][u], x_lo, x_hi);
     }
   }
-  gemv::finish_block<T, GATED, kWarps, kMaxRows, kTileRows>(waited, acc, acc_hi, partial, warp, g, t, p.num_rows,
-                                                             p.out_features, p.weight_scale, p.bias, p.out);
+  if (!waited) {  // a warp that ran no step (K below one warp step)
+    grid_dependency_wait();
+    allow_dependent_launch();
+  }
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    partial[j][warp][g][2 * t] = acc[j][0] + acc_hi[j][0];
+    partial[j][warp][g][2 * t + 1] = acc[j][1] + acc_hi[j][1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    gemv::store_block_rows<T, GATED, kWarps, kMaxRows, kTileRows>(partial[j], p.num_rows, p.out_features,
+                                                                  p.weight_scale, p.bias, p.out,
+                                                                  kTiles * blockIdx.x + j);
+  }
 }
 
 bool aligned_rows(const void* base, int64_t row_stride_bytes) {
@@ -192,8 +221,8 @@ cudaError_t linear_fp8(const LinearFp8Params& p, const Launch& launch) {
   const bool vec = p.in_features % kChunk == 0 &&
                    aligned_rows(p.weight, p.out_features > 1 ? p.weight_row_stride : 0) &&
                    aligned_rows(p.x, p.num_rows > 1 ? 2 * p.x_row_stride : 0);
-  const auto blocks = static_cast<unsigned>(p.silu_gate ? (p.out_features / 2 + 3) / 4
-                                                        : (p.out_features + kTileRows - 1) / kTileRows);
+  const int64_t tiles = p.silu_gate ? (p.out_features / 2 + 3) / 4 : (p.out_features + kTileRows - 1) / kTileRows;
+  const auto blocks = static_cast<unsigned>((tiles + kTiles - 1) / kTiles);
   if (p.dtype == ScalarType::kBFloat16) {
     vec ? launch_typed<__nv_bfloat16, true>(p, blocks, launch) : launch_typed<__nv_bfloat16, false>(p, blocks, launch);
   } else {
