@@ -279,3 +279,51 @@ def test_copy_page_slots_copies_codes_and_scales(device):
         ref.copy_page_slots(*expected, 1, 3, 7)
         NATIVE[device].copy_page_slots(k_cache, v_cache, 1, 3, 7)
         assert same_bits(k_cache, expected[0]) and same_bits(v_cache, expected[1])
+
+
+# ------------------------------------------------------------------------------------------------ in the model
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+@pytest.mark.parametrize("name", FORMATS)
+def test_fresh_prompts_over_a_quantized_cache_prefill_on_tensor_cores(_, name):
+    """Fresh prompts attend over their own K/V on FlashAttention-2 / cuDNN (folio.model.quant_attention), a decoding
+    row beside them over the codes: the cache gets the same codes as on the paged kernel, and the logits stay within
+    the format's accuracy bound of the paged kernel's over the codes (mean KL, the issue's bounds: fp8 / q8 0.005,
+    q4 0.05)."""
+    from test_fp8_weights_gpu import REALISTIC, kl_rows, realistic_state
+
+    from folio.kv_cache import Cache
+    from folio.model import quant_attention
+    from folio.model.batch import ForwardBatch, SeqChunk
+    from folio.model.config import ModelConfig
+    from folio.model.model import Model
+    from folio.options import EngineOptions
+
+    config = ModelConfig.from_dict(REALISTIC)
+    flash_model = Model.from_state_dict(config, realistic_state(config))
+    paged_model = flash_model.with_options(EngineOptions(prefill_attention="paged"))
+    prompts = torch.randint(0, config.vocab_size, (2, 192), generator=torch.Generator().manual_seed(3)).tolist()
+    page_size = 64
+    logits, caches = [], []
+    new_prompt = torch.randint(0, config.vocab_size, (192,), generator=torch.Generator().manual_seed(4)).tolist()
+    q_like = torch.empty(0, config.num_q_heads, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    for model in (flash_model, paged_model):
+        cache = Cache(model, num_tokens=10 * page_size, page_size=page_size, kv_format=name)
+        chunks = [SeqChunk(p, 0, [3 * i, 3 * i + 1, 3 * i + 2], "all") for i, p in enumerate(prompts)]
+        # then a step of one decoding row (the first prompt's next token) beside a fresh prompt
+        mixed = [SeqChunk([prompts[0][-1]], 192, [0, 1, 2, 6], "last"), SeqChunk(new_prompt, 0, [7, 8, 9], "all")]
+        out = []
+        for step in (chunks, mixed):
+            batch = ForwardBatch.build(step, page_size, model.device)
+            if model is flash_model:
+                assert quant_attention.prefill_plan(model, batch, cache, q_like) is not None
+            out.append(model.forward(batch, cache).float())
+        logits.append(torch.cat(out))
+        caches.append(cache)
+    bound = 0.05 if name == "q4" else 0.005
+    assert kl_rows(logits[1], logits[0]).mean().item() <= bound
+    # the cache write does not depend on the attention path: layer 0's codes and scales are the same (later layers'
+    # K/V follow from the earlier layers' outputs)
+    for a, b in zip(caches[0].page_tensors(), caches[1].page_tensors()):
+        assert torch.equal(a[0], b[0])

@@ -32,6 +32,7 @@ takes first: nothing is kept in module globals.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -285,14 +286,21 @@ def _dense_attention(state: FlashState, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
               prefill: PrefillPlan, scale: float, k_new: torch.Tensor | None = None,
-              v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+              v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+              decode_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+              ) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
 
     q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
     output) may be strided in their token and head dims. With k_new/v_new given, a plan whose prompt rows are
     one run of fresh sequences (PrefillPlan.long_span, .fresh) reads them instead of gathering the cache.
     window, softcap: as in folio.reference_ops.paged_attention; FA2 cannot soft-cap, so softcap > 0 runs our
-    paged kernel."""
+    paged kernel. decode_rows(q, block_tables, context_lens): the one-token rows' attention (default: the decode
+    kernel over k_cache / v_cache; a quantized cache passes its own)."""
+    if decode_rows is None:
+        def decode_rows(short_q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            return state.ops.paged_attention_decode(short_q, k_cache, v_cache, tables, lens, scale, window, softcap)
+
     if softcap > 0:
         return state.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, scale, batch.max_q_len, window, softcap)
@@ -329,14 +337,12 @@ def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if span is not None and (span[0] == 0 or span[1] == q.shape[0]):  # the one-token rows are one run too
         before = span[0] > 0
         short_q = q[:span[0]] if before else q[span[1]:]
-        short_out = state.ops.paged_attention_decode(short_q, k_cache, v_cache, prefill.short_block_tables,
-                                                     prefill.short_context_lens, scale, window, softcap)
+        short_out = decode_rows(short_q, prefill.short_block_tables, prefill.short_context_lens)
         return torch.cat([short_out, long_out] if before else [long_out, short_out])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.index_copy_(0, prefill.long_rows, long_out)
-    short_out = state.ops.paged_attention_decode(q.index_select(0, prefill.short_rows), k_cache, v_cache,
-                                                 prefill.short_block_tables, prefill.short_context_lens, scale,
-                                                 window, softcap)
+    short_out = decode_rows(q.index_select(0, prefill.short_rows), prefill.short_block_tables,
+                            prefill.short_context_lens)
     out.index_copy_(0, prefill.short_rows, short_out)
     return out
 

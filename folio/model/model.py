@@ -256,12 +256,12 @@ class Model:
         return None
 
     def _prefill_plan(self, batch: ForwardBatch, cache: Cache) -> flash.PrefillPlan | None:
-        """Tensor-core (FlashAttention-2) prefill on CUDA when it is available and probed correct here. Not over a
-        quantized cache: FA2 reads K/V as stored (folio.model.quant_attention runs the paged kernel)."""
-        if batch.max_q_len == 1 or self.device.type != "cuda" or cache.kv_format is not None:
+        """Tensor-core prefill (flash.py) on CUDA where probed correct; over a quantized cache see quant_attention."""
+        if batch.max_q_len == 1 or self.device.type != "cuda":
             return None
-        cfg = self.config
-        q_like = torch.empty(0, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
+        q_like = torch.empty(0, self.config.num_q_heads, self.config.head_dim, device=self.device, dtype=self.dtype)
+        if cache.kv_format is not None:
+            return quant_attention.prefill_plan(self, batch, cache, q_like)
         mode = flash.choose_mode(self.flash_state, q_like, cache.k[0], self.attention_scale,
                                  self.options.prefill_attention)
         return flash.plan(self.flash_state, mode, batch, cache.page_size, self.released_window)
@@ -289,7 +289,7 @@ class Model:
         inv_freq = self.layer_inv_freq[layer_idx]
         if cache.kv_format is not None:  # codes and scales: written and read through the *_quant ops
             out = quant_attention.attend(self.ops, cache, layer_idx, q, k, v, batch, inv_freq, self.attention_scale,
-                                         window, softcap)
+                                         window, softcap, prefill, self.flash_state)
         else:
             out = self._attend(layer_idx, q, k, v, batch, cache, prefill, inv_freq, window, softcap)
         out = out.view(num_tokens, cfg.q_size)
