@@ -85,6 +85,38 @@ def run(pair, args, prompts: list[list[int]], host_bytes: int, profiler=None) ->
     return out
 
 
+def copy_overlap(trace_path: str) -> dict:
+    """From a chrome trace: the host<->device copies off the compute stream (the stream with the most kernel time;
+    the host tier's copies run on their own stream), and how much of their time a kernel was running on the
+    compute stream (the union of its kernel intervals, intersected)."""
+    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    kernel_time: dict = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            stream = e.get("args", {}).get("stream")
+            kernel_time[stream] = kernel_time.get(stream, 0.0) + e.get("dur", 0.0)
+    compute = max(kernel_time, key=kernel_time.get) if kernel_time else None
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and ("HtoD" in e.get("name", "")
+                                                                      or "DtoH" in e.get("name", ""))
+              and e.get("args", {}).get("stream") != compute]
+    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") == "kernel" and e.get("args", {}).get("stream") == compute)
+    merged: list[list[float]] = []
+    for start, end in busy:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = overlapped = 0.0
+    for e in copies:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        total += end - start
+        overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged if a < end and b > start)
+    return {"copies": len(copies), "copy_streams": sorted({e.get("args", {}).get("stream") for e in copies}),
+            "compute_stream": compute, "copy_ms": total / 1e3, "overlapped_ms": overlapped / 1e3,
+            "fraction": overlapped / total if total else 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -144,7 +176,11 @@ def main() -> None:
         with torch.profiler.profile(activities=activities) as prof:
             run(pair, args, prompts[:2 * args.groups], host_bytes)
         prof.export_chrome_trace(args.trace)
+        overlap = copy_overlap(args.trace)
         log(f"trace: {args.trace}")
+        print(f"\nhost-tier copies in the trace: {overlap['copies']} host<->device copies, {overlap['copy_ms']:.2f} ms "
+              f"on streams {overlap['copy_streams']}; {overlap['overlapped_ms']:.2f} ms of it "
+              f"({overlap['fraction']:.0%}) while a kernel ran on the compute stream {overlap['compute_stream']}")
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "host_tier.json").write_text(json.dumps(

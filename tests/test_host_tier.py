@@ -346,3 +346,32 @@ def test_the_default_host_tier_follows_a_containers_memory_limit(tmp_path, monke
     monkeypatch.setattr(host_pages, "_available_bytes", lambda: None)
     # 4 GiB container: a quarter of it, whatever the machine has and however large the GPU cache
     assert host_pages.default_host_cache_bytes(gpu_cache_bytes=100 << 30) == 1 << 30
+
+
+def test_the_trace_overlap_counts_copies_off_the_compute_stream(tmp_path):
+    """bench/host_tier.py --trace: copies on the copy stream against the compute stream's kernels (the stream with
+    the most kernel time); the compute stream's own copies are not the host tier's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "host_tier.py"
+    spec = importlib.util.spec_from_file_location("bench_host_tier", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    events = [{"cat": "kernel", "ts": 0, "dur": 100, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 150, "dur": 50, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 55, "dur": 5, "args": {"stream": 53}},  # the copy stream's strided-copy kernel
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 50, "dur": 110,
+               "args": {"stream": 53}},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 300, "dur": 10,
+               "args": {"stream": 53}},
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 120, "dur": 5,
+               "args": {"stream": 7}}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = bench.copy_overlap(str(trace))
+    # copies 110 + 10 us; under compute kernels: 50..100 and 150..160
+    assert got["copies"] == 2 and got["copy_streams"] == [53] and got["compute_stream"] == 7
+    assert got["copy_ms"] == pytest.approx(0.12) and got["overlapped_ms"] == pytest.approx(0.06)
+    assert got["fraction"] == pytest.approx(0.5)
