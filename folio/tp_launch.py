@@ -7,6 +7,10 @@ on when several replicas share a machine).
 such a main for a model directory: every rank loads its shard, rank 0 builds the cache with its Driver and runs
 `drive(model, cache)` (a DynamicGenerator's jobs, say), and the other ranks run the worker loop until rank 0 is done.
 main, drive and the arguments must be picklable (module-level functions): spawned processes import them afresh.
+
+`start_local_ranks` is the serving form (folio.serve's replicas): the calling process becomes rank 0 and keeps
+running (its generator serves requests); ranks 1.. are new processes that load their shards and run the worker loop
+until rank 0's Driver shuts them down (`LocalRanks.close`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,83 @@ def launch(main: Callable[..., T], world_size: int, args: tuple = (), backend: s
         finally:
             _stop(processes, _EXIT_GRACE_S if finished else 0.0)
     return pickle.loads(outcomes[0])
+
+
+class LocalRanks:
+    """Ranks 1..world_size-1 of a replica whose rank 0 is this process (start_local_ranks)."""
+
+    def __init__(self, tp: TensorParallel, processes: list, rendezvous: tempfile.TemporaryDirectory) -> None:
+        self.tp, self.processes, self._rendezvous = tp, processes, rendezvous
+        self.driver: Driver | None = None
+
+    def attach(self, cache: Cache) -> Cache:
+        """Rank 0's cache, mirrored to the other ranks from now on (a Driver); returns it."""
+        self.driver = Driver(self.tp, cache)
+        self.driver.local_ranks = self
+        return cache
+
+    def close(self, grace_s: float = _EXIT_GRACE_S) -> None:
+        """End the workers' loops, wait up to grace_s for their processes (then kill them), leave the group."""
+        if self.driver is not None:
+            self.driver.shutdown()
+        _stop(self.processes, grace_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._rendezvous.cleanup()
+
+
+def start_local_ranks(model_dir: str | Path, world_size: int, model_kwargs: dict[str, Any] | None = None,
+                      timeout_s: float = 600.0, num_threads: int | None = None) -> LocalRanks:
+    """Make this process rank 0 of a tensor-parallel replica of the model in model_dir and start ranks 1.. as new
+    processes on this machine, each loading its shard (Model.from_pretrained(model_dir, tensor_parallel=...,
+    **model_kwargs)) and running the worker loop. model_kwargs' device "cuda" means NCCL with rank r on GPU r (of
+    those this process sees: a Ray replica's); anything else gloo. Load rank 0's shard with `.tp`, then
+    `attach(cache)` its cache. timeout_s: each collective's limit (a rank that died is noticed after it)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
+    model_kwargs = dict(model_kwargs or {})
+    on_cuda = str(model_kwargs.get("device", "cpu")).startswith("cuda")
+    if on_cuda and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"tensor parallelism over {world_size} GPUs, but this process sees "
+                           f"{torch.cuda.device_count()}")
+    backend = "nccl" if on_cuda else "gloo"
+    rendezvous = tempfile.TemporaryDirectory(prefix="folio-tp-")
+    init_method = (Path(rendezvous.name) / "init").as_uri()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_serve_rank, name=f"folio-tp-rank{rank}", daemon=True,
+                                 args=(rank, world_size, backend, init_method, timeout_s, num_threads, str(model_dir),
+                                       model_kwargs))
+                 for rank in range(1, world_size)]
+    for process in processes:
+        process.start()
+    try:
+        if on_cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        _stop(processes, 0.0)
+        rendezvous.cleanup()
+        raise
+    return LocalRanks(TensorParallel.from_group(), processes, rendezvous)
+
+
+def _serve_rank(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
+                num_threads: int | None, model_dir: str, model_kwargs: dict[str, Any]) -> None:
+    """A worker rank of start_local_ranks: its shard, the worker loop until rank 0 shuts it down."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        model_kwargs = {**model_kwargs, "device": f"cuda:{rank}"}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        tp = TensorParallel.from_group()
+        model = Model.from_pretrained(model_dir, tensor_parallel=tp, **{"progress": False, **model_kwargs})
+        run_worker(model, tp)
+    finally:
+        dist.destroy_process_group()
 
 
 def replica_main(tp: TensorParallel, model_dir: str | Path, drive: Callable[[Model, Cache], T],

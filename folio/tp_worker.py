@@ -141,6 +141,7 @@ class Driver:
         self.channel = Channel(tp, cache.k.device)
         self.num_sent: Counter[Op] = Counter()  # messages sent, per op
         self.closed = False
+        self.local_ranks = None  # the other ranks' processes when this process started them (folio.tp_launch)
         self._send(Op.SETUP_CACHE, cache.num_pages, cache.page_size, cache.kv_format_code)
         cache.mirror = self
 

@@ -24,6 +24,7 @@ from folio.serve.config_formats import (  # noqa: F401 (KV_FORMAT_OF_DTYPE, KV_F
     KV_FORMATS,
     WEIGHT_FORMATS,
     check_memory_formats,
+    check_tensor_parallel,
 )
 from folio.serve.config_values import ConfigError, check_type, convert, positive
 
@@ -82,7 +83,7 @@ class ServeConfig:
     max_list_items: most entries of every other list field of a request (stop token ids, token_bias, banned
         strings, choices, DRY sequence breakers).
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
-        num_gpus 0 runs on the CPU).
+        num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
     grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
         elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
@@ -141,6 +142,7 @@ class ServeConfig:
     num_replicas: int = 1
     num_gpus: float = 1.0
     num_cpus: float = 1.0
+    tensor_parallel_size: int = 1
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     grpc_port: int = 50051
@@ -185,6 +187,7 @@ class ServeConfig:
             raise ConfigError("device: cpu with num_gpus > 0 would hold GPUs the replica never uses; set num_gpus 0")
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ConfigError(f"device: {self.device} needs num_gpus > 0")
+        check_tensor_parallel(self.tensor_parallel_size, self.num_gpus, self.resolved_device, self.draft_model_path)
 
     def _check_drafter(self) -> None:
         if self.draft_model_path is not None and not self.draft_model_path:
@@ -256,8 +259,7 @@ class ServeConfig:
             positive(name, getattr(self, name), allow_zero=True)
         if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
             raise ConfigError(f"num_gpus: above 1 it must be a whole number, got {self.num_gpus}")
-        for name in ("grpc_port", "http_port"):
-            port = getattr(self, name)
+        for name, port in (("grpc_port", self.grpc_port), ("http_port", self.http_port)):
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}: must be in [1, 65535], got {port}")
         if self.grpc_port == self.http_port:

@@ -1,6 +1,6 @@
-"""The memory options of a ServeConfig (weight format, KV-cache format, host tier): their names, checks and flag
-help. The names repeat folio.model.fp8_checkpoint.WEIGHT_FORMATS and folio.kv_formats' (tests/test_serving_units.py
-checks they agree): the serving config imports no torch."""
+"""The memory and layout options of a ServeConfig (weight format, KV-cache format, host tier, tensor parallelism):
+their names, checks and flag help. The names repeat folio.model.fp8_checkpoint.WEIGHT_FORMATS and folio.kv_formats'
+(tests/test_serving_units.py checks they agree): the serving config imports no torch."""
 
 from __future__ import annotations
 
@@ -20,7 +20,22 @@ FLAG_HELP = {
                  "bytes per token; q4h CPU only)",
     "host_cache_bytes": "bytes of host memory per replica keeping evicted KV pages for prefix reuse (e.g. "
                         "68719476736 for 64 GiB); 0: off; none: a share of RAM on a GPU, off on a CPU",
+    "tensor_parallel_size": "processes (GPUs) one replica's model is split over, on one machine; on GPUs "
+                            "num_gpus must equal it",
 }
+
+
+def check_tensor_parallel(size: int, num_gpus: float, device: str, draft_model_path: str | None) -> None:
+    """ConfigError where a tensor-parallel replica's layout does not fit: one GPU a rank (num_gpus = size), no draft
+    model (it would run unsplit on rank 0's GPU beside its shard)."""
+    positive("tensor_parallel_size", size)
+    if size == 1:
+        return
+    if device != "cpu" and num_gpus != size:
+        raise ConfigError(f"tensor_parallel_size: {size} ranks take one GPU each: set num_gpus {size} (got {num_gpus})")
+    if draft_model_path is not None:
+        raise ConfigError("tensor_parallel_size: a draft model is not supported with tensor parallelism yet "
+                          "(n-gram drafting is)")
 
 
 def check_memory_formats(weight_format: str | None, kv_format: str | None, dtype: str | None, device: str,

@@ -37,7 +37,7 @@ from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.rates import ReplicaRates
 from folio.serve.adapters import AdapterInfo
-from folio.serve.build import build_generator, load_model  # noqa: F401 (load_model re-exported)
+from folio.serve.build import build_generator, close_tensor_parallel, load_model  # noqa: F401 (load_model re-exported)
 from folio.serve.config import KV_FORMAT_OF_DTYPE, ServeConfig
 from folio.serve.errors import (
     InvalidRequest,
@@ -280,6 +280,7 @@ class Engine:
         if self.num_remaining:
             logger.warning("closing the generator with %d unfinished jobs", self.num_remaining)
         await self.runner.close()
+        close_tensor_parallel(self.cache)  # (a tensor-parallel replica's other ranks; nothing otherwise)
 
 
 async def _pump(job: DynamicJobAsync, queue: asyncio.Queue) -> None:

@@ -325,6 +325,16 @@ def test_chart_default_values_render_a_valid_rayservice(helm, crd_validator):
     assert "folio-serve-svc" in notes and "50051" in notes and "port-forward" in notes
 
 
+def test_chart_tensor_parallel_replicas_take_a_gpu_a_rank(helm, crd_validator):
+    values = {"generator": {"tensorParallelSize": 2, "gpusPerReplica": 2}, "workers": {"gpusPerWorker": 2}}
+    rayservice, _ = render(helm, values)
+    serve_config = check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)
+    args = serve_config["applications"][0]["args"]
+    assert args["tensor_parallel_size"] == 2 and args["num_gpus"] == 2
+    assert serve_deployment(serve_config, "Generator")["ray_actor_options"]["num_gpus"] == 2
+    # (check_rayservice validated args through ServeConfig.from_dict: the engine's own checks accept them)
+
+
 def test_chart_worker_readiness_is_the_grpc_health_of_generation(helm, crd_validator):
     """Worker pods are ready while Serve's gRPC port answers grpc.health.v1.Health SERVING for folio.v1.Generation
     (Kubernetes' native gRPC probe); liveness and the head pod's probes stay KubeRay's."""
@@ -465,6 +475,7 @@ CROSS_VALUE_VIOLATIONS = {
     "cache tokens not whole pages": ({"cache": {"tokens": 1000}}, "multiple of cache.pageSize"),
     "ports clash": ({"ports": {"http": 50051}}, "ports: must all differ"),
     "two drafters": ({"model": {"ngram": True, "draftPath": "/models/d"}}, "exclude each other"),
+    "tensor parallel without a GPU a rank": ({"generator": {"tensorParallelSize": 2}}, "takes one GPU a rank"),
     "host tier beyond the pod's memory": ({"generator": {"replicas": 8}, "workers": {"gpusPerWorker": 8,
                                                                                       "shmSize": "8Gi"},
                                            "cache": {"hostCacheGiB": 6}},

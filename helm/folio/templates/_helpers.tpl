@@ -51,6 +51,10 @@ Checks across values that values.schema.json cannot express; a failure stops `he
 {{- if and (gt (float64 $gen.gpusPerReplica) 1.0) (ne (float64 $gen.gpusPerReplica) (float64 (int $gen.gpusPerReplica))) -}}
 {{- fail (printf "generator.gpusPerReplica: above 1 it must be a whole number, got %v" $gen.gpusPerReplica) -}}
 {{- end -}}
+{{- $tp := int (default 1 $gen.tensorParallelSize) -}}
+{{- if and (gt $tp 1) (ne (float64 $gen.gpusPerReplica) (float64 $tp)) -}}
+{{- fail (printf "generator.tensorParallelSize %v takes one GPU a rank: set generator.gpusPerReplica %v (got %v)" $tp $tp $gen.gpusPerReplica) -}}
+{{- end -}}
 {{- if gt (float64 $gen.gpusPerReplica) (float64 $workers.gpusPerWorker) -}}
 {{- fail (printf "generator.gpusPerReplica (%v) exceeds workers.gpusPerWorker (%v): no pod could hold a replica" $gen.gpusPerReplica $workers.gpusPerWorker) -}}
 {{- end -}}
@@ -174,6 +178,7 @@ applications:
       num_replicas: {{ $gen.replicas | int }}
       num_gpus: {{ $gen.gpusPerReplica | toJson }}
       num_cpus: {{ $gen.cpusPerReplica | toJson }}
+      tensor_parallel_size: {{ default 1 $gen.tensorParallelSize | int }}
       ingress_replicas: {{ .Values.ingress.replicas | int }}
       ingress_num_cpus: {{ .Values.ingress.cpusPerReplica | toJson }}
       grpc_port: {{ .Values.ports.grpc | int }}
