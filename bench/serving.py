@@ -4,6 +4,7 @@ client processes, against the engine alone (DynamicGenerator, no Ray) on the sam
     .venv/bin/python bench/serving.py --scale 8 --concurrency 8 --duration 10 --rate 4 --requests 32   (CPU, demo)
     python bench/serving.py --device cuda --model /models/llama-8b --replicas 1 --workload w2 --scale 1 \\
         --concurrency 64 --duration 60 --rate 8 --requests 512 --clients 4
+    ... --replicas 1 --tensor-parallel-size 2      (one replica over two GPUs: ServeConfig.tensor_parallel_size)
 
 Arrivals: a closed loop of --concurrency streams for --duration seconds (each sends its next request when the last
 ends), and an open loop of --requests Poisson arrivals at --rate requests/s (0: skip either). Workloads (token-id
@@ -264,6 +265,8 @@ def comparisons(rows: list[dict]) -> list[dict]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes (GPUs) each replica is split over (the engine-alone run too)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="model directory (default: the demo model, in a temp dir)")
     parser.add_argument("--router", choices=("prefix", "pow2", "ray_prefix"), default="prefix")
@@ -293,13 +296,14 @@ def serve_config(args, model_dir: str):
 
     from folio.serve.config import ServeConfig
 
+    tp = args.tensor_parallel_size
     values = {"model_path": model_dir, "num_replicas": args.replicas, "router": args.router,
-              "grpc_port": free_port(), "http_port": free_port()}
+              "grpc_port": free_port(), "http_port": free_port(), "tensor_parallel_size": tp}
     if args.device == "cpu":  # folio serve's demo deployment
         values.update(device="cpu", num_gpus=0.0, num_cpus=0.5, cache_tokens=8192, page_size=16, max_batch_size=16,
                       max_queue_size=32)
     else:
-        values.update(device="cuda", num_gpus=1.0)
+        values.update(device="cuda", num_gpus=float(tp))
     for name in ("max_batch_size", "page_size", "cache_tokens", "max_chunk_size"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -341,13 +345,18 @@ def run_server(config, args, work: Workload) -> list[dict]:
 
 
 def run_engine(config, args, work: Workload) -> list[dict]:
+    from folio.serve.build import close_tensor_parallel
+
     engine, rows = EngineAlone(config), []
-    if args.concurrency:
-        records = engine.closed(functools.partial(closed_request, work), args.concurrency, args.duration)
-        rows.append(summarize("engine closed", records, args.slo_ttft_ms, args.slo_itl_ms))
-    if args.rate:
-        records = engine.open(open_requests(work, args.requests, args.conversations), args.rate, args.seed)
-        rows.append(summarize("engine open", records, args.slo_ttft_ms, args.slo_itl_ms))
+    try:
+        if args.concurrency:
+            records = engine.closed(functools.partial(closed_request, work), args.concurrency, args.duration)
+            rows.append(summarize("engine closed", records, args.slo_ttft_ms, args.slo_itl_ms))
+        if args.rate:
+            records = engine.open(open_requests(work, args.requests, args.conversations), args.rate, args.seed)
+            rows.append(summarize("engine open", records, args.slo_ttft_ms, args.slo_itl_ms))
+    finally:
+        close_tensor_parallel(engine.cache)  # (a tensor-parallel engine's other ranks)
     return rows
 
 

@@ -43,3 +43,19 @@ def test_serving_bench_tiny(tmp_path, monkeypatch, capsys):
     assert rows["server closed"]["client_cpu_ms_per_request"] > 0
     assert (tmp_path / "serving.json").exists()
     assert "| server closed |" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_serving_bench_with_tensor_parallel_replicas(tmp_path, monkeypatch):
+    """--tensor-parallel-size 2: each Serve replica (and the engine alone) is two processes (gloo on the CPU)."""
+    monkeypatch.syspath_prepend(ROOT)
+    bench = importlib.import_module("bench.serving")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = bench.main(["--workload", "w2", "--scale", "32", "--tensor-parallel-size", "2", "--concurrency", "2",
+                         "--duration", "2", "--rate", "0", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000"])
+    rows = {row["run"]: row for row in result["rows"]}
+    assert set(rows) == {"server closed", "engine closed"}
+    for run, row in rows.items():
+        assert row["ok"] == row["requests"] > 0, (run, row["codes"])
+        assert row["output_tokens"] == row["ok"] * result["workload"]["new_tokens"], run
