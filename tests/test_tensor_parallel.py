@@ -95,6 +95,55 @@ def test_the_rank_model_and_cache_hold_their_share(llama_dir):
     assert one.tensor_parallel is None and one.config.num_kv_heads == 2  # one rank: the one-process model
 
 
+@pytest.mark.parametrize("weight_format", [None, "fp8"])
+def test_a_rank_loads_its_shard_a_layer_at_a_time(llama_dir, weight_format, monkeypatch):
+    """Model.from_pretrained with a rank reads the checkpoint lazily (folio.model.loader.LazyTensors), layer by layer
+    in order (each layer is split as soon as it is built: fuse_weights' layer_hook), and its weights equal the
+    shard of the whole model's."""
+    from folio.model import loader
+
+    whole = folio.Model.from_pretrained(llama_dir, progress=False, weight_format=weight_format)
+    reads: list[str] = []
+    original = loader._read_lazily
+
+    def counting(path, name, device, finish):
+        reads.append(name)
+        return original(path, name, device, finish)
+
+    monkeypatch.setattr(loader, "_read_lazily", counting)
+    for rank in range(TP):
+        reads.clear()
+        model = folio.Model.from_pretrained(llama_dir, progress=False, weight_format=weight_format,
+                                            tensor_parallel=TensorParallel(rank, TP))
+        want = shard_weights(whole.weights, whole.config, rank, TP)
+        got_tensors = _flat(model.weights)
+        want_tensors = _flat(want)
+        assert got_tensors.keys() == want_tensors.keys()
+        for name in want_tensors:
+            assert torch.equal(got_tensors[name], want_tensors[name]), (rank, name)
+        # the checkpoint's tensors were read layer by layer, in order
+        layers_read = [int(n.split(".")[2]) for n in reads if n.startswith("model.layers.")]
+        assert layers_read == sorted(layers_read) and len(set(layers_read)) == whole.config.num_layers
+
+
+def _flat(weights) -> dict[str, torch.Tensor]:
+    """Every tensor of ModelWeights by a path name (FP8 weights as codes and scales)."""
+    out = {}
+
+    def add(name, value):
+        if isinstance(value, fp8.Fp8Weight):
+            out[name + ".weight"], out[name + ".scale"] = value.weight.view(torch.uint8), value.scale
+        elif isinstance(value, torch.Tensor):
+            out[name] = value
+
+    for field in ("embed_tokens", "final_norm", "lm_head"):
+        add(field, getattr(weights, field))
+    for i, layer in enumerate(weights.layers):
+        for f in dataclasses.fields(layer):
+            add(f"layers.{i}.{f.name}", getattr(layer, f.name))
+    return out
+
+
 class _Loopback:
     """A channel whose receiving end reads what was sent, in order."""
 

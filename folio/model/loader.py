@@ -8,9 +8,10 @@ tensor per expert, or transformers 5's 3D tensors). Gemma's (1 + weight) norms a
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -184,13 +185,30 @@ def _check_names(index: CheckpointIndex, config: ModelConfig, shapes: dict[str, 
         )
 
 
+class LazyTensors(dict):
+    """Tensor names -> loaders: a tensor is read when it is popped (fuse_weights pops each once), so a model is
+    never whole in memory when its layers are transformed as they are built (fuse_weights' layer_hook)."""
+
+    on_read: Callable[[], None] | None = None  # called after each read (a progress bar's update)
+
+    def pop(self, name: str, *default):
+        value = super().pop(name, *default)
+        if not callable(value):
+            return value
+        tensor = value()
+        if self.on_read is not None:
+            self.on_read()
+        return tensor
+
+
 def load_tensors(
     model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool,
-    convert: Converter | None = None,
+    convert: Converter | None = None, lazy: bool = False,
 ) -> dict[str, torch.Tensor | fp8.Fp8Weight]:
     """Every expected tensor, checked and loaded straight onto `device`, cast to `dtype`. convert: turns each
     tensor as it is loaded into what the model keeps instead (FP8 weights, folio.model.fp8_checkpoint); the
-    checkpoint's scale tensors beside the weights are then expected and read through it."""
+    checkpoint's scale tensors beside the weights are then expected and read through it. lazy: every shape is
+    checked now, and a LazyTensors returned whose tensors are read as they are popped."""
     index = CheckpointIndex.open(model_dir)
     shapes = expected_shapes(config, index.files_by_name.keys())
     _check_names(index, config, shapes, convert.ignored_suffixes if convert is not None else ())
@@ -206,8 +224,12 @@ def load_tensors(
     for name in shapes:
         names_by_file[index.files_by_name[name]].append(name)
 
-    tensors: dict[str, torch.Tensor] = {}
-    with tqdm(total=len(shapes), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress) as bar:
+    def finish(name: str, tensor: torch.Tensor) -> torch.Tensor | fp8.Fp8Weight:
+        return tensor.to(dtype) if convert is None else convert(name, tensor, read)
+
+    tensors: dict[str, torch.Tensor] = LazyTensors() if lazy else {}
+    with tqdm(total=len(shapes), desc=f"Loading {Path(model_dir).name}", unit="tensor",
+              disable=not progress or lazy) as bar:
         for path, file_names in names_by_file.items():
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for name in file_names:
@@ -216,10 +238,17 @@ def load_tensors(
                         raise CheckpointError(
                             f"weight {name!r} in {path.name}: expected shape {list(shapes[name])}, got {list(got)}"
                         )
-                    tensor = f.get_tensor(name)
-                    tensors[name] = tensor.to(dtype) if convert is None else convert(name, tensor, read)
-                    bar.update(1)
+                    if lazy:
+                        tensors[name] = functools.partial(_read_lazily, path, name, device, finish)
+                    else:
+                        tensors[name] = finish(name, f.get_tensor(name))
+                        bar.update(1)
     return tensors
+
+
+def _read_lazily(path: Path, name: str, device: torch.device, finish) -> torch.Tensor | fp8.Fp8Weight:
+    with safe_open(path, framework="pt", device=str(device)) as f:
+        return finish(name, f.get_tensor(name))
 
 
 def tensors_from_state_dict(
@@ -245,8 +274,10 @@ def tensors_from_state_dict(
     return tensors
 
 
-def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
-    """Group loaded tensors per layer, concatenating q/k/v and gate/up and stacking experts. Consumes `tensors`."""
+def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig,
+                 layer_hook: Callable[[LayerWeights], LayerWeights] | None = None) -> ModelWeights:
+    """Group loaded tensors per layer, concatenating q/k/v and gate/up and stacking experts. Consumes `tensors`.
+    layer_hook: what each layer becomes as soon as it is built (a tensor-parallel rank's shard of it)."""
     arch = ARCHITECTURES[config.architecture]
     present = set(tensors)
 
@@ -278,8 +309,7 @@ def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Model
         else:
             gate_up, down = fp8.cat([take(names.GATE_PROJ), take(names.UP_PROJ)]), take(names.DOWN_PROJ)
         sandwich = arch.sandwich_norms
-        layers.append(
-            LayerWeights(
+        layer = LayerWeights(
                 input_norm=norm(prefix + names.INPUT_NORM),
                 qkv=qkv,
                 qkv_bias=qkv_bias,
@@ -295,7 +325,7 @@ def fuse_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Model
                 mlp_out_norm=norm(prefix + names.POST_FEEDFORWARD_NORM) if sandwich else None,
                 experts=experts,
             )
-        )
+        layers.append(layer if layer_hook is None else layer_hook(layer))
     embed_tokens = tensors.pop(names.EMBED_TOKENS)
     lm_head = embed_tokens if config.tie_word_embeddings else tensors.pop(names.LM_HEAD)
     return ModelWeights(embed_tokens, tuple(layers), norm(names.FINAL_NORM), lm_head)
@@ -317,6 +347,13 @@ def _stack_experts(tensors: dict[str, torch.Tensor], prefix: str, expert_names: 
 
 def load_weights(
     model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: bool = True,
-    convert: Converter | None = None,
+    convert: Converter | None = None, layer_hook: Callable[[LayerWeights], LayerWeights] | None = None,
 ) -> ModelWeights:
-    return fuse_weights(load_tensors(model_dir, config, device, dtype, progress, convert), config)
+    """layer_hook (fuse_weights'): the layers are then read one at a time, each transformed before the next is read
+    (a tensor-parallel rank holds its shards and one whole layer at most, not the whole model)."""
+    if layer_hook is None:
+        return fuse_weights(load_tensors(model_dir, config, device, dtype, progress, convert), config)
+    tensors = load_tensors(model_dir, config, device, dtype, progress, convert, lazy=True)
+    with tqdm(total=len(tensors), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress) as bar:
+        tensors.on_read = bar.update
+        return fuse_weights(tensors, config, layer_hook)

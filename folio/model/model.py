@@ -18,7 +18,7 @@ from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
 from folio.model.rotary import layer_inv_freqs
-from folio.model.tensor_parallel import TensorParallel, check_shardable, shard
+from folio.model.tensor_parallel import TensorParallel, check_shardable, layer_shard, shard
 from folio.model.windows import released_window
 from folio.options import EngineOptions
 
@@ -96,8 +96,8 @@ class Model:
     ) -> Model:
         """Load a Hugging Face model directory; dtype None keeps the checkpoint's (config) dtype. weight_format: None
         keeps the checkpoint's (FP8 checkpoints load as FP8), "fp8" quantizes the projections on load, "dense"
-        dequantizes an FP8 checkpoint (folio.model.fp8_checkpoint). tensor_parallel: load this rank's shard (the
-        whole model is read into host memory, and only the shard goes to `device`)."""
+        dequantizes an FP8 checkpoint (folio.model.fp8_checkpoint). tensor_parallel: this rank's shard, read a layer
+        at a time."""
         config = ModelConfig.from_pretrained(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -105,12 +105,11 @@ class Model:
         _op_set_for(options or EngineOptions(), device)  # a missing native module fails before the weights load
         dtype = check_dtype(dtype if dtype is not None else config.torch_dtype)
         split = tensor_parallel is not None and tensor_parallel.world_size > 1
-        if split:
-            check_shardable(config, tensor_parallel.world_size)  # before the weights load
+        hook = layer_shard(config, tensor_parallel, device) if split else None  # (refuses what cannot split, now)
         convert = fp8_checkpoint.converter_for(path, config, dtype, weight_format)
-        weights = load_weights(path, config, torch.device("cpu") if split else device, dtype, progress, convert)
+        weights = load_weights(path, config, torch.device("cpu") if split else device, dtype, progress, convert, hook)
         if split:
-            weights, config = shard(weights, config, tensor_parallel, device)
+            weights, config = shard(weights, config, tensor_parallel, device, layers_sharded=True)
         return cls(config, weights, device, dtype, options, tensor_parallel)
 
     @classmethod

@@ -21,6 +21,7 @@ Routed experts (MoE) are not split: such models are refused.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -113,22 +114,31 @@ def vocab_shard_size(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
-def shard(weights: ModelWeights, config: ModelConfig, tp: TensorParallel,
-          device: torch.device | None = None) -> tuple[ModelWeights, ModelConfig]:
+def shard(weights: ModelWeights, config: ModelConfig, tp: TensorParallel, device: torch.device | None = None,
+          layers_sharded: bool = False) -> tuple[ModelWeights, ModelConfig]:
     """Rank tp.rank's shard of a loaded model and its local config, on `device` (None: where the weights are). The
-    split tensors are copies (the whole model's can be freed); replicated ones are shared where already on device."""
+    split tensors are copies (the whole model's can be freed); replicated ones are shared where already on device.
+    layers_sharded: the layers are the rank's already (loaded through `layer_shard`): only the rest is split."""
     local = local_config(config, tp.world_size)
-    return shard_weights(weights, config, tp.rank, tp.world_size, device), local
+    return shard_weights(weights, config, tp.rank, tp.world_size, device, layers_sharded), local
+
+
+def layer_shard(config: ModelConfig, tp: TensorParallel, device: torch.device | None = None
+                ) -> Callable[[LayerWeights], LayerWeights]:
+    """Rank tp.rank's shard of one layer of the whole model, on `device`: folio.model.loader.load_weights' layer_hook,
+    so that a rank reads the checkpoint a layer at a time and never holds the whole model."""
+    check_shardable(config, tp.world_size)
+    return _Slicer(config, tp.rank, tp.world_size, device).layer
 
 
 def shard_weights(weights: ModelWeights, config: ModelConfig, rank: int, world_size: int,
-                  device: torch.device | None = None) -> ModelWeights:
+                  device: torch.device | None = None, layers_sharded: bool = False) -> ModelWeights:
     """See `shard`; config is the whole model's."""
     check_shardable(config, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     slicer = _Slicer(config, rank, world_size, device)
-    layers = tuple(slicer.layer(layer) for layer in weights.layers)
+    layers = weights.layers if layers_sharded else tuple(slicer.layer(layer) for layer in weights.layers)
     lm_head = slicer.vocab_rows(weights.lm_head)
     return ModelWeights(slicer.replicate(weights.embed_tokens), layers, slicer.replicate(weights.final_norm), lm_head)
 
