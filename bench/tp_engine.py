@@ -1,0 +1,174 @@
+"""Tensor-parallel engine benchmark: one model split over N processes (folio.tp_launch: NCCL, one GPU a rank), one
+stream (W1: 128 prompt + 256 new tokens) and a batch of 64 decoding streams (128 + 128), greedy, against the same
+model in one process where it fits (with its CUDA graphs, and without: tensor parallelism runs eagerly for now) and
+against the N GPUs' copy bandwidth (W1's floor: each rank reads its share of the weights once a token).
+
+    python bench/tp_engine.py --shape 8B --tp 2
+    python bench/tp_engine.py --shape 70B --tp 4 --no-single          (does not fit one GPU: no one-process run)
+    python bench/tp_engine.py --shape tiny --tp 2 --device cpu        (gloo on the CPU: checks the script)
+
+Random bf16 weights (fp32 on the CPU), made on each rank's device tensor by tensor from one seed, so every rank
+holds the same model and keeps only its shard of each layer as it is made (no rank holds a whole 70B model).
+Prints one table; writes $OUT/tp_engine.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import COMMON, SHAPES, random_prompts, synthetic_tokenizer  # noqa: E402
+
+from folio import Cache, DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
+from folio.model.config import ModelConfig  # noqa: E402
+from folio.model.loader import LazyTensors, expected_shapes, fuse_weights  # noqa: E402
+from folio.model.model import Model  # noqa: E402
+from folio.model.tensor_parallel import TensorParallel, layer_shard, shard  # noqa: E402
+
+SHAPES_TP = {**SHAPES, "70B": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                                   num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                                   tie_word_embeddings=False)}
+WORKLOADS = {"W1": (1, 128, 256), "B64": (64, 128, 128)}  # streams, prompt tokens, new tokens
+
+
+def model_config(shape: str, dtype: torch.dtype) -> ModelConfig:
+    raw = {**SHAPES_TP[shape], **COMMON, "head_dim": SHAPES_TP[shape]["hidden_size"]
+           // SHAPES_TP[shape]["num_attention_heads"], "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"}
+    return ModelConfig.from_dict(raw)
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None,
+                 seed: int = 0) -> Model:
+    """Weights of Llama's init scale (std 0.02; norms 1), tensor i drawn from seed + i on `device`: the same on every
+    rank. With tp, each layer is split as soon as it is made."""
+    def make(shape: tuple[int, ...], index: int) -> torch.Tensor:
+        if len(shape) == 1:  # norms
+            return torch.ones(shape, device=device, dtype=dtype)
+        gen = torch.Generator(device=device).manual_seed(seed + index)
+        return (torch.randn(shape, device=device, dtype=torch.float32, generator=gen) * 0.02).to(dtype)
+
+    tensors = LazyTensors()
+    for index, (name, shape) in enumerate(expected_shapes(config).items()):
+        tensors[name] = functools.partial(make, shape, index)
+    split = tp is not None and tp.world_size > 1
+    weights = fuse_weights(tensors, config, layer_shard(config, tp, device) if split else None)
+    if split:
+        weights, config = shard(weights, config, tp, device, layers_sharded=True)
+    return Model(config, weights, device, dtype, tensor_parallel=tp)
+
+
+def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) -> dict:
+    """tok/s and ms per token of each workload, on a generator over `cache`."""
+    out = {}
+    tokenizer = synthetic_tokenizer(model.config.vocab_size)
+    gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=64, max_seq_len=512, cuda_graphs=graphs)
+    gen.warmup()
+    for name in names:
+        streams, prompt, new = WORKLOADS[name]
+        prompts = random_prompts(streams, prompt, model.config.vocab_size, 7)
+        for _ in range(2):  # the first round warms up (its shapes, cuDNN plans): the second is measured
+            jobs = [DynamicJob(input_ids=p, max_new_tokens=new, stop_conditions=[],
+                               gen_settings=SamplerSettings.greedy()) for p in prompts]
+            gen.enqueue(jobs)
+            t0, first = time.perf_counter(), None
+            while gen.num_remaining_jobs():
+                gen.step()
+                if first is None and any(j.new_tokens for j in jobs):
+                    first = time.perf_counter()
+            wall = time.perf_counter() - t0
+        decode_s = wall - (first - t0)
+        out[name] = {"tok_s": streams * new / wall, "ms_per_token": 1e3 * decode_s / (new - 1),
+                     "outputs": [list(j.generated_ids) for j in jobs]}
+    return out
+
+
+def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int) -> dict | None:
+    """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
+    from folio.tp_worker import Driver, run_worker
+
+    device = torch.device("cuda", tp.rank) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    model = random_model(model_config(shape, dtype), device, dtype, tp)
+    if tp.rank != 0:
+        run_worker(model, tp)
+        return None
+    driver = Driver(tp, Cache(model, num_tokens=cache_tokens, page_size=256 if device_type == "cuda" else 16))
+    try:
+        return run_workloads(model, driver.cache, names, graphs=False)
+    finally:
+        driver.shutdown()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="8B", choices=sorted(SHAPES_TP))
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--workloads", default="W1,B64")
+    parser.add_argument("--no-single", action="store_true", help="skip the one-process runs")
+    args = parser.parse_args(argv)
+    from folio.tp_launch import launch
+
+    names = args.workloads.split(",")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    config = model_config(args.shape, dtype)
+    cache_tokens = 64 * 512 if args.device == "cuda" else 64 * 272
+    rows, result = [], {"shape": args.shape, "tp": args.tp, "device": args.device}
+    if args.device == "cuda":
+        from kernels import copy_bandwidth
+
+        result["card"] = torch.cuda.get_device_name(0)
+        result["copy_GBps"] = max(copy_bandwidth().values()) / 1e9
+    if not args.no_single:
+        model = random_model(config, torch.device(args.device), dtype, None)
+        for graphs in ((True, False) if args.device == "cuda" else (False,)):
+            cache = Cache(model, num_tokens=cache_tokens, page_size=256 if args.device == "cuda" else 16)
+            result[f"single_graphs_{graphs}"] = run_workloads(model, cache, names, graphs)
+            rows.append((f"1 process, graphs {'on' if graphs else 'off'}", result[f"single_graphs_{graphs}"]))
+            del cache
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    result["tp_run"] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens),
+                              backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
+                              num_threads=1 if args.device == "cpu" else None)
+    rows.append((f"{args.tp} ranks, graphs off", result["tp_run"]))
+    element = 2 if dtype == torch.bfloat16 else 4
+    weight_bytes = element * (config.num_layers * ((config.q_size + 2 * config.kv_size) * config.hidden_size
+                                                   + config.hidden_size * config.q_size
+                                                   + 3 * config.hidden_size * config.intermediate_size)
+                              + config.vocab_size * config.hidden_size)
+    floor_ms = 1e3 * weight_bytes / (args.tp * result["copy_GBps"] * 1e9) if "copy_GBps" in result else None
+    print(f"\n{result.get('card', 'cpu')}, {args.shape} ({weight_bytes / 1e9:.1f} GB of weights), tensor parallel "
+          f"{args.tp}" + (f"; W1 floor {floor_ms:.2f} ms/token at {args.tp} x {result['copy_GBps']:.0f} GB/s"
+                          if floor_ms else ""))
+    print("| run | " + " | ".join(f"{n} tok/s | {n} ms/token" for n in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    for label, runs in rows:
+        print(f"| {label} | " + " | ".join(f"{runs[n]['tok_s']:,.1f} | {runs[n]['ms_per_token']:.2f}" for n in names)
+              + " |")
+    single = result.get("single_graphs_False")
+    if single is not None:
+        same = all(single[n]["outputs"] == result["tp_run"][n]["outputs"] for n in names)
+        print(f"\ngreedy outputs of {args.tp} ranks equal one process's (graphs off): {same}")
+        result["outputs_equal"] = same
+    for runs in [result.get("single_graphs_True"), single, result["tp_run"]]:
+        for n in names if runs else ():
+            runs[n].pop("outputs")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "tp_engine.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
