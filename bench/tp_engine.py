@@ -1,7 +1,8 @@
 """Tensor-parallel engine benchmark: one model split over N processes (folio.tp_launch: NCCL, one GPU a rank), one
-stream (W1: 128 prompt + 256 new tokens) and a batch of 64 decoding streams (128 + 128), greedy, against the same
-model in one process where it fits (with its CUDA graphs, and without: tensor parallelism runs eagerly for now) and
-against the N GPUs' copy bandwidth (W1's floor: each rank reads its share of the weights once a token).
+stream (W1: 128 prompt + 256 new tokens) and a batch of 64 decoding streams (128 + 128), greedy, with and without
+CUDA graphs (captured on every rank in step: folio.model.decode_graphs), against the same model in one process
+where it fits and against the N GPUs' copy bandwidth (W1's floor: each rank reads its share of the weights once a
+token).
 
     python bench/tp_engine.py --shape 8B --tp 2
     python bench/tp_engine.py --shape 70B --tp 4 --no-single          (does not fit one GPU: no one-process run)
@@ -92,7 +93,8 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
     return out
 
 
-def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int) -> dict | None:
+def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
+              graphs: bool) -> dict | None:
     """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
     from folio.tp_worker import Driver, run_worker
 
@@ -104,7 +106,7 @@ def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str]
         return None
     driver = Driver(tp, Cache(model, num_tokens=cache_tokens, page_size=256 if device_type == "cuda" else 16))
     try:
-        return run_workloads(model, driver.cache, names, graphs=False)
+        return run_workloads(model, driver.cache, names, graphs=graphs)
     finally:
         driver.shutdown()
 
@@ -116,6 +118,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--workloads", default="W1,B64")
     parser.add_argument("--no-single", action="store_true", help="skip the one-process runs")
+    parser.add_argument("--tp-graphs", choices=("off", "on", "both"), default=None,
+                        help="CUDA graphs in the tensor-parallel runs (default: both on CUDA, off on the CPU)")
     args = parser.parse_args(argv)
     from folio.tp_launch import launch
 
@@ -139,10 +143,18 @@ def main(argv=None) -> dict:
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    result["tp_run"] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens),
-                              backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
-                              num_threads=1 if args.device == "cpu" else None)
-    rows.append((f"{args.tp} ranks, graphs off", result["tp_run"]))
+    choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
+    for graphs in {"off": (False,), "on": (True,), "both": (False, True)}[choice]:
+        key = "tp_run" if not graphs else "tp_run_graphs"
+        try:
+            result[key] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs),
+                                 backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
+                                 num_threads=1 if args.device == "cpu" else None)
+        except RuntimeError as error:  # (reported, and the other runs still printed)
+            result[key + "_error"] = str(error)[-2000:]
+            print(f"{args.tp} ranks, graphs {'on' if graphs else 'off'}: FAILED\n{str(error)[-2000:]}")
+            continue
+        rows.append((f"{args.tp} ranks, graphs {'on' if graphs else 'off'}", result[key]))
     element = 2 if dtype == torch.bfloat16 else 4
     weight_bytes = element * (config.num_layers * ((config.q_size + 2 * config.kv_size) * config.hidden_size
                                                    + config.hidden_size * config.q_size
@@ -158,11 +170,11 @@ def main(argv=None) -> dict:
         print(f"| {label} | " + " | ".join(f"{runs[n]['tok_s']:,.1f} | {runs[n]['ms_per_token']:.2f}" for n in names)
               + " |")
     single = result.get("single_graphs_False")
-    if single is not None:
+    if single is not None and "tp_run" in result:
         same = all(single[n]["outputs"] == result["tp_run"][n]["outputs"] for n in names)
         print(f"\ngreedy outputs of {args.tp} ranks equal one process's (graphs off): {same}")
         result["outputs_equal"] = same
-    for runs in [result.get("single_graphs_True"), single, result["tp_run"]]:
+    for runs in [result.get("single_graphs_True"), single, result.get("tp_run"), result.get("tp_run_graphs")]:
         for n in names if runs else ():
             runs[n].pop("outputs")
     if os.environ.get("OUT"):

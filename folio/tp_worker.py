@@ -64,6 +64,8 @@ class Op(IntEnum):
     COPY_SLOTS = 4  # src_page, dst_page, num_slots
     WRITE_BACK = 5  # n; then [n, 2] (GPU page, host slot)
     FETCH = 6  # n; then [n, 2] (host slot, GPU page)
+    SETUP_GRAPHS = 7  # max_batch_size, max_seq_len, capture (folio.model.decode_graphs, captured in lockstep)
+    REPLAY = 8  # bucket: replay its decode graph (its inputs are broadcast inside it)
 
 
 class Channel:
@@ -142,20 +144,29 @@ class Driver:
         self.num_sent: Counter[Op] = Counter()  # messages sent, per op
         self.closed = False
         self.local_ranks = None  # the other ranks' processes when this process started them (folio.tp_launch)
+        self.paused = False  # forwards not sent (DecodeGraphs' steps: the other ranks run their own graphs)
         self._send(Op.SETUP_CACHE, cache.num_pages, cache.page_size, cache.kv_format_code)
         cache.mirror = self
 
     def forward(self, batch: ForwardBatch) -> None:
         if batch.lora is not None:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism")
+        if self.paused:  # a decode graph's step: its inputs travel inside it (DecodeGraphs)
+            return
         if self.cache.k.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("CUDA graphs are not supported under tensor parallelism yet: build the "
-                               "DynamicGenerator with cuda_graphs=False")
+            raise RuntimeError("a forward captured outside DecodeGraphs cannot reach the other ranks")
         args, tensors = encode_batch(batch)
         self._send(Op.FORWARD, *args, tensors=tensors)
 
     def copy_page_slots(self, src_page: int, dst_page: int, num_slots: int) -> None:
         self._send(Op.COPY_SLOTS, src_page, dst_page, num_slots)
+
+    def setup_graphs(self, max_batch_size: int, max_seq_len: int, capture: bool) -> None:
+        """The other ranks build their DecodeGraphs alike (the same buckets), capturing with rank 0's, in step."""
+        self._send(Op.SETUP_GRAPHS, max_batch_size, max_seq_len, int(capture))
+
+    def replay(self, bucket: int) -> None:
+        self._send(Op.REPLAY, bucket)
 
     def build_host_pages(self, cache: Cache, host_cache_bytes: int | None) -> HostPages | None:
         """Host buffers on every rank, each for its share of every page; host_cache_bytes is the replica's (None:
@@ -221,6 +232,7 @@ class Worker:
         self.channel = Channel(tp, model.device)
         self.cache: Cache | None = None
         self.host_pages: HostPages | None = None
+        self.graphs = None  # folio.model.decode_graphs.DecodeGraphs (SETUP_GRAPHS)
         self.num_received: Counter[Op] = Counter()
 
     def run(self) -> Counter[Op]:
@@ -235,6 +247,14 @@ class Worker:
                                    kv_format=FORMATS_BY_CODE[kv_format] if kv_format else None)
             elif op is Op.SETUP_HOST:
                 self.host_pages = HostPages(self._cache(), args[0])
+            elif op is Op.SETUP_GRAPHS:
+                from folio.model.decode_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(self.model, self._cache(), args[0], args[1], capture=bool(args[2]))
+            elif op is Op.REPLAY:
+                if self.graphs is None:
+                    raise RuntimeError("rank 0 replayed a decode graph before setting them up")
+                self.graphs.replay(args[0])
             else:
                 self._run(op, args)
 

@@ -4,7 +4,8 @@ Imports torch (through folio's engine).
 tensor_parallel_size N > 1: this process is rank 0 (its generator serves the requests) and N - 1 processes it starts
 on this machine hold the other shards (folio.tp_launch.start_local_ranks), rank r on the replica's GPU r; the cache's
 mirror (Cache.mirror) runs every forward on them too, and `close_tensor_parallel(cache)` ends them. CUDA graphs are
-off there: they do not capture the ranks' collectives yet."""
+off there: their lockstep capture across ranks (folio.model.decode_graphs) is tested on the CPU only so far, and a
+replica that failed to capture would not start (bench/tp_engine.py --tp-graphs on measures it on GPUs)."""
 
 from __future__ import annotations
 

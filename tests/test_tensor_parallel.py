@@ -264,10 +264,15 @@ def _scenario_prompts(tokenizer):
 def _generate(model, cache, model_dir, modes):
     """Greedy tokens of each prompt, run one at a time, by a generator built with each mode's arguments in turn;
     what rank 0 sent the other ranks (None in one process); and the steps launched ahead and tokens drafted."""
+    from folio.model.decode_graphs import DecodeGraphs
+
     tokenizer = folio.Tokenizer.from_pretrained(model_dir)
     tokens, counts = [], {"ahead": 0, "drafted": 0}
-    for kwargs in modes:
+    for mode in modes:
+        kwargs = {k: v for k, v in mode.items() if k != "graphs"}
         gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, cuda_graphs=False, **kwargs)
+        if mode.get("graphs"):  # decode steps through DecodeGraphs' static buffers (eager replays: the CPU)
+            gen.runner.graphs = DecodeGraphs(model, cache, gen.max_batch_size, 128, capture=False)
         for ids in _scenario_prompts(tokenizer):
             job = folio.DynamicJob(input_ids=ids, max_new_tokens=8, gen_settings=GREEDY, stop_conditions=[])
             gen.enqueue(job)
@@ -285,7 +290,8 @@ def _generate(model, cache, model_dir, modes):
 def test_generator_at_tp2_gives_the_tokens_of_one_process(peaked_dir):
     host = {"host_cache_bytes": 8 << 20}
     # plain steps; steps launched ahead (decode rows fed the sampled ids on the device); verify rows of n-gram drafts
-    modes = [host, {**host, "decode_ahead": True, "prefill_ahead": True}, {"use_ngram_draft": True}]
+    modes = [host, {**host, "decode_ahead": True, "prefill_ahead": True}, {"use_ngram_draft": True},
+             {"graphs": True, "decode_ahead": True}]
     cache_kwargs = {"num_tokens": 10 * PAGE_SIZE, "page_size": PAGE_SIZE}
     drive = functools.partial(_generate, model_dir=peaked_dir, modes=modes)
     tokens, sent, counts = launch(replica_main, TP, (peaked_dir, drive, {"dtype": torch.float32}, cache_kwargs),
@@ -295,8 +301,9 @@ def test_generator_at_tp2_gives_the_tokens_of_one_process(peaked_dir):
     assert tokens == want
     assert all(len(t) == 8 for t in tokens) and counts["ahead"] > 0 and counts["drafted"] > 0
     # every kind of cache write reached the worker: forwards, slot copies, host write-backs and fetches
-    for op in (Op.FORWARD, Op.COPY_SLOTS, Op.WRITE_BACK, Op.FETCH):
+    for op in (Op.FORWARD, Op.COPY_SLOTS, Op.WRITE_BACK, Op.FETCH, Op.REPLAY):
         assert sent.get(op.name, 0) > 0, sent
+    assert sent[Op.SETUP_GRAPHS.name] == 1  # decode graphs: every rank built its own; replays announced
     assert sent[Op.SETUP_CACHE.name] == 1 and sent[Op.SETUP_HOST.name] == 2  # (a host tier per generator with one)
 
 

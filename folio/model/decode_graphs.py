@@ -16,6 +16,12 @@ again; steps without adapter rows replay the same graphs, every row on slot -1.
 capture=False runs each replay as an eager forward over the same static buffers, on any device: CPU tests of
 everything a captured step does but the capture itself (the host's filling of the buffers, padding rows, LoRA
 slots, the batch the graphs are captured from).
+
+Tensor parallelism (model.tensor_parallel): every rank holds DecodeGraphs of the same buckets (rank 0's cache
+mirror has the others build theirs, folio.tp_worker's SETUP_GRAPHS) and captures them in the same order, so their
+collectives meet. A step's graph starts with a broadcast of rank 0's input buffers into every rank's (a captured
+collective, like the layers' all-reduces); rank 0 announces each replay (REPLAY, outside the graph) and every rank
+replays its graph of that bucket.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ class DecodeGraphs:
         self.lora_slots: LoraSlots | None = None  # the LoRA slot buffers the graphs read (enable_lora)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.tp = model.tensor_parallel
+        self.driver = cache.mirror  # rank 0 of a tensor-parallel replica: its link to the other ranks (else None)
+        if self.driver is not None:
+            self.driver.setup_graphs(max_batch_size, max_seq_len, capture)
         self._capture_all()
 
     # --- construction steps ---
@@ -91,11 +101,11 @@ class DecodeGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model.forward(self._batch(b), self.cache)  # warm-up: lazy initialisation stays out of the graph
+                self._step(b)  # warm-up: lazy initialisation stays out of the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self.model.forward(self._batch(b), self.cache)
+                self._logits[b] = self._step(b)
             self._graphs[b] = graph
         torch.cuda.synchronize()
 
@@ -105,6 +115,8 @@ class DecodeGraphs:
         the graphs being replaced); the buffers are reset so that the captures' warm-up forwards write no K/V."""
         if self.lora_slots is not None:
             raise ValueError("the decode graphs read LoRA slots already")
+        if self.tp is not None:
+            raise NotImplementedError("LoRA adapters are not supported under tensor parallelism")
         if self.on_cuda:
             torch.cuda.synchronize()
         self.slot_mapping.fill_(-1)
@@ -127,10 +139,27 @@ class DecodeGraphs:
     def replay(self, bucket: int) -> torch.Tensor:
         """Replay bucket's graph on whatever its input buffers hold (`run` fills them first; alone, the last run's
         inputs: the device side of a decode step, for benchmarks). Returns the bucket's logits buffer."""
+        if self.driver is not None:
+            self.driver.replay(bucket)
         if not self.capture:
-            return self.model.forward(self._batch(bucket), self.cache)
+            return self._step(bucket)
         self._graphs[bucket].replay()
         return self._logits[bucket]
+
+    def _step(self, b: int) -> torch.Tensor:
+        """Bucket b's forward over the static buffers (what a graph captures). Tensor parallelism: rank 0's inputs
+        broadcast into every rank's buffers first, and rank 0's forward not sent (each rank runs this itself)."""
+        if self.tp is None:
+            return self.model.forward(self._batch(b), self.cache)
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.context_lens):
+            self.tp.broadcast(buffer[:b])
+        if self.driver is None:
+            return self.model.forward(self._batch(b), self.cache)
+        self.driver.paused = True
+        try:
+            return self.model.forward(self._batch(b), self.cache)
+        finally:
+            self.driver.paused = False
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
