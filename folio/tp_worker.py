@@ -20,12 +20,11 @@ them on the host).
 Sampling: only rank 0 samples, and nothing it samples is sent: a sampled token reaches the workers as an input id of
 the next forward (a step launched ahead feeds the sampled ids from the device: they are in that batch's input_ids).
 
-CUDA graphs: not yet. The plan: each rank captures its own DecodeGraphs over its shard (NCCL collectives are
-captured with the kernels), every rank capturing the same buckets in the same order (the warm-up forwards
-all-reduce for real, so a CAPTURE message starts the workers' capture beside rank 0's); a replay is then one
-message, the graph inputs (bucket, token ids, positions, block tables) broadcast into every rank's static buffers,
-and each rank replays its own graph. Until then rank 0 refuses to capture (Driver.forward inside a capture raises:
-build the generator with cuda_graphs=False).
+CUDA graphs (folio.model.decode_graphs): each rank captures its own over its shard, the same buckets in the same
+order (SETUP_GRAPHS starts the workers' capture beside rank 0's: the warm-up forwards all-reduce for real); a graph
+starts with the broadcast of rank 0's input buffers into every rank's, and a replay is one message (REPLAY: the
+bucket) before every rank replays its own graph. Rank 0's forwards inside its graphs are not sent (Driver.paused);
+any other forward captured on rank 0 raises (it could not reach the other ranks).
 
 Failures: a forward that fails on rank 0 after it was sent fails on every rank at the same point (the same code on
 the same batch), so a worker logs it and goes on. A failure of one rank alone (out of memory on one GPU) leaves the
