@@ -5,12 +5,8 @@ Prefill: a step whose prompt rows are fresh prompts (no cached prefix) forming o
 hand, in the model's dtype, on FlashAttention-2 or cuDNN (folio.model.flash), as the unquantized path does: the
 new tokens' keys are exactly their context; its decoding rows take the quantized decode kernel. Every other step
 (a cached prefix, soft-capping) takes the paged kernel over the codes: FA2 reads K/V only as stored in the model's
-dtype. So a prompt's own
-attention sees its unrounded K/V, and later steps see the codes (the prefix cache's pages are the codes either
-way).
-
-(The earlier paged-only prefill ran W2's 512-token prompts over an fp8 cache 1.15x slower than bf16's cuDNN path on
-an H200.)"""
+dtype. So a prompt's own attention sees its unrounded K/V, and later steps see the codes (the prefix cache's pages
+are the codes either way)."""
 
 from __future__ import annotations
 
