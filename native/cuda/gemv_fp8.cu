@@ -29,9 +29,8 @@
 namespace folio::cuda {
 namespace {
 
-// Tuning knobs (bench/gemv_sweep.sh FP8=1 times other values): tiles of 8 rows per block, 16-byte loads per lane
-// and tile in flight, blocks per SM. On an H200's 8B decode shapes, 2 tiles x 4 loads at 2 blocks per SM took the
-// projections and lm_head in 2,798 us, one tile x 2 loads at 4 blocks 2,916 us (the best of one tile).
+// Tuning knobs: tiles of 8 rows per block, 16-byte loads per lane and tile in flight, blocks per SM. The defaults
+// are the fastest of bench/gemv_sweep.sh FP8=1's variants on the 8B decode shapes (bench/RESULTS.md).
 #ifndef FOLIO_GEMV_FP8_TILES
 #define FOLIO_GEMV_FP8_TILES 2
 #endif
