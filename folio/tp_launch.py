@@ -38,6 +38,8 @@ T = TypeVar("T")
 _POLL_S = 0.1  # how often the parent looks for a rank that died without a word
 _EXIT_GRACE_S = 10.0  # after every rank reported: how long each may take to exit before it is killed
 _FAILURE_GRACE_S = 2.0  # after a rank failed: how long to wait for the others' reports
+# Served replicas: a worker waits for rank 0's next message inside a collective, for as long as no request comes.
+SERVING_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def launch(main: Callable[..., T], world_size: int, args: tuple = (), backend: str = "gloo",
@@ -73,9 +75,18 @@ def launch(main: Callable[..., T], world_size: int, args: tuple = (), backend: s
 class LocalRanks:
     """Ranks 1..world_size-1 of a replica whose rank 0 is this process (start_local_ranks)."""
 
-    def __init__(self, tp: TensorParallel, processes: list, rendezvous: tempfile.TemporaryDirectory) -> None:
-        self.tp, self.processes, self._rendezvous = tp, processes, rendezvous
+    def __init__(self, tp: TensorParallel, processes: list, rendezvous: tempfile.TemporaryDirectory,
+                 ready: Any) -> None:
+        self.tp, self.processes, self._rendezvous, self._ready = tp, processes, rendezvous, ready
         self.driver: Driver | None = None
+
+    def wait_ready(self, timeout_s: float = 1800.0) -> None:
+        """Wait until every other rank has loaded its shard (their reports go through a host queue: a rank that
+        failed or died is noticed here, not in rank 0's first collective, which could wait forever); RuntimeError
+        with its traceback otherwise."""
+        outcomes = _collect(self.processes, self._ready, time.monotonic() + timeout_s, first_rank=1)
+        if len(outcomes) != len(self.processes):
+            raise RuntimeError(f"tensor-parallel ranks reported {sorted(outcomes)} of {len(self.processes)}")
 
     def attach(self, cache: Cache) -> Cache:
         """Rank 0's cache, mirrored to the other ranks from now on (a Driver); returns it."""
@@ -84,22 +95,26 @@ class LocalRanks:
         return cache
 
     def close(self, grace_s: float = _EXIT_GRACE_S) -> None:
-        """End the workers' loops, wait up to grace_s for their processes (then kill them), leave the group."""
-        if self.driver is not None:
-            self.driver.shutdown()
-        _stop(self.processes, grace_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._rendezvous.cleanup()
+        """End the workers' loops, wait up to grace_s for their processes (then kill them), leave the group. Also
+        after a failure: whatever step fails, the processes, the group and the rendezvous go."""
+        try:
+            if self.driver is not None and not self.driver.closed and all(p.is_alive() for p in self.processes):
+                self.driver.shutdown()
+        finally:
+            _stop(self.processes, grace_s)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._rendezvous.cleanup()
 
 
 def start_local_ranks(model_dir: str | Path, world_size: int, model_kwargs: dict[str, Any] | None = None,
-                      timeout_s: float = 600.0, num_threads: int | None = None) -> LocalRanks:
+                      timeout_s: float = SERVING_TIMEOUT_S, num_threads: int | None = None) -> LocalRanks:
     """Make this process rank 0 of a tensor-parallel replica of the model in model_dir and start ranks 1.. as new
     processes on this machine, each loading its shard (Model.from_pretrained(model_dir, tensor_parallel=...,
     **model_kwargs)) and running the worker loop. model_kwargs' device "cuda" means NCCL with rank r on GPU r (of
-    those this process sees: a Ray replica's); anything else gloo. Load rank 0's shard with `.tp`, then
-    `attach(cache)` its cache. timeout_s: each collective's limit (a rank that died is noticed after it)."""
+    those this process sees: a Ray replica's); anything else gloo. Load rank 0's shard with `.tp`, `wait_ready`,
+    then `attach(cache)` its cache; `close` on any failure. timeout_s: each collective's limit, which includes a
+    worker's wait for rank 0's next message: a served replica may idle for days (SERVING_TIMEOUT_S)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
     model_kwargs = dict(model_kwargs or {})
@@ -111,9 +126,10 @@ def start_local_ranks(model_dir: str | Path, world_size: int, model_kwargs: dict
     rendezvous = tempfile.TemporaryDirectory(prefix="folio-tp-")
     init_method = (Path(rendezvous.name) / "init").as_uri()
     context = mp.get_context("spawn")
+    ready = context.Queue()
     processes = [context.Process(target=_serve_rank, name=f"folio-tp-rank{rank}", daemon=True,
                                  args=(rank, world_size, backend, init_method, timeout_s, num_threads, str(model_dir),
-                                       model_kwargs))
+                                       model_kwargs, ready))
                  for rank in range(1, world_size)]
     for process in processes:
         process.start()
@@ -126,22 +142,28 @@ def start_local_ranks(model_dir: str | Path, world_size: int, model_kwargs: dict
         _stop(processes, 0.0)
         rendezvous.cleanup()
         raise
-    return LocalRanks(TensorParallel.from_group(), processes, rendezvous)
+    return LocalRanks(TensorParallel.from_group(), processes, rendezvous, ready)
 
 
 def _serve_rank(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
-                num_threads: int | None, model_dir: str, model_kwargs: dict[str, Any]) -> None:
-    """A worker rank of start_local_ranks: its shard, the worker loop until rank 0 shuts it down."""
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        model_kwargs = {**model_kwargs, "device": f"cuda:{rank}"}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                num_threads: int | None, model_dir: str, model_kwargs: dict[str, Any], ready: Any) -> None:
+    """A worker rank of start_local_ranks: its shard (reported ready, or its traceback), then the worker loop until
+    rank 0 shuts it down."""
     try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            model_kwargs = {**model_kwargs, "device": f"cuda:{rank}"}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
         tp = TensorParallel.from_group()
         model = Model.from_pretrained(model_dir, tensor_parallel=tp, **{"progress": False, **model_kwargs})
+    except BaseException:  # noqa: BLE001 - rank 0 reports it (LocalRanks.wait_ready)
+        ready.put((rank, False, traceback.format_exc()))
+        return
+    ready.put((rank, True, b""))
+    try:
         run_worker(model, tp)
     finally:
         dist.destroy_process_group()
@@ -184,20 +206,22 @@ def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeou
     results.put((rank, True, value))
 
 
-def _collect(processes: list, results: Any, deadline: float) -> dict[int, bytes]:
+def _collect(processes: list, results: Any, deadline: float, first_rank: int = 0) -> dict[int, bytes]:
     """Every rank's pickled result. At the first failure, the others' failures are awaited a moment (the first to
     report is often a rank that lost its peer, not the cause) and all are raised together; a rank that dies without a
-    word and the deadline raise too."""
+    word and the deadline raise too. processes[i] is rank first_rank + i."""
     outcomes: dict[int, bytes] = {}
     failures: dict[int, str] = {}
     while len(outcomes) + len(failures) < len(processes):
         try:
             rank, ok, value = results.get(timeout=_POLL_S)
         except queue.Empty:
-            waiting = [r for r in range(len(processes)) if r not in outcomes and r not in failures]
-            dead = [r for r in waiting if processes[r].exitcode is not None]
+            ranks = range(first_rank, first_rank + len(processes))
+            waiting = [r for r in ranks if r not in outcomes and r not in failures]
+            dead = [r for r in waiting if processes[r - first_rank].exitcode is not None]
             if dead and results.empty():
-                failures.update({r: f"exited with code {processes[r].exitcode} without a result" for r in dead})
+                failures.update({r: f"exited with code {processes[r - first_rank].exitcode} without a result"
+                                 for r in dead})
                 break
             if time.monotonic() > deadline:
                 if failures:

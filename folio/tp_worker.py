@@ -217,6 +217,9 @@ class MirroredHostPages(HostPages):
         super().fetch(transfers)
 
 
+_SETUP_OPS = frozenset({Op.SETUP_CACHE, Op.SETUP_HOST, Op.SETUP_GRAPHS, Op.REPLAY})
+
+
 def run_worker(model: Model, tp: TensorParallel) -> Counter[Op]:
     """The loop of every rank but 0 (model: the rank's shard): run each operation rank 0's Driver sends on this
     rank's cache, until rank 0 shuts down. Returns the number of messages received, per op."""
@@ -240,22 +243,29 @@ class Worker:
             self.num_received[op] += 1
             if op is Op.SHUTDOWN:
                 return self.num_received
-            if op is Op.SETUP_CACHE:
-                num_pages, page_size, kv_format = args[:3]
-                self.cache = Cache(self.model, num_tokens=num_pages * page_size, page_size=page_size,
-                                   kv_format=FORMATS_BY_CODE[kv_format] if kv_format else None)
-            elif op is Op.SETUP_HOST:
-                self.host_pages = HostPages(self._cache(), args[0])
-            elif op is Op.SETUP_GRAPHS:
-                from folio.model.decode_graphs import DecodeGraphs
+            try:
+                if op in _SETUP_OPS:
+                    self._setup(op, args)
+                else:
+                    self._run(op, args)
+            except Exception:  # noqa: BLE001 - rank 0 failed alike (the same op on the same input): go on with the next
+                logger.exception("tensor-parallel rank %d: %s failed", self.tp.rank, op.name)
 
-                self.graphs = DecodeGraphs(self.model, self._cache(), args[0], args[1], capture=bool(args[2]))
-            elif op is Op.REPLAY:
-                if self.graphs is None:
-                    raise RuntimeError("rank 0 replayed a decode graph before setting them up")
-                self.graphs.replay(args[0])
-            else:
-                self._run(op, args)
+    def _setup(self, op: Op, args: list[int]) -> None:
+        if op is Op.SETUP_CACHE:
+            num_pages, page_size, kv_format = args[:3]
+            self.cache = Cache(self.model, num_tokens=num_pages * page_size, page_size=page_size,
+                               kv_format=FORMATS_BY_CODE[kv_format] if kv_format else None)
+        elif op is Op.SETUP_HOST:
+            self.host_pages = HostPages(self._cache(), args[0])
+        elif op is Op.SETUP_GRAPHS:
+            from folio.model.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self._cache(), args[0], args[1], capture=bool(args[2]))
+        elif self.graphs is None:  # Op.REPLAY
+            raise RuntimeError("rank 0 replayed a decode graph before setting them up")
+        else:
+            self.graphs.replay(args[0])
 
     def _run(self, op: Op, args: list[int]) -> None:
         """One operation on the cache; its tensors are received before anything can fail."""
@@ -266,19 +276,16 @@ class Worker:
         elif op in (Op.WRITE_BACK, Op.FETCH):
             flat = self.channel.receive_tensor((2 * args[0],), torch.int64).tolist()
             pairs = list(zip(flat[0::2], flat[1::2]))
-        try:
-            if op is Op.FORWARD:
-                self.model.forward(batch, self._cache())
-            elif op is Op.COPY_SLOTS:
-                self._cache().copy_page_slots(*args[:3])
-            elif op is Op.WRITE_BACK:
-                self._host_pages().write_back(HostTransfers(to_host=tuple(pairs)))
-            elif op is Op.FETCH:
-                self._host_pages().fetch(HostTransfers(from_host=tuple(pairs)))
-            else:
-                raise ValueError(f"unknown tensor-parallel op {op!r}")
-        except Exception:  # noqa: BLE001 - rank 0 failed alike (the same op on the same input): go on with the next
-            logger.exception("tensor-parallel rank %d: %s failed", self.tp.rank, op.name)
+        if op is Op.FORWARD:
+            self.model.forward(batch, self._cache())
+        elif op is Op.COPY_SLOTS:
+            self._cache().copy_page_slots(*args[:3])
+        elif op is Op.WRITE_BACK:
+            self._host_pages().write_back(HostTransfers(to_host=tuple(pairs)))
+        elif op is Op.FETCH:
+            self._host_pages().fetch(HostTransfers(from_host=tuple(pairs)))
+        else:
+            raise ValueError(f"unknown tensor-parallel op {op!r}")
 
     def _cache(self) -> Cache:
         if self.cache is None:

@@ -47,7 +47,19 @@ def build_generator(config: ServeConfig, max_queued_jobs: int | None = -1
     ranks = None
     if config.tensor_parallel_size > 1:
         ranks = tp_launch.start_local_ranks(config.model_path, config.tensor_parallel_size, _model_kwargs(config))
+    try:
+        return _build(config, max_queued_jobs, ranks)
+    except BaseException:
+        if ranks is not None:  # (the other ranks' processes, GPU memory and process group go too)
+            ranks.close(grace_s=0.0)
+        raise
+
+
+def _build(config: ServeConfig, max_queued_jobs: int | None, ranks: tp_launch.LocalRanks | None
+           ) -> tuple[Model, Model | None, Tokenizer, Cache, DynamicGenerator]:
     model = load_model(config, ranks)
+    if ranks is not None:
+        ranks.wait_ready()
     draft_model = speculation.load_draft_model(config, model)
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     cache_size = config.cache_size()

@@ -187,7 +187,7 @@ class ServeConfig:
             raise ConfigError("device: cpu with num_gpus > 0 would hold GPUs the replica never uses; set num_gpus 0")
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ConfigError(f"device: {self.device} needs num_gpus > 0")
-        check_tensor_parallel(self.tensor_parallel_size, self.num_gpus, self.resolved_device, self.draft_model_path)
+        check_tensor_parallel(self)
 
     def _check_drafter(self) -> None:
         if self.draft_model_path is not None and not self.draft_model_path:

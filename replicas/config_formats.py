@@ -25,12 +25,20 @@ FLAG_HELP = {
 }
 
 
-def check_tensor_parallel(size: int, num_gpus: float, device: str, draft_model_path: str | None) -> None:
-    """ConfigError where a tensor-parallel replica's layout does not fit: one GPU a rank (num_gpus = size), no draft
-    model (it would run unsplit on rank 0's GPU beside its shard)."""
+def check_tensor_parallel(config) -> None:
+    """ConfigError where a ServeConfig's tensor-parallel replica does not fit: one GPU a rank (num_gpus = size; rank
+    r on the replica's GPU r, so no device index), no draft model (it would run unsplit on rank 0's GPU beside its
+    shard), no LoRA adapters (not split yet)."""
+    size, num_gpus, device = config.tensor_parallel_size, config.num_gpus, config.resolved_device
+    draft_model_path, lora = config.draft_model_path, bool(config.lora_adapters or config.lora_admin)
     positive("tensor_parallel_size", size)
     if size == 1:
         return
+    if device.startswith("cuda:"):
+        raise ConfigError(f"tensor_parallel_size: rank r runs on the replica's GPU r; device {device} names one GPU "
+                          "(use cuda or auto)")
+    if lora:
+        raise ConfigError("tensor_parallel_size: LoRA adapters are not supported with tensor parallelism yet")
     if device != "cpu" and num_gpus != size:
         raise ConfigError(f"tensor_parallel_size: {size} ranks take one GPU each: set num_gpus {size} (got {num_gpus})")
     if draft_model_path is not None:

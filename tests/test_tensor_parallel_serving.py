@@ -54,3 +54,55 @@ def _generate(generator, prompts):
     jobs = make_jobs(prompts, max_new_tokens=12)
     run_to_end(generator, jobs)
     return [list(job.generated_ids) for job in jobs]
+
+
+def test_tensor_parallel_layouts_that_cannot_work_are_refused(demo_dir):
+    base = dict(model_path=str(demo_dir), num_gpus=2, page_size=16, cache_tokens=1024, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="names one GPU"):  # rank r runs on the replica's GPU r
+        ServeConfig(**base, device="cuda:1")
+    with pytest.raises(ConfigError, match="LoRA"):
+        ServeConfig(**base, lora_admin=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_rank_that_cannot_load_is_reported_and_everything_is_released(tmp_path):
+    """A rank that fails to load its shard reports its traceback to rank 0 (LocalRanks.wait_ready) instead of leaving
+    rank 0 in a collective; close() then ends the processes and the process group."""
+    import torch.distributed as dist
+
+    from folio.tp_launch import start_local_ranks
+
+    ranks = start_local_ranks(tmp_path / "no-such-model", 2, {"device": "cpu"}, num_threads=1)
+    try:
+        with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*no-such-model"):
+            ranks.wait_ready(timeout_s=60)
+    finally:
+        ranks.close(grace_s=5.0)
+    assert not ranks.processes[0].is_alive() and not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_that_fails_to_build_releases_its_ranks(demo_dir, tmp_path, monkeypatch):
+    """build_generator fails after the other ranks started (here: a model whose 3 kv heads do not split in 2): their
+    processes and the process group go too."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+
+    from folio import tp_launch
+
+    bad = tmp_path / "three-kv-heads"
+    shutil.copytree(demo_dir, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw.update(num_key_value_heads=3, num_attention_heads=9)
+    (bad / "config.json").write_text(json.dumps(raw))
+    started = []
+    original = tp_launch.start_local_ranks
+    monkeypatch.setattr(tp_launch, "start_local_ranks", lambda *a, **k: started.append(original(*a, **k))
+                        or started[-1])
+    config = ServeConfig(model_path=str(bad), device="cpu", num_gpus=0, page_size=16, cache_tokens=1024,
+                         tensor_parallel_size=2)
+    with pytest.raises(Exception, match="kv"):
+        build_generator(config)
+    assert started and not started[0].processes[0].is_alive() and not dist.is_initialized()
