@@ -26,8 +26,7 @@ Sliding windows go to FA2 as its left window. Where pages before the widest wind
 gather starts at that window and flash_paged's block table has those entries clamped to page 0 (FA2 skips the blocks
 before a window). cuDNN's dense path takes no window and FA2 no soft-capping: such layers run on another path.
 
-What a model learns here (probe results, the shapes seen, counters) lives in its FlashState, which every function
-takes first: nothing is kept in module globals.
+What a model learns here (probes, shapes seen, counters) is in its FlashState, every function's first argument.
 """
 
 from __future__ import annotations
@@ -46,19 +45,16 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "paged", "flash_paged", "flash_gather")
 FA2_PAGE_MULTIPLE = 256
-# flash_gather: most context tokens gathered per step (K and V of one layer: 2 * this * Hkv * D elements)
-GATHER_MAX_TOKENS = 1 << 18
+GATHER_MAX_TOKENS = 1 << 18  # flash_gather: most context tokens gathered a step (a layer's K, V: 2 * this * Hkv * D)
 _PROBE_MAX_REL_ERR = 2e-2
 DENSE_MIN_SEEN = 1  # earlier steps of the same (B, L) before cuDNN takes it
-# Least B * L^2 (the causal work, in tokens squared) that cuDNN takes: on an H100 it lost below ~1M (1 x 1024:
-# 0.077 ms against FA2's 0.072; 2 x 512: 0.075 against 0.048; a ~75 us floor) and won from 4M up (1 x 2048:
-# 0.132 against 0.185; 32 x 512: 0.24 against 0.49); see bench/prefill_attention.py
+# Least B * L^2 (the causal work, in tokens squared) that cuDNN takes: on an H100 it lost below ~1M (a ~75 us floor)
+# and won from 4M up (bench/prefill_attention.py)
 DENSE_MIN_WORK = 1 << 22
 _DENSE_SEEN_MAX_KEYS = 1 << 14  # forgotten all at once past this many shapes (a long-running server's lengths vary)
 # The probe's shape: two sequences of 2048 tokens, a shape the dense path takes (B * L^2 >= DENSE_MIN_WORK). cuDNN
-# compiles its kernel per configuration at the first plan that needs it (on a fresh H100, the first 32 x 512 step of
-# a run took 528 ms where a later process took ~46 ms), and small shapes get another configuration than large ones;
-# probing a large shape pays that compile at warm-up instead of in the middle of the first batch.
+# compiles its kernel per configuration at the first plan that needs it (hundreds of ms), and small shapes get
+# another configuration than large ones: probing a large shape pays that compile at warm-up, not in the first batch.
 _PROBE_BATCH, _PROBE_LEN = 2, 2048
 _PROBE_WINDOW = 40  # a window narrower than the probe's contexts, so that its mask shows
 
@@ -287,8 +283,7 @@ def _dense_attention(state: FlashState, q: torch.Tensor, k: torch.Tensor, v: tor
 def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
               prefill: PrefillPlan, scale: float, k_new: torch.Tensor | None = None,
               v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
-              decode_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-              ) -> torch.Tensor:
+              decode_rows: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens q [T, Hq, D] over their contexts (already written to the cache).
 
     q, k_new and v_new (the new tokens' K/V [T, Hkv, D] as written to the cache, e.g. slices of a fused QKV
@@ -300,7 +295,6 @@ def attention(state: FlashState, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if decode_rows is None:
         def decode_rows(short_q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
             return state.ops.paged_attention_decode(short_q, k_cache, v_cache, tables, lens, scale, window, softcap)
-
     if softcap > 0:
         return state.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, scale, batch.max_q_len, window, softcap)
