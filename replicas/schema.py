@@ -289,6 +289,7 @@ class ModelInfo:
     bytes_per_page: int = 0
     num_host_pages: int = 0  # the host tier's page slots per replica (0: none)
     host_cache_bytes: int = 0  # the host memory they take
+    tensor_parallel_size: int = 1  # GPUs (processes) each replica's model is split over
 
     @property
     def max_request_tokens(self) -> int:

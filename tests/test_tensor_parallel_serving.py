@@ -106,3 +106,23 @@ def test_a_replica_that_fails_to_build_releases_its_ranks(demo_dir, tmp_path, mo
     with pytest.raises(Exception, match="kv"):
         build_generator(config)
     assert started and not started[0].processes[0].is_alive() and not dist.is_initialized()
+
+
+def test_model_info_tells_the_tensor_parallel_size(demo_dir):
+    """ModelInfo (and gRPC's ModelInfoResponse, both ways) carries how many GPUs a replica spans."""
+    pytest.importorskip("grpc")
+    from folio.serve.engine import describe
+    from folio.serve.grpc_convert import model_info_from_proto, model_info_to_proto
+
+    config = ServeConfig(model_path=str(demo_dir), device="cpu", num_gpus=0, page_size=16, cache_tokens=1024,
+                         tensor_parallel_size=2)
+    model, _, tokenizer, cache, generator = build_generator(config)
+    try:
+        info = describe(config, model, tokenizer, generator, num_replicas=1)
+    finally:
+        close_tensor_parallel(cache)
+    assert info.tensor_parallel_size == 2
+    assert model_info_from_proto(model_info_to_proto(info)).tensor_parallel_size == 2
+    one = ServeConfig(model_path=str(demo_dir), device="cpu", num_gpus=0, page_size=16, cache_tokens=1024)
+    model, _, tokenizer, _, generator = build_generator(one)
+    assert describe(one, model, tokenizer, generator, num_replicas=1).tensor_parallel_size == 1
