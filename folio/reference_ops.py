@@ -72,6 +72,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     amax = x.abs().amax(dim=1, keepdim=True).float()
     # (a tensor divisor: torch turns division by a Python scalar into a multiplication by its reciprocal on CUDA)
+    # (a row of zeros gets a tiny scale rather than 0: its codes are 0 either way, and dividing by it stays finite)
     scale = (amax / torch.full_like(amax, fp8_max)).clamp_(min=1e-12)
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     for start in range(0, x.shape[0], 2048):

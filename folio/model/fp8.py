@@ -23,12 +23,9 @@ import torch
 
 from folio import ops
 from folio.reference_ops import linear_fp8 as reference_linear  # (dequantize in fp32 + F.linear)
+from folio.reference_ops import quantize_rows_fp8
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# A row (or token) of zeros gets this scale rather than 0: its fp8 values are all 0 either way, and dividing by the
-# scale stays finite.
-_MIN_SCALE = 1e-12
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -70,14 +67,12 @@ class Fp8Weight:
 
 def quantize(weight: torch.Tensor) -> Fp8Weight:
     """Per-output-channel quantization of a [N, K] weight: scale[n] = amax(|weight[n]|) / 448 (rows of zeros: a tiny
-    positive scale), values rounded to nearest e4m3. Computed in fp32 on the weight's device."""
+    positive scale), values rounded to nearest e4m3: the activations' per-row quantization
+    (folio.reference_ops.quantize_rows_fp8), in fp32 on the weight's device."""
     if weight.dim() != 2:
         raise ValueError(f"quantize takes a 2-D [N, K] weight, got shape {list(weight.shape)}")
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_(min=_MIN_SCALE)
-    # (the clamp only guards rounding at the boundary: |w / scale| <= 448 already)
-    values = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return Fp8Weight(values, scale)
+    values, scale = quantize_rows_fp8(weight.float())
+    return Fp8Weight(values, scale.squeeze(1))
 
 
 def cat(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:

@@ -120,11 +120,7 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_MIN_BLOCKS) linear_mma_ke
     for (int u = 0; u < kUnroll; ++u) {
       wv[u] = load_chunk16<VEC, true>(w_row, min(step + 4 * u + t, num_chunks - 1), K);
     }
-    if (!waited) {
-      grid_dependency_wait();
-      allow_dependent_launch();
-      waited = true;
-    }
+    gemv::wait_for_x_once(waited);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       xv[u] = load_chunk16<VEC, false>(x_row, min(step + 4 * u + t, num_chunks - 1), K);

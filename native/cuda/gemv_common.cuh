@@ -112,6 +112,15 @@ __device__ __forceinline__ void store_block_rows(const float (&partial)[kWarps][
   }
 }
 
+// The wait for the kernel that writes x (launch.cuh), once: a GEMV issues its first weight loads before it.
+__device__ __forceinline__ void wait_for_x_once(bool& waited) {
+  if (!waited) {
+    grid_dependency_wait();
+    allow_dependent_launch();
+    waited = true;
+  }
+}
+
 // After a warp's last step: the grid-dependency wait for a warp that ran none (K below one warp step), then its two
 // accumulator chains added and written to partial (acc[0], acc[1] = y[m = g][n0 + 2t], y[g][n0 + 2t + 1] over
 // this warp's chunks, meaningless for g >= M), and the block's epilogue (store_block_rows).
@@ -120,10 +129,7 @@ __device__ __forceinline__ void finish_block(bool waited, float (&acc)[4], const
                                              float (&partial)[kWarps][kMaxRows][kTileRows], int warp, int g, int t,
                                              int num_rows, int64_t out_features, const float* scale,
                                              const void* bias, void* out) {
-  if (!waited) {
-    grid_dependency_wait();
-    allow_dependent_launch();
-  }
+  wait_for_x_once(waited);
   acc[0] += acc_hi[0];
   acc[1] += acc_hi[1];
   partial[warp][g][2 * t] = acc[0];

@@ -164,11 +164,7 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) wv[j][u] = load_w_chunk<VEC>(w_rows[j], min(step + 4 * u + t, num_chunks - 1), K);
     }
-    if (!waited) {
-      grid_dependency_wait();
-      allow_dependent_launch();
-      waited = true;
-    }
+    gemv::wait_for_x_once(waited);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = min(step + 4 * u + t, num_chunks - 1);
@@ -179,10 +175,7 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS) linear_fp
       for (int j = 0; j < kTiles; ++j) mma_chunk<T>(acc[j], acc_hi[j], past ? zero : wv[j][u], x_lo, x_hi);
     }
   }
-  if (!waited) {  // a warp that ran no step (K below one warp step)
-    grid_dependency_wait();
-    allow_dependent_launch();
-  }
+  gemv::wait_for_x_once(waited);  // (a warp that ran no step: K below one warp step)
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
     partial[j][warp][g][2 * t] = acc[j][0] + acc_hi[j][0];
