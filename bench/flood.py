@@ -3,6 +3,8 @@ closed loop of streams measured in the same run.
 
     .venv/bin/python bench/flood.py                   # 2 replicas of the demo model (folio serve's defaults)
     .venv/bin/python bench/flood.py --requests 2000 --streams 64 --tokens 16
+    python bench/flood.py --device cuda --model /tmp/llama-8b --replicas 1 --requests 1000 --streams 256 \
+        --max-batch-size 256 --max-queue-size 256 --cache-tokens 262144    (one GPU replica of a real model)
 
 Phases: (1) `--streams` callers in a closed loop of unary requests for `--duration` seconds: their output tok/s is
 the peer; (2) `--requests` unary requests sent at once from `--clients` processes. Reports every status code, the
@@ -79,6 +81,12 @@ def main() -> int:
     parser.add_argument("--cpu-only-cluster", type=float, default=None, help="Ray's num_cpus (default: cores)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="requests waiting at the ingress (default: folio serve's, one replica's worth)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: folio serve's demo deployment; cuda: one GPU a replica")
+    parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    for name in ("max_batch_size", "max_queue_size", "cache_tokens", "page_size"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="the replicas' (default: "
+                            "folio serve's demo deployment's on a CPU, the config's on a GPU)")
     args = parser.parse_args()
 
     from fakes import free_port
@@ -88,10 +96,17 @@ def main() -> int:
     from folio.serve.cli import DEMO_DEFAULTS
     from folio.serve.config import ServeConfig
 
-    model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "demo-model")
-    config = ServeConfig.from_dict({**DEMO_DEFAULTS, "model_path": str(model_dir), "num_replicas": args.replicas,
-                                    "grpc_port": free_port(), "http_port": free_port(),
-                                    "max_queued_requests": args.max_queued_requests})
+    model_dir = args.model or write_demo_model(Path(tempfile.mkdtemp()) / "demo-model")
+    values = {**DEMO_DEFAULTS, "model_path": str(model_dir), "num_replicas": args.replicas,
+              "grpc_port": free_port(), "http_port": free_port(), "max_queued_requests": args.max_queued_requests}
+    if args.device == "cuda":
+        for name in ("cache_tokens", "page_size", "max_batch_size", "max_queue_size", "num_cpus"):
+            values.pop(name)
+        values.update(device="cuda", num_gpus=1.0)
+    for name in ("max_batch_size", "max_queue_size", "cache_tokens", "page_size"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    config = ServeConfig.from_dict(values)
     target = f"127.0.0.1:{config.grpc_port}"
     make = functools.partial(short_request, max_new_tokens=args.tokens)
     local.start_cluster(config, num_cpus=args.cpu_only_cluster)

@@ -5,25 +5,29 @@ client processes, against the engine alone (DynamicGenerator, no Ray) on the sam
     python bench/serving.py --device cuda --model /models/llama-8b --replicas 1 --workload w2 --scale 1 \\
         --concurrency 64 --duration 60 --rate 8 --requests 512 --clients 4
     ... --replicas 1 --tensor-parallel-size 2      (one replica over two GPUs: ServeConfig.tensor_parallel_size)
+    ... --concurrency 1,256 --profile-s 10         (two closed loops; py-spy of the Serve processes in the largest)
 
-Arrivals: a closed loop of --concurrency streams for --duration seconds (each sends its next request when the last
-ends), and an open loop of --requests Poisson arrivals at --rate requests/s (0: skip either). Workloads (token-id
-prompts, EOS ignored so every request makes max_new_tokens): w2, (512 + 256 new) / --scale random tokens; chat,
-conversations of --turns turns over a few shared system prompts, each turn the previous prompt + the previous
-answer + a new user part. The previous answer is a seeded stand-in of the answer's length, not the tokens the
-server sampled, so that the server and the engine see identical prompts (the prefix cache reuses the system prompt
-and earlier turns, not the last answer).
+Arrivals: a closed loop of --concurrency streams for --duration seconds (each sends its next request when the last ends;
+a list runs one loop per count), and an open loop of --requests Poisson arrivals at --rate requests/s (0: skip either).
+Workloads (token-id prompts, EOS ignored so every request makes max_new_tokens): w2, (512 + 256 new) / --scale random
+tokens; chat, conversations of --turns turns over a few shared system prompts, each turn the previous prompt + the
+previous answer + a new user part. The previous answer is a seeded stand-in of the answer's length, not the tokens the
+server sampled, so that the server and the engine see identical prompts (the prefix cache reuses the system prompt and
+earlier turns, not the last answer).
 
-Reported (a markdown table, printed last; $OUT/serving.json): output tok/s, TTFT p50/p99 (send to the first
+Reported (a markdown table, printed last; $OUT/serving[-LABEL].json): output tok/s (a closed loop's: tokens that arrived
+within its --duration, over it, so that the drain of the last requests does not count), TTFT p50/p99 (send to the first
 message carrying tokens), inter-token latency p50/p99 (a message of k tokens after a gap g counts k gaps of g/k),
-goodput (requests/s with TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms), prefix hit rate (cached / prompt
-tokens from each finish's usage), status codes, and the client processes' CPU time per request and as a share of
-their wall time (near 100%: the client limits the measurement; add --clients).
+goodput (requests/s with TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms), prefix hit rate (cached / prompt tokens
+from each finish's usage), status codes, and the client processes' CPU time per request and as a share of their wall
+time (near 100%: the client limits the measurement; add --clients), and with several replicas each one's share of the
+requests (the busiest one's over the mean; each streamed call's replica comes in its trailing metadata).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -37,6 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving_profile import RayProfile  # noqa: E402
 
 from folio.serve.loadgen import CallRecord, closed_loop, open_loop, percentile, poisson_arrivals_s  # noqa: E402
 
@@ -113,11 +120,23 @@ def ttft_s(record: CallRecord) -> float | None:
     return None if record.first_message_s is None else record.first_message_s - record.start_s
 
 
+def tokens_within(records: list[CallRecord], start_s: float, end_s: float) -> int:
+    """Streamed tokens whose messages arrived in [start_s, end_s)."""
+    return sum(n for r in records if r.code == "OK" for t, n in zip(r.message_s or (), r.message_tokens or ())
+               if start_s <= t < end_s)
+
+
 def summarize(label: str, records: list[CallRecord], slo_ttft_ms: float, slo_itl_ms: float,
-              client_cpu_s: list[float] | None = None) -> dict:
+              client_cpu_s: list[float] | None = None, steady_s: float | None = None) -> dict:
+    """steady_s (a closed loop's duration): output tok/s counts the tokens that arrived within it from the first
+    send, not the drain of the requests still running at its end."""
     ok = [r for r in records if r.code == "OK"]
     window_s = (max(r.end_s for r in records) - min(r.start_s for r in records)) if records else 0.0
     tokens = sum(r.completion_tokens for r in ok)
+    out_tok_s = tokens / window_s if window_s > 0 else 0.0
+    if steady_s and records:
+        start = min(r.start_s for r in records)
+        out_tok_s = tokens_within(records, start, start + steady_s) / steady_s
     ttfts = [t for t in map(ttft_s, ok) if t is not None]
     gaps = [g for r in ok for g in itl_gaps_s(r)]
     good = 0
@@ -126,15 +145,18 @@ def summarize(label: str, records: list[CallRecord], slo_ttft_ms: float, slo_itl
         mean_itl = sum(g) / len(g) if g else 0.0
         good += t is not None and t * 1e3 <= slo_ttft_ms and mean_itl * 1e3 <= slo_itl_ms
     prompt = sum(r.prompt_tokens for r in ok)
+    per_replica = Counter(r.replica for r in ok if r.replica)
     row = {"run": label, "requests": len(records), "ok": len(ok), "codes": dict(Counter(r.code for r in records)),
            "window_s": window_s, "output_tokens": tokens,
            "streamed_tokens": sum(sum(r.message_tokens or ()) for r in ok),
-           "output_tok_s": tokens / window_s if window_s > 0 else 0.0,
+           "output_tok_s": out_tok_s,
            "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
            "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
            "goodput_req_s": good / window_s if window_s > 0 else 0.0, "good_requests": good,
            "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-           "client_cpu_ms_per_request": None, "client_cpu_share": None}
+           "client_cpu_ms_per_request": None, "client_cpu_share": None,
+           "replica_share_max": (max(per_replica.values()) / (len(ok) / len(per_replica))) if per_replica else None,
+           "replicas_seen": len(per_replica)}
     if client_cpu_s and records:
         row["client_cpu_ms_per_request"] = sum(client_cpu_s) / len(records) * 1e3
         row["client_cpu_share"] = max(client_cpu_s) / window_s if window_s > 0 else None
@@ -233,7 +255,7 @@ def fmt(value, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| run | requests | codes | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
-            "goodput req/s | prefix hit | client CPU ms/req | client CPU share |")
+            "goodput req/s | prefix hit | client CPU ms/req | client CPU share | busiest replica / mean |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         codes = " ".join(f"{k}:{v}" for k, v in sorted(r["codes"].items()))
@@ -241,25 +263,32 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(r['ttft_p50_ms'], '.1f')} | {fmt(r['ttft_p99_ms'], '.1f')} | "
                      f"{fmt(r['itl_p50_ms'], '.2f')} | {fmt(r['itl_p99_ms'], '.2f')} | "
                      f"{fmt(r['goodput_req_s'], '.2f')} | {fmt(r['prefix_hit_rate'], '.3f')} | "
-                     f"{fmt(r['client_cpu_ms_per_request'], '.2f')} | {fmt(r['client_cpu_share'], '.1%')} |")
+                     f"{fmt(r['client_cpu_ms_per_request'], '.2f')} | {fmt(r['client_cpu_share'], '.1%')} | "
+                     f"{fmt(r.get('replica_share_max'), '.2f')} |")
     return "\n".join(lines)
 
 
 def comparisons(rows: list[dict]) -> list[dict]:
     by_run = {r["run"]: r for r in rows}
     out = []
-    for mode in ("closed", "open"):
+    modes = [r["run"].removeprefix("server ") for r in rows if r["run"].startswith("server ")]
+    for mode in modes:
         server, engine = by_run.get(f"server {mode}"), by_run.get(f"engine {mode}")
         if server and engine:
             out.append({"arrivals": mode,
                         "tok_s_ratio": server["output_tok_s"] / engine["output_tok_s"]
                         if engine["output_tok_s"] else None,
                         "ttft_p50_diff_ms": server["ttft_p50_ms"] - engine["ttft_p50_ms"],
-                        "ttft_p99_diff_ms": server["ttft_p99_ms"] - engine["ttft_p99_ms"]})
+                        "ttft_p99_diff_ms": server["ttft_p99_ms"] - engine["ttft_p99_ms"],
+                        "itl_p50_diff_ms": server["itl_p50_ms"] - engine["itl_p50_ms"]})
     return out
 
 
 # ------------------------------------------------------------------------------------------------ main
+
+
+def _counts(text: str) -> list[int]:
+    return [n for n in map(int, text.split(",")) if n > 0]
 
 
 def parse_args(argv):
@@ -274,7 +303,8 @@ def parse_args(argv):
     parser.add_argument("--scale", type=int, default=1, help="divide the workload's token counts (8: 64+32 w2)")
     parser.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
     parser.add_argument("--conversations", type=int, default=4, help="chat, open loop: conversations interleaved")
-    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop streams (0: no closed loop)")
+    parser.add_argument("--concurrency", type=_counts, default=[8],
+                        help="closed-loop streams, or a list (1,256: one loop each; 0: no closed loop)")
     parser.add_argument("--duration", type=float, default=10.0, help="closed-loop seconds")
     parser.add_argument("--rate", type=float, default=0.0, help="open-loop Poisson requests/s (0: no open loop)")
     parser.add_argument("--requests", type=int, default=32, help="open-loop requests")
@@ -287,6 +317,11 @@ def parse_args(argv):
     parser.add_argument("--cache-tokens", type=int, default=None)
     parser.add_argument("--max-chunk-size", type=int, default=None)
     parser.add_argument("--cpus", type=float, default=None, help="Ray's num_cpus (default: cores)")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="the replicas' (and the engine's) cuda_graphs; auto: the config's default")
+    parser.add_argument("--profile-s", type=float, default=0.0,
+                        help="py-spy the Serve processes for this long in the largest closed loop")
+    parser.add_argument("--label", default="", help="names the JSON file: $OUT/serving-LABEL.json")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -298,7 +333,8 @@ def serve_config(args, model_dir: str):
 
     tp = args.tensor_parallel_size
     values = {"model_path": model_dir, "num_replicas": args.replicas, "router": args.router,
-              "grpc_port": free_port(), "http_port": free_port(), "tensor_parallel_size": tp}
+              "grpc_port": free_port(), "http_port": free_port(), "tensor_parallel_size": tp,
+              "cuda_graphs": {"auto": None, "on": True, "off": False}[args.cuda_graphs]}
     if args.device == "cpu":  # folio serve's demo deployment
         values.update(device="cpu", num_gpus=0.0, num_cpus=0.5, cache_tokens=8192, page_size=16, max_batch_size=16,
                       max_queue_size=32)
@@ -317,7 +353,8 @@ def workload_of(args, vocab_size: int) -> Workload:
                     turns=args.turns)
 
 
-def run_server(config, args, work: Workload) -> list[dict]:
+def run_server(config, args, work: Workload, reports: list[str]) -> list[dict]:
+    """The server's rows; what the profiler found goes to `reports`."""
     from folio.serve import local
     from folio.serve.loadgen import flood
 
@@ -327,12 +364,19 @@ def run_server(config, args, work: Workload) -> list[dict]:
         local.deploy(config)
         # warm the gRPC path and every replica (conversations nobody else uses)
         flood(target, config.app_name, [request(work, -1 - i, 0) for i in range(2 * args.replicas)], stream=True)
-        if args.concurrency:
+        for streams in args.concurrency:
             cpu: list[float] = []
-            records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
-                                  num_streams=args.concurrency, duration_s=args.duration,
-                                  num_processes=args.clients, stream=True, client_cpu_s=cpu)
-            rows.append(summarize("server closed", records, args.slo_ttft_ms, args.slo_itl_ms, cpu))
+            profiled = args.profile_s and streams == max(args.concurrency)
+            profile = RayProfile(args.profile_s, Path(os.environ.get("OUT") or tempfile.mkdtemp(), "profile"))
+            with profile if profiled else contextlib.nullcontext():
+                records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
+                                      num_streams=streams, duration_s=args.duration,
+                                      num_processes=args.clients, stream=True, client_cpu_s=cpu)
+            if profiled:
+                reports.append(f"py-spy, closed loop of {streams} streams (its first {args.profile_s:g} s):\n"
+                               + profile.report())
+            rows.append(summarize(f"server closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms, cpu,
+                                  steady_s=args.duration))
         if args.rate:
             cpu = []
             records = open_loop(target, config.app_name, open_requests(work, args.requests, args.conversations),
@@ -349,9 +393,10 @@ def run_engine(config, args, work: Workload) -> list[dict]:
 
     engine, rows = EngineAlone(config), []
     try:
-        if args.concurrency:
-            records = engine.closed(functools.partial(closed_request, work), args.concurrency, args.duration)
-            rows.append(summarize("engine closed", records, args.slo_ttft_ms, args.slo_itl_ms))
+        for streams in args.concurrency:
+            records = engine.closed(functools.partial(closed_request, work), streams, args.duration)
+            rows.append(summarize(f"engine closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms,
+                                  steady_s=args.duration))
         if args.rate:
             records = engine.open(open_requests(work, args.requests, args.conversations), args.rate, args.seed)
             rows.append(summarize("engine open", records, args.slo_ttft_ms, args.slo_itl_ms))
@@ -370,20 +415,26 @@ def main(argv=None) -> dict:
     config = serve_config(args, model_dir)
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     work = workload_of(args, vocab_size)
-    rows = run_server(config, args, work)
+    reports: list[str] = []
+    rows = run_server(config, args, work, reports)
     if not args.no_engine:
         rows += run_engine(config, args, work)
-    result = {"args": vars(args), "workload": asdict(work), "rows": rows, "server_vs_engine": comparisons(rows)}
+    result = {"args": vars(args), "workload": asdict(work), "rows": rows, "server_vs_engine": comparisons(rows),
+              "profile": reports}
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "serving.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        name = f"serving{'-' + args.label if args.label else ''}.json"
+        Path(os.environ["OUT"], name).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"\n{args.workload} ({work.prompt_tokens}+{work.new_tokens}"
           f"{f', user {work.user_tokens}, {work.turns} turns' if work.name == 'chat' else ''}), {args.replicas} "
           f"replica(s) on {args.device}, router {args.router}, {args.clients} client processes; "
           f"SLO TTFT {args.slo_ttft_ms:g} ms, ITL {args.slo_itl_ms:g} ms\n")
+    for report in reports:
+        print(report + "\n")
     print(table(rows))
     for c in result["server_vs_engine"]:
-        print(f"\n{c['arrivals']} loop: server/engine tok/s {fmt(c['tok_s_ratio'], '.2f')}, TTFT p50 "
-              f"{fmt(c['ttft_p50_diff_ms'], '+.1f')} ms, p99 {fmt(c['ttft_p99_diff_ms'], '+.1f')} ms")
+        print(f"\n{c['arrivals']}: server/engine tok/s {fmt(c['tok_s_ratio'], '.2f')}, TTFT p50 "
+              f"{fmt(c['ttft_p50_diff_ms'], '+.1f')} ms, p99 {fmt(c['ttft_p99_diff_ms'], '+.1f')} ms, ITL p50 "
+              f"{fmt(c['itl_p50_diff_ms'], '+.2f')} ms")
     return result
 
 

@@ -4,8 +4,8 @@ Imports torch (through folio's engine).
 tensor_parallel_size N > 1: this process is rank 0 (its generator serves the requests) and N - 1 processes it starts
 on this machine hold the other shards (folio.tp_launch.start_local_ranks), rank r on the replica's GPU r; the cache's
 mirror (Cache.mirror) runs every forward on them too, and `close_tensor_parallel(cache)` ends them. CUDA graphs are
-off there: their lockstep capture across ranks (folio.model.decode_graphs) is tested on the CPU only so far, and a
-replica that failed to capture would not start (bench/tp_engine.py --tp-graphs on measures it on GPUs)."""
+off there unless the config asks for them (cuda_graphs: true): every rank captures in lockstep
+(folio.model.decode_graphs), and a replica whose capture fails does not start."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def load_model(config: ServeConfig, ranks: tp_launch.LocalRanks | None = None) -
 def _model_kwargs(config: ServeConfig) -> dict:
     dtype = _DTYPES[config.dtype] if config.dtype is not None else None
     return {"device": config.resolved_device, "dtype": dtype, "weight_format": config.weight_format}
+
+
+def _cuda_graphs(config: ServeConfig) -> bool | None:
+    """The generator's cuda_graphs: the config's; unset, off under tensor parallelism, else the generator's default."""
+    if config.cuda_graphs is None and config.tensor_parallel_size > 1:
+        return False
+    return config.cuda_graphs
 
 
 def close_tensor_parallel(cache: Cache) -> None:
@@ -80,6 +87,6 @@ def _build(config: ServeConfig, max_queued_jobs: int | None, ranks: tp_launch.Lo
                                  else max_queued_jobs,
                                  max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
                                  host_cache_bytes=config.host_cache_bytes,
-                                 cuda_graphs=False if ranks is not None else None,
+                                 cuda_graphs=_cuda_graphs(config),
                                  **speculation.generator_kwargs(config, draft_model))
     return model, draft_model, tokenizer, cache, generator

@@ -31,10 +31,8 @@ from folio.serve.config_values import ConfigError, check_type, convert, positive
 DTYPES = ("float32", "float16", "bfloat16")
 ROUTERS = ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
-# On a CPU (tests, the demo) the cache is sized in tokens; this many when neither size is given.
-DEFAULT_CPU_CACHE_TOKENS = 16384
-# On a GPU, the share of free memory the cache takes when neither size is given.
-DEFAULT_GPU_MEMORY_FRACTION = 0.85
+DEFAULT_CPU_CACHE_TOKENS = 16384  # a CPU's cache (tests, the demo), in tokens, when neither size is given
+DEFAULT_GPU_MEMORY_FRACTION = 0.85  # the share of a GPU's free memory the cache takes when neither size is given
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,8 @@ class ServeConfig:
         (folio.host_pages.DEFAULT_HOST_RAM_FRACTION, at most twice the GPU cache; set it when several replicas
         share a node), none on a CPU; 0: no host tier.
     max_batch_size: sequences one replica runs at once.
+    cuda_graphs: capture decode steps in CUDA graphs. None: on for a one-process CUDA replica, off under tensor
+        parallelism (lockstep capture across ranks, folio.model.decode_graphs, is opt-in there); false: never.
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
     max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
@@ -130,6 +130,7 @@ class ServeConfig:
     kv_format: str | None = None
     host_cache_bytes: int | None = None
     max_batch_size: int = 64
+    cuda_graphs: bool | None = None
     max_chunk_size: int | None = None
     max_seq_len: int | None = None
     max_queue_size: int = 64
@@ -393,7 +394,6 @@ class ServeConfig:
         """Options that differ from the defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
-
-@functools.cache
+@functools.cache  # (the annotations, resolved once)
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(ServeConfig)

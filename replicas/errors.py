@@ -10,6 +10,9 @@ import math
 
 # A refusal's retry hint travels in gRPC trailing metadata under this key (seconds), and as HTTP's Retry-After.
 RETRY_AFTER_KEY = "retry-after"
+# The generator replica that served a streamed Generate call: trailing metadata under this key (diagnostics: load
+# balance across replicas, seen from the client).
+REPLICA_KEY = "folio-replica"
 # The hint for a refusal by Serve's own bounded queues, which carry no estimate.
 SERVE_REFUSAL_RETRY_AFTER_S = 1.0
 

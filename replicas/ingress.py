@@ -41,6 +41,7 @@ from folio.serve.adapters import IngressAdapters
 from folio.serve.admission import Admission
 from folio.serve.config import ServeConfig
 from folio.serve.errors import (
+    REPLICA_KEY,
     RETRY_AFTER_KEY,
     SERVE_REFUSAL_RETRY_AFTER_S,
     Cancelled,
@@ -96,6 +97,8 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         try:
             generation = self._from_proto(request, "Generate")
             async for chunk in self._observed_stream(generation, "Generate"):
+                if chunk.finish is not None and chunk.finish.replica_id and grpc_context is not None:
+                    grpc_context.set_trailing_metadata([(REPLICA_KEY, chunk.finish.replica_id)])
                 yield grpc_convert.chunk_to_proto(chunk)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
             _fail(grpc_context, error)

@@ -5,12 +5,12 @@ client is not what limits a measurement (bench/flood.py, the overload tests).
     records = closed_loop("127.0.0.1:50051", "folio", make_request, num_streams=64, duration_s=20)
     records = open_loop("127.0.0.1:50051", "folio", [request_message, ...], rate_per_s=8.0, stream=True)
 
-Each call is a unary GenerateUnary (or a streaming Generate with stream=True) on grpc.aio; a record keeps its
-wall-clock start / first message / end (time.time(), comparable across processes on one machine), its status code
-name, its completion tokens and the server's retry hint (trailing metadata "retry-after", seconds) if it sent one.
-Streamed calls also keep each token-carrying message's arrival time and token count (inter-token latency) and the
-finish's prompt / cached token counts (prefix hits). `client_cpu_s`, where given, collects each client process's
-CPU seconds over its calls (what the load cost the client).
+Each call is a unary GenerateUnary (or a streaming Generate with stream=True) on grpc.aio; a record keeps its wall-clock
+start / first message / end (time.time(), comparable across processes on one machine), its status code name, its
+completion tokens and the server's retry hint (trailing metadata "retry-after", seconds) if it sent one. Streamed calls
+also keep each token-carrying message's arrival time and token count (inter-token latency) and the finish's prompt /
+cached token counts (prefix hits) and the replica that served them. `client_cpu_s`, where given, collects each client
+process's CPU seconds over its calls (what the load cost the client).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from folio.serve.errors import RETRY_AFTER_KEY
+from folio.serve.errors import REPLICA_KEY, RETRY_AFTER_KEY
 
 # Concurrent calls per client channel (one HTTP/2 connection): servers cap the streams one connection carries.
 CALLS_PER_CHANNEL = 100
@@ -47,6 +47,7 @@ class CallRecord:
     message_tokens: list[int] | None = None  # streamed: tokens of each of those messages
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    replica: str = ""  # streamed: the generator replica that served it (the server's trailing metadata)
 
     @property
     def latency_s(self) -> float:
@@ -75,16 +76,18 @@ async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> 
                     counts.append(len(chunk.token_ids))
                 if chunk.HasField("finish"):
                     usage = chunk.finish.usage
+            replica = dict(await call.trailing_metadata() or ()).get(REPLICA_KEY, "")
         else:
             call = stub.GenerateUnary(message, metadata=metadata, timeout=timeout_s)
             response = await call
             first = time.time()
             usage = response.finish.usage
+            replica = ""
         if usage is not None:
             tokens = usage.completion_tokens
         return CallRecord(start, time.time(), "OK", tokens, first, message_s=times, message_tokens=counts,
                           prompt_tokens=usage.prompt_tokens if usage else 0,
-                          cached_tokens=usage.cached_tokens if usage else 0)
+                          cached_tokens=usage.cached_tokens if usage else 0, replica=replica)
     except grpc.aio.AioRpcError as error:
         retry = None
         for key, value in error.trailing_metadata() or ():
