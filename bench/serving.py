@@ -146,6 +146,9 @@ def summarize(label: str, records: list[CallRecord], slo_ttft_ms: float, slo_itl
         good += t is not None and t * 1e3 <= slo_ttft_ms and mean_itl * 1e3 <= slo_itl_ms
     prompt = sum(r.prompt_tokens for r in ok)
     per_replica = Counter(r.replica for r in ok if r.replica)
+    # where a request's time to its first token went: the client and the proxy (client's - ingress's), the ingress,
+    # routing and the hop to the replica (ingress's - engine's), the engine (queued + prefill)
+    staged = [(ttft_s(r), r.server_ttft_s, r.engine_ttft_s) for r in ok if r.server_ttft_s and ttft_s(r)]
     row = {"run": label, "requests": len(records), "ok": len(ok), "codes": dict(Counter(r.code for r in records)),
            "window_s": window_s, "output_tokens": tokens,
            "streamed_tokens": sum(sum(r.message_tokens or ()) for r in ok),
@@ -156,7 +159,11 @@ def summarize(label: str, records: list[CallRecord], slo_ttft_ms: float, slo_itl
            "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
            "client_cpu_ms_per_request": None, "client_cpu_share": None,
            "replica_share_max": (max(per_replica.values()) / (len(ok) / len(per_replica))) if per_replica else None,
-           "replicas_seen": len(per_replica)}
+           "replicas_seen": len(per_replica),
+           "messages": sum(len(r.message_s or ()) for r in ok),
+           "ttft_p50_client_proxy_ms": percentile([c - s for c, s, _ in staged], 50) * 1e3,
+           "ttft_p50_ingress_to_engine_ms": percentile([s - e for _, s, e in staged], 50) * 1e3,
+           "ttft_p50_engine_ms": percentile([e for _, _, e in staged], 50) * 1e3}
     if client_cpu_s and records:
         row["client_cpu_ms_per_request"] = sum(client_cpu_s) / len(records) * 1e3
         row["client_cpu_share"] = max(client_cpu_s) / window_s if window_s > 0 else None
@@ -430,6 +437,12 @@ def main(argv=None) -> dict:
           f"SLO TTFT {args.slo_ttft_ms:g} ms, ITL {args.slo_itl_ms:g} ms\n")
     for report in reports:
         print(report + "\n")
+    for r in rows:
+        if r["run"].startswith("server") and r["messages"]:
+            print(f"{r['run']}: {r['streamed_tokens'] / r['messages']:.2f} tokens a message; TTFT p50 by stage: "
+                  f"client + proxy {fmt(r['ttft_p50_client_proxy_ms'], '.1f')} ms, ingress + routing + hop "
+                  f"{fmt(r['ttft_p50_ingress_to_engine_ms'], '.1f')} ms, engine (queued + prefill) "
+                  f"{fmt(r['ttft_p50_engine_ms'], '.1f')} ms")
     print(table(rows))
     for c in result["server_vs_engine"]:
         print(f"\n{c['arrivals']}: server/engine tok/s {fmt(c['tok_s_ratio'], '.2f')}, TTFT p50 "

@@ -28,7 +28,7 @@ if [ -f .raybundle/install.sh ]; then
   export PYTHONPATH="/tmp/raysite${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/raysite/bin:$PATH"
 fi
 if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/raysite "$WHEELS"/*.whl >"$OUT/wheels.log" 2>&1
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/raysite "$WHEELS"/*.whl >"$OUT/wheels.log" 2>&1
 fi
 
 case "$SUITE" in tp4) SHAPE=70B;; esac
@@ -93,7 +93,7 @@ done
 echo "--- tables"
 for i in "${!runs[@]}"; do
   [ -f "$OUT/run-$i.log" ] || continue
-  echo "=== run $i"; grep -E "^\||^(closed|open|w2|chat|flood|  admitted|  timeline|  refused)|server/engine|Traceback|Error" \
+  echo "=== run $i"; grep -E "^\||^(closed|open|w2|chat|flood|  admitted|  timeline|  refused|server )|server/engine|Traceback|Error" \
     "$OUT/run-$i.log" | tail -24
 done
 echo "total: $(( $(date +%s) - t_start )) s"

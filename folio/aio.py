@@ -149,8 +149,7 @@ class DynamicGeneratorAsync:
             except BaseException as error:  # noqa: BLE001 — a failed step must not kill the loop
                 self._fail_all(error)
                 continue
-            for result in results:
-                self._deliver(result)
+            self._deliver_all(results)
         self._shutdown()
 
     def _apply(self, command: _Command) -> None:
@@ -179,13 +178,23 @@ class DynamicGeneratorAsync:
             if command.done is not None:
                 command.done.get_loop().call_soon_threadsafe(_resolve, command.done)
 
-    def _deliver(self, result: Result) -> None:
-        ajob = self._jobs.get(result.job)
-        if ajob is None:
-            return
-        if result.eos:
-            del self._jobs[result.job]
-        ajob._push(result)
+    def _deliver_all(self, results: list[Result]) -> None:
+        """A step's results, handed to each event loop in one call: waking a loop once per job (a write to its
+        self-pipe each) cost the loop, and the engine thread the GIL, as much as the rest of a large batch's
+        delivery."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for result in results:
+            ajob = self._jobs.get(result.job)
+            if ajob is None:
+                continue
+            if result.eos:
+                del self._jobs[result.job]
+            by_loop.setdefault(ajob._loop, []).append((ajob._queue, result))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop closed: nobody is waiting for these results any more
+                continue
 
     def _fail_all(self, error: BaseException) -> None:
         for ajob in list(self._jobs.values()):
@@ -210,6 +219,11 @@ class DynamicGeneratorAsync:
             ajob._push(GeneratorClosed("the generator was closed before the job finished"))
         self._jobs.clear()
         self.generator.clear_queue()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -28,8 +28,7 @@ from folio.serve.config_formats import (  # noqa: F401 (KV_FORMAT_OF_DTYPE, KV_F
 )
 from folio.serve.config_values import ConfigError, check_type, convert, positive
 
-DTYPES = ("float32", "float16", "bfloat16")
-ROUTERS = ("prefix", "pow2", "ray_prefix")
+DTYPES, ROUTERS = ("float32", "float16", "bfloat16"), ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
 DEFAULT_CPU_CACHE_TOKENS = 16384  # a CPU's cache (tests, the demo), in tokens, when neither size is given
 DEFAULT_GPU_MEMORY_FRACTION = 0.85  # the share of a GPU's free memory the cache takes when neither size is given
@@ -64,9 +63,8 @@ class ServeConfig:
         hit instead of computed again (folio.host_pages; pinned on a GPU). None: on a GPU a share of the node's RAM
         (folio.host_pages.DEFAULT_HOST_RAM_FRACTION, at most twice the GPU cache; set it when several replicas
         share a node), none on a CPU; 0: no host tier.
-    max_batch_size: sequences one replica runs at once.
-    cuda_graphs: capture decode steps in CUDA graphs. None: on for a one-process CUDA replica, off under tensor
-        parallelism (lockstep capture across ranks, folio.model.decode_graphs, is opt-in there); false: never.
+    max_batch_size: sequences one replica runs at once. cuda_graphs: capture decode steps in CUDA graphs (None: on
+        for a one-process CUDA replica, off under tensor parallelism: lockstep capture across ranks is opt-in).
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
     max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
@@ -78,10 +76,10 @@ class ServeConfig:
         None: one replica's worth (max_batch_size + max_queue_size); 0: refuse whatever finds no slot.
     max_prompt_bytes: the longest text prompt (or negative prompt) in UTF-8 bytes, checked before tokenizing; None:
         what could still fit the context (its tokens x the vocabulary's longest token).
-    max_stop_strings / max_stop_string_chars: most stop strings a request may give, and the longest one. Each
-        stop string costs the replica's engine time per generated token (held text is matched against them).
-    max_list_items: most entries of every other list field of a request (stop token ids, token_bias, banned
-        strings, choices, DRY sequence breakers).
+    max_stop_strings / max_stop_string_chars: most stop strings a request may give, and the longest one (each
+        costs engine time per token); max_list_items: most entries of every other list field of a request.
+    max_stream_messages_per_s: messages one replica streams per second over all its requests (folio.serve.pacing:
+        with many streams open, each gets fewer messages carrying more tokens); 0: one per step with new tokens.
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
         num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
@@ -140,6 +138,7 @@ class ServeConfig:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
     max_list_items: int = 1024
+    max_stream_messages_per_s: float = 2000.0
     num_replicas: int = 1
     num_gpus: float = 1.0
     num_cpus: float = 1.0
@@ -225,17 +224,17 @@ class ServeConfig:
         for name in ("admission_limit", "max_prompt_bytes"):
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items"):
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items", "routing_block_tokens",
+                     "routing_stats_period_s", "routing_stats_timeout_s", "max_constraint_chars",
+                     "max_embedding_bytes"):
             positive(name, getattr(self, name))
-        positive("routing_block_tokens", self.routing_block_tokens)
+        if self.max_stream_messages_per_s < 0:
+            raise ConfigError(f"max_stream_messages_per_s: must be >= 0 (0: no bound), got "
+                              f"{self.max_stream_messages_per_s}")
         if self.router not in ROUTERS:
             raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.router_options is not None and not all(isinstance(k, str) for k in self.router_options):
             raise ConfigError("router_options: keys must be option names (strings)")
-        positive("routing_stats_period_s", self.routing_stats_period_s)
-        positive("routing_stats_timeout_s", self.routing_stats_timeout_s)
-        positive("max_constraint_chars", self.max_constraint_chars)
-        positive("max_embedding_bytes", self.max_embedding_bytes)
         self._check_adapters()
 
     def _check_adapters(self) -> None:
@@ -394,6 +393,7 @@ class ServeConfig:
         """Options that differ from the defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
-@functools.cache  # (the annotations, resolved once)
+
+@functools.cache
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(ServeConfig)

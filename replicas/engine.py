@@ -45,6 +45,7 @@ from folio.serve.errors import (
     ReplicaUnavailable,
 )
 from folio.serve.job_request import constraint_field, job_kwargs_of, refused_job, request_error
+from folio.serve.pacing import StreamPacer
 from folio.serve.schema import (
     Chunk,
     EngineRequest,
@@ -112,6 +113,7 @@ class Engine:
     static_adapters: tuple[AdapterInfo, ...] = ()  # the config's LoRA adapters, loaded by build
     # the prefix cache's counters (host tier's included) as of the last routing report, read on the engine thread
     cache_stats: PrefixCacheStats | None = None
+    pacer: StreamPacer = field(default_factory=lambda: StreamPacer(0.0))  # (build: the config's bound)
 
     def __post_init__(self) -> None:
         if self.cache_events is None:
@@ -132,7 +134,7 @@ class Engine:
         runner = DynamicGeneratorAsync(generator=generator, on_step=totals.add)
         info = describe(config, model, tokenizer, generator, num_replicas or config.num_replicas)
         return cls(config, model, tokenizer, cache, generator, runner, info, totals, draft_model,
-                   static_adapters=static)
+                   static_adapters=static, pacer=StreamPacer(config.max_stream_messages_per_s))
 
     # --- state (attribute reads from the event loop; the page pool is read on the engine thread) ---
 
@@ -229,21 +231,28 @@ class Engine:
         return ajob
 
     async def stream(self, job: DynamicJobAsync, arrival_s: float) -> AsyncIterator[Chunk]:
-        """The job's results as Chunks. Results that piled up while the consumer was busy are merged into one
-        Chunk, so a slow consumer gets fewer, larger messages instead of a growing backlog. Leaving early (the
-        caller was cancelled or closed the stream) cancels the job, releasing its pages."""
+        """The job's results as Chunks. Results that piled up while the consumer was busy, or while the stream
+        waited its turn (folio.serve.pacing: a replica bounds the messages it streams per second), are merged into
+        one Chunk. Leaving early (the caller was cancelled or closed the stream) cancels the job, releasing its
+        pages."""
         queue: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(_pump(job, queue))
+        last_sent_s: float | None = None  # the first tokens go at once
         try:
-            while True:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                chunk, ended = self._merge(items, arrival_s, job)
-                if chunk is not None:
-                    yield chunk
-                if ended:
-                    return
+            with self.pacer.stream():
+                while True:
+                    items = [await queue.get()]
+                    hold_s = self.pacer.hold_s(last_sent_s)
+                    if hold_s > 0 and not _ends(items[-1]):
+                        await asyncio.sleep(hold_s)
+                    while not queue.empty():
+                        items.append(queue.get_nowait())
+                    chunk, ended = self._merge(items, arrival_s, job)
+                    if chunk is not None:
+                        yield chunk
+                        last_sent_s = time.monotonic()
+                    if ended:
+                        return
         finally:
             pump.cancel()
             if job.job.state not in (JobState.FINISHED, JobState.CANCELLED):
@@ -281,6 +290,11 @@ class Engine:
             logger.warning("closing the generator with %d unfinished jobs", self.num_remaining)
         await self.runner.close()
         close_tensor_parallel(self.cache)  # (a tensor-parallel replica's other ranks; nothing otherwise)
+
+
+def _ends(item: Any) -> bool:
+    """Whether a stream's item is its last (a final result, an error, the end marker): never held back."""
+    return item is _END or isinstance(item, BaseException) or bool(getattr(item, "eos", False))
 
 
 async def _pump(job: DynamicJobAsync, queue: asyncio.Queue) -> None:

@@ -48,6 +48,8 @@ class CallRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replica: str = ""  # streamed: the generator replica that served it (the server's trailing metadata)
+    server_ttft_s: float | None = None  # the finish's timings: arrival at the ingress to the first token there
+    engine_ttft_s: float | None = None  # and in the replica's engine: enqueued to first token (queued + prefill)
 
     @property
     def latency_s(self) -> float:
@@ -63,7 +65,7 @@ async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> 
     call = None
     times: list[float] | None = [] if stream else None
     counts: list[int] | None = [] if stream else None
-    usage = None
+    usage = timings = None
     try:
         if stream:
             call = stub.Generate(message, metadata=metadata, timeout=timeout_s)
@@ -75,7 +77,7 @@ async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> 
                     times.append(now)
                     counts.append(len(chunk.token_ids))
                 if chunk.HasField("finish"):
-                    usage = chunk.finish.usage
+                    usage, timings = chunk.finish.usage, chunk.finish.timings
             replica = dict(await call.trailing_metadata() or ()).get(REPLICA_KEY, "")
         else:
             call = stub.GenerateUnary(message, metadata=metadata, timeout=timeout_s)
@@ -87,7 +89,9 @@ async def _one_call(stub, message, metadata, timeout_s: float, stream: bool) -> 
             tokens = usage.completion_tokens
         return CallRecord(start, time.time(), "OK", tokens, first, message_s=times, message_tokens=counts,
                           prompt_tokens=usage.prompt_tokens if usage else 0,
-                          cached_tokens=usage.cached_tokens if usage else 0, replica=replica)
+                          cached_tokens=usage.cached_tokens if usage else 0, replica=replica,
+                          server_ttft_s=timings.time_to_first_token_s if timings else None,
+                          engine_ttft_s=timings.queued_s + timings.prefill_s if timings else None)
     except grpc.aio.AioRpcError as error:
         retry = None
         for key, value in error.trailing_metadata() or ():

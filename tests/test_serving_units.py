@@ -374,6 +374,43 @@ def test_engine_streams_exact_lengths(engine):
     assert engine.totals.num_sampled >= 12 and engine.totals.num_steps >= 12
 
 
+def test_engine_stream_paced_sends_fewer_messages_with_the_same_tokens(engine, monkeypatch):
+    """A replica bounding its streamed messages per second (folio.serve.pacing): the first tokens go at once, later
+    messages carry what came while the stream waited its turn; the tokens and the finish are those of an unpaced
+    stream (greedy)."""
+    from folio.serve.pacing import StreamPacer
+
+    async def run():
+        job = engine.start_job(_request(40))
+        start = time.monotonic()
+        chunks = [(time.monotonic(), c) async for c in engine.stream(job, time.monotonic())]
+        return chunks, time.monotonic() - start
+
+    unpaced, _ = asyncio.run(run())
+    monkeypatch.setattr(engine, "pacer", StreamPacer(max_messages_per_s=20.0))  # one stream: 50 ms apart
+    paced, elapsed_s = asyncio.run(run())
+    assert engine.pacer.num_streams == 0  # (the stream left the count when it ended)
+    tokens = [Completion.from_chunks([c for _, c in chunks]).token_ids for chunks in (unpaced, paced)]
+    assert len(tokens[0]) == 40 and tokens[1] == tokens[0]
+    assert len(paced[0][1].token_ids) >= 1  # the first message: not held
+    gaps = [b - a for (a, _), (b, chunk) in zip(paced[1:], paced[2:]) if not chunk.finish]
+    assert all(gap >= 0.045 for gap in gaps), gaps  # (the finish is never held: it may come sooner)
+    assert len(paced) <= 2 + elapsed_s / 0.05 and len(paced) < len(unpaced)
+
+
+def test_stream_pacer_interval_grows_with_the_streams_open():
+    from folio.serve.pacing import StreamPacer
+
+    pacer = StreamPacer(max_messages_per_s=1000.0)
+    assert pacer.interval_s() == 0.0 and pacer.hold_s(None) == 0.0
+    with pacer.stream(), pacer.stream():
+        assert pacer.interval_s() == pytest.approx(0.002)
+        assert 0.0 < pacer.hold_s(time.monotonic()) <= 0.002
+        assert pacer.hold_s(time.monotonic() - 1.0) == 0.0 and pacer.hold_s(None) == 0.0
+    assert pacer.num_streams == 0
+    assert StreamPacer(0.0).hold_s(time.monotonic()) == 0.0  # no bound
+
+
 def test_engine_routing_digest_lists_the_prompt_pages(engine):
     """The engine's report carries its pool's routing keys (folio.router.keys: at 16-token pages, the page ending at
     token 64 carries one): a router that applies it holds the prompt's keys, and a second report carries the next
