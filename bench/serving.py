@@ -328,6 +328,8 @@ def parse_args(argv):
                         help="the replicas' (and the engine's) cuda_graphs; auto: the config's default")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy the Serve processes for this long in the largest closed loop")
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="any other ServeConfig option, e.g. max_stream_messages_per_s=0 (repeatable)")
     parser.add_argument("--label", default="", help="names the JSON file: $OUT/serving-LABEL.json")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -350,6 +352,7 @@ def serve_config(args, model_dir: str):
     for name in ("max_batch_size", "page_size", "cache_tokens", "max_chunk_size"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    values.update(option.split("=", 1) for option in args.set)  # (strings: ServeConfig converts them)
     return ServeConfig.from_dict(values)
 
 

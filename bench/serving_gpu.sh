@@ -54,7 +54,8 @@ case "$SUITE" in
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 25 --rate 2 \
 --requests 40 --profile-s 10 --label w2-engine")
     runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
---duration 20 --clients 4");;
+--duration 20 --clients 4")
+    runs+=("$serve $w2_1 --set max_stream_messages_per_s=${PACE_B:-500} --label w2-pace-b");;  # (a second bound)
   two|four)
     n=2; [ "$SUITE" = four ] && n=4
     runs+=("$serve $w2_1 --label w2-1")
