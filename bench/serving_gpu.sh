@@ -47,19 +47,20 @@ echo "setup: $(( $(date +%s) - t_start )) s"
 
 runs=()
 serve="bench/serving.py --device cuda --model $ckpt --clients 4"
-w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 20 --no-engine"
-chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 800 --no-engine"
+# (several replicas share the proxy and the ingress: two ingress replicas in both runs of a scaling pair)
+w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 15 --no-engine --set ingress_replicas=2"
+chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 600 --no-engine --set ingress_replicas=2"
 case "$SUITE" in
   one)
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 25 --rate 2 \
 --requests 40 --profile-s 10 --label w2-engine")
     runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
 --duration 20 --clients 4")
-    runs+=("$serve $w2_1 --set max_stream_messages_per_s=${PACE_B:-500} --label w2-pace-b");;  # (a second bound)
+    runs+=("$serve $w2_1 --set max_stream_messages_per_s=${PACE_B:-2000} --label w2-pace-b");;  # (a second bound)
   two|four)
     n=2; [ "$SUITE" = four ] && n=4
     runs+=("$serve $w2_1 --label w2-1")
-    runs+=("$serve ${w2_1/--replicas 1/--replicas $n} --concurrency $((256 * n)) --label w2-$n")  # (the last wins)
+    runs+=("$serve ${w2_1/--replicas 1/--replicas $n} --concurrency $((256 * n)) --profile-s 10 --label w2-$n")
     for router in prefix pow2 ray_prefix; do
       runs+=("$serve $chat --replicas $n --rate $((20 * n)) --router $router --label chat-$n-$router")
     done;;

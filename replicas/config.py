@@ -138,7 +138,7 @@ class ServeConfig:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
     max_list_items: int = 1024
-    max_stream_messages_per_s: float = 2000.0
+    max_stream_messages_per_s: float = 500.0
     num_replicas: int = 1
     num_gpus: float = 1.0
     num_cpus: float = 1.0
