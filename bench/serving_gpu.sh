@@ -65,11 +65,11 @@ case "$SUITE" in
       runs+=("$serve $chat --replicas $n --rate $((20 * n)) --router $router --label chat-$n-$router")
     done;;
   tp)
-    runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs both")
-    runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 15 --no-engine \
+    runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on}")
+    runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine \
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \
---max-batch-size 256 --concurrency 1,256 --duration 15 --no-engine --label tp-2");;
+--max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine --label tp-2");;
   tp4)
     runs+=("bench/tp_engine.py --shape 70B --tp 4 --no-single --tp-graphs both");;
   *) echo "serving_gpu.sh: unknown SUITE $SUITE"; exit 2;;
