@@ -65,7 +65,7 @@ class Model:
         self.ops = _op_set_for(self.options, device)
         self.config = config
         self.weights = weights
-        self.device = device
+        self.device = torch.empty(0, device=device).device  # "cuda" made explicit ("cuda:0"), as a cache's tensors
         self.dtype = dtype
         self.layer_inv_freq = layer_inv_freqs(config, device)  # per layer (Gemma 3's sliding layers: their own)
         self.attention_scale = config.attention_scale
