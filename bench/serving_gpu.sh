@@ -49,7 +49,11 @@ runs=()
 serve="bench/serving.py --device cuda --model $ckpt --clients 4"
 # (several replicas share the proxy and the ingress: two ingress replicas in both runs of a scaling pair)
 w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 15 --no-engine --set ingress_replicas=2"
-chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 600 --no-engine --set ingress_replicas=2"
+# chat: 128 conversations in flight (~170k tokens with their answers) against 98,304 cache tokens a replica: split
+# by conversation they fit the replicas' caches, spread over all of them they do not (at the whole-GPU default both
+# replicas hold everything and no router can matter)
+chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 600 --no-engine --set ingress_replicas=2 \
+--cache-tokens 98304"
 case "$SUITE" in
   one)
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 25 --rate 2 \
