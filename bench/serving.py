@@ -433,6 +433,7 @@ def main(argv=None) -> dict:
               "profile": reports}
     if os.environ.get("OUT"):
         name = f"serving{'-' + args.label if args.label else ''}.json"
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], name).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"\n{args.workload} ({work.prompt_tokens}+{work.new_tokens}"
           f"{f', user {work.user_tokens}, {work.turns} turns' if work.name == 'chat' else ''}), {args.replicas} "
