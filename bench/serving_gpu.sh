@@ -46,7 +46,7 @@ wait "$build" || { tail -30 "$OUT/build.log"; echo "serving_gpu.sh: build FAILED
 echo "setup: $(( $(date +%s) - t_start )) s"
 
 runs=()
-serve="bench/serving.py --device cuda --model $ckpt --clients 4"
+serve="bench/serving.py --device cuda --model $ckpt --clients 4 ${SERVE_ARGS:-}"  # (e.g. --set token_channel=true)
 # (several replicas share the proxy and the ingress: two ingress replicas in both runs of a scaling pair)
 w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 15 --no-engine --set ingress_replicas=2"
 # chat: 128 conversations in flight (~170k tokens with their answers) against 98,304 cache tokens a replica: split
@@ -60,7 +60,7 @@ case "$SUITE" in
 --requests 40 --profile-s 10 --label w2-engine")
     runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
 --duration 20 --clients 4")
-    runs+=("$serve $w2_1 --set max_stream_messages_per_s=${PACE_B:-2000} --label w2-pace-b");;  # (a second bound)
+    runs+=("$serve $w2_1 --set token_channel=true --label w2-channel");;  # (the token channel against Ray's stream)
   two|four)
     n=2; [ "$SUITE" = four ] && n=4
     runs+=("$serve $w2_1 --label w2-1")

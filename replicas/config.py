@@ -83,6 +83,7 @@ class ServeConfig:
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
         num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
+    token_channel: replicas send streamed chunks to the ingress over TCP (folio.serve.token_channel), not through Ray.
     grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
         elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
@@ -145,6 +146,7 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
+    token_channel: bool = False
     grpc_port: int = 50051
     http_port: int = 8000
     http_host: str = "127.0.0.1"
@@ -226,7 +228,7 @@ class ServeConfig:
                 positive(name, getattr(self, name))
         for name in ("max_stop_strings", "max_stop_string_chars", "max_list_items", "routing_block_tokens",
                      "routing_stats_period_s", "routing_stats_timeout_s", "max_constraint_chars",
-                     "max_embedding_bytes"):
+                     "max_embedding_bytes", "max_loras", "max_lora_rank"):
             positive(name, getattr(self, name))
         if self.max_stream_messages_per_s < 0:
             raise ConfigError(f"max_stream_messages_per_s: must be >= 0 (0: no bound), got "
@@ -240,8 +242,6 @@ class ServeConfig:
     def _check_adapters(self) -> None:
         from folio.serve.adapters import ADAPTER_NAME
 
-        positive("max_loras", self.max_loras)
-        positive("max_lora_rank", self.max_lora_rank)
         adapters = self.lora_adapters or {}
         for name, path in adapters.items():
             if not ADAPTER_NAME.fullmatch(name):
@@ -253,8 +253,6 @@ class ServeConfig:
             raise ConfigError(f"lora_adapters: {len(adapters)} adapters, more than max_loras ({self.max_loras})")
 
     def _check_deployment(self) -> None:
-        positive("num_replicas", self.num_replicas)
-        positive("ingress_replicas", self.ingress_replicas)
         for name in ("num_gpus", "num_cpus", "ingress_num_cpus"):
             positive(name, getattr(self, name), allow_zero=True)
         if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
@@ -266,7 +264,8 @@ class ServeConfig:
             raise ConfigError(f"grpc_port / http_port: both are {self.grpc_port}")
         if not self.app_name or "/" in self.app_name:
             raise ConfigError(f"app_name: must be a non-empty name without '/', got {self.app_name!r}")
-        for name in ("stall_timeout_s", "health_check_period_s", "graceful_shutdown_timeout_s"):
+        for name in ("num_replicas", "ingress_replicas", "stall_timeout_s", "health_check_period_s",
+                     "graceful_shutdown_timeout_s"):
             positive(name, getattr(self, name))
         if self.request_timeout_s is not None:
             positive("request_timeout_s", self.request_timeout_s)

@@ -26,7 +26,9 @@ from ray import serve
 
 from folio.serve.adapters import AdapterInfo, ReplicaAdapters, registry_handle
 from folio.serve.config import ServeConfig
+from folio.serve.errors import ReplicaUnavailable
 from folio.serve.schema import Chunk, EngineRequest, ModelInfo
+from folio.serve.token_channel import ChannelSender
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class Generator:
         self.metrics = GeneratorMetrics(config.app_name, self.replica_tag)
         self.metrics.record_formats(self.engine.info)
         self._last_enqueue_s = time.monotonic()
+        self.channel = ChannelSender()  # streamed chunks to ingresses that ask for them (config.token_channel)
         # the config's adapters were loaded by Engine.build (a bad one fails the replica's start); recorded here
         registry = registry_handle(config.app_name, config.max_loras)
         self.adapters = ReplicaAdapters(registry, self.engine.load_lora, self.engine.unload_lora,
@@ -65,14 +68,20 @@ class Generator:
             async for chunk in self.engine.stream(job, arrival_s):
                 if chunk.finish is not None:
                     chunk.finish.replica_id = self.replica_tag
-                if request.stream:
+                if request.reply_to:
+                    self.channel.send(request.reply_to, request.request_id, chunk, since_s=arrival_s)
+                elif request.stream:
                     yield chunk
                 elif whole is None:
                     whole = chunk
                 else:
                     whole.extend(chunk)
+            if request.reply_to:  # (the call ends once its chunks are written)
+                await self.channel.flush(request.reply_to, since_s=arrival_s)
             if whole is not None:
                 yield whole
+        except ConnectionError as error:  # the token channel lost chunks
+            raise ReplicaUnavailable(f"{error}; retry") from None
         finally:
             if job.job.new_tokens:
                 self.engine.totals.rates.observe_finished(job.job.new_tokens)

@@ -53,6 +53,7 @@ from folio.serve.errors import (
 )
 from folio.serve.health import HealthMixin
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
+from folio.serve.token_channel import ChannelServer, channel_chunks
 from folio.serve.validation import (
     RequestLimits,
     check_prompt_bytes,
@@ -81,6 +82,8 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         self._tokenizer = Tokenizer.from_pretrained(config.model_path)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
+        self._channel: ChannelServer | None = None  # (config.token_channel: started at the first streamed request)
+        self._channel_lock = asyncio.Lock()
         self._metrics = IngressMetrics(config.app_name)
         self._admission = Admission(config.ingress_admission_limit, config.ingress_queue_limit)
         self._adapters: IngressAdapters | None = None  # the LoRA registry's view, made at first use (needs Ray)
@@ -241,11 +244,15 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         if not stream:
             engine_request = dataclasses.replace(engine_request, stream=False)
         engine_request = await self._with_adapter(request, engine_request)
+        channel = await self._token_channel() if stream and self._config.token_channel else None
+        if channel is not None:
+            engine_request = dataclasses.replace(engine_request, reply_to=channel.address)
         response = self._generator.options(stream=True).generate.remote(engine_request)
+        chunks = response if channel is None else channel_chunks(channel.open(request_id), response)
         ended = False  # the stream finished or failed: nothing left to cancel
         first_token_s: float | None = None
         try:
-            async for chunk in response:
+            async for chunk in chunks:
                 if chunk.token_ids and first_token_s is None:
                     first_token_s = time.monotonic()
                 if chunk.finish is not None:
@@ -267,6 +274,20 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
             if not ended:
                 # The client left: cancel the replica's job so that its pages are released.
                 cancel_quietly(response)
+            if channel is not None:
+                channel.close(request_id)
+                await chunks.aclose()
+
+    async def _token_channel(self) -> ChannelServer:
+        """This replica's end of the token channel, listening on its node's address from the first use on."""
+        async with self._channel_lock:
+            if self._channel is None:
+                import ray
+
+                channel = ChannelServer()
+                await channel.start(ray.util.get_node_ip_address())
+                self._channel = channel
+        return self._channel
 
     def _engine_request(self, request: GenerationRequest, info: ModelInfo, request_id: str) -> EngineRequest:
         """Validate and tokenize (a validation thread)."""

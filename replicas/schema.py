@@ -184,6 +184,9 @@ class EngineRequest:
     # False: the replica sends the completion as one Chunk when it ends -- one message through Ray for a unary call
     # instead of one per engine step.
     stream: bool = True
+    # A streamed request's chunks go to this ingress's token channel (folio.serve.token_channel, "host:port/secret")
+    # instead of the call's Ray stream; "": the Ray stream.
+    reply_to: str = ""
 
 
 @dataclass

@@ -41,12 +41,16 @@ def served(tmp_path_factory):
                          max_batch_size=1, max_queue_size=1, max_queued_requests=1)
     spec = main.replace(app_name="spec", num_replicas=1, num_cpus=0.2, ingress_replicas=1, ingress_num_cpus=0.1,
                         ngram=True)
+    # (Ray's 2 CPUs on a 2-core machine: 1.8 taken by the apps above)
+    chan = main.replace(app_name="chan", num_replicas=1, num_cpus=0.1, ingress_replicas=1, ingress_num_cpus=0.05,
+                        token_channel=True)
     metrics_port = free_port()
     local.start_cluster(main, metrics_export_port=metrics_port)
     try:
         local.deploy(main)
         local.deploy(small)
         local.deploy(spec)
+        local.deploy(chan)
         channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
         yield {"main": main, "small": small, "channel": channel, "metrics_port": metrics_port}
         channel.close()
@@ -402,6 +406,47 @@ def test_speculative_app_completes_as_the_plain_one_and_exports_its_acceptance_r
         return all(name in seen and seen[name] == pytest.approx(value) for name, value in wanted.items())
 
     assert wait_for(spec_values_match, timeout_s=40, interval_s=1.0), f"wanted {wanted}, the endpoint has {seen}"
+
+
+def test_token_channel_app_streams_as_the_ray_stream_does(served):
+    """Application "chan" (token_channel: streamed chunks reach the ingress over TCP, not as Ray items): greedy
+    streams with probabilities and top tokens equal "folio"'s, unary calls too, concurrent streams complete with
+    exact lengths, and a stream the client leaves frees its pages."""
+    from folio.serve.client import replica_stats
+
+    stub = _stub(served)
+    fields = dict(max_new_tokens=24, return_probs=True, return_top_tokens=3, **_greedy())
+    plain = _stream(stub, _request("The harbour at dawn", **fields))
+    chan = _stream(stub, _request("The harbour at dawn", **fields), app="chan")
+
+    def flat(messages, name):
+        return [x for m in messages for x in getattr(m, name)]
+
+    assert flat(chan, "token_ids") == flat(plain, "token_ids") and len(flat(chan, "token_ids")) == 24
+    assert flat(chan, "token_probs") == pytest.approx(flat(plain, "token_probs"))
+    top_ids = [[list(t.token_ids) for t in flat(messages, "top_tokens")] for messages in (chan, plain)]
+    assert top_ids[0] == top_ids[1] and len(top_ids[0]) == 24
+    assert "".join(m.text for m in chan) == "".join(m.text for m in plain)
+    assert chan[-1].finish.usage.completion_tokens == 24 and chan[-1].finish.timings.time_to_first_token_s > 0
+    unary = stub.GenerateUnary(_request("The harbour at dawn", **fields), metadata=_md("chan"), timeout=60)
+    assert list(unary.token_ids) == flat(plain, "token_ids")
+
+    def one(i: int) -> tuple[int, int]:
+        messages = _stream(stub, _request(f"Story {i}", max_new_tokens=6 + i, **_greedy()), app="chan")
+        return 6 + i, sum(len(m.token_ids) for m in messages)
+
+    with ThreadPoolExecutor(12) as pool:
+        assert all(want == got for want, got in pool.map(one, range(12)))
+
+    call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=3000, **_greedy()), metadata=_md("chan"), timeout=120)
+    received = 0
+    for message in call:
+        received += len(message.token_ids)
+        if received >= 5:
+            break
+    call.cancel()
+    assert wait_for(lambda: all(_in_use(s) == 0 and s["num_running"] == 0 for s in replica_stats("chan").values()),
+                    20), replica_stats("chan")
 
 
 def test_python_handle_client_streams(served):

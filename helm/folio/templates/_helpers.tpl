@@ -169,6 +169,7 @@ applications:
       max_batch_size: {{ $gen.maxBatchSize | int }}
       max_queue_size: {{ $gen.maxQueueSize | int }}
       max_stream_messages_per_s: {{ $gen.streamMessagesPerS | float64 }}
+      token_channel: {{ $gen.tokenChannel }}
       {{- if ne $gen.maxQueuedRequests nil }}
       max_queued_requests: {{ $gen.maxQueuedRequests | int }}
       {{- end }}
