@@ -60,7 +60,7 @@ case "$SUITE" in
 --requests 40 --profile-s 10 --label w2-engine")
     runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
 --duration 20 --clients 4")
-    runs+=("$serve $w2_1 --set token_channel=true --label w2-channel");;  # (the token channel against Ray's stream)
+    runs+=("$serve $w2_1 --set token_channel=false --label w2-ray-stream");;  # (Ray's stream against the channel)
   two|four)
     n=2; [ "$SUITE" = four ] && n=4
     runs+=("$serve $w2_1 --label w2-1")

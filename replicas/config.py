@@ -83,7 +83,7 @@ class ServeConfig:
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
         num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
-    token_channel: replicas send streamed chunks to the ingress over TCP (folio.serve.token_channel), not through Ray.
+    token_channel: replicas send streamed chunks to the ingress over TCP (folio.serve.token_channel), else via Ray.
     grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
         elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
@@ -146,7 +146,7 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
-    token_channel: bool = False
+    token_channel: bool = True
     grpc_port: int = 50051
     http_port: int = 8000
     http_host: str = "127.0.0.1"

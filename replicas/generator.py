@@ -61,6 +61,8 @@ class Generator:
         arrival_s = time.monotonic()
         if request.lora is not None:
             await self.adapters.ensure(request.lora, request.lora_adapter_id)
+        # the ingress's token channel, or (it cannot be reached from here) the call's own stream
+        reply_to = request.reply_to if request.reply_to and await self.channel.reachable(request.reply_to) else ""
         job = self.engine.start_job(request)
         self._last_enqueue_s = time.monotonic()
         try:
@@ -68,16 +70,16 @@ class Generator:
             async for chunk in self.engine.stream(job, arrival_s):
                 if chunk.finish is not None:
                     chunk.finish.replica_id = self.replica_tag
-                if request.reply_to:
-                    self.channel.send(request.reply_to, request.request_id, chunk, since_s=arrival_s)
+                if reply_to:
+                    self.channel.send(reply_to, request.request_id, chunk, since_s=arrival_s)
                 elif request.stream:
                     yield chunk
                 elif whole is None:
                     whole = chunk
                 else:
                     whole.extend(chunk)
-            if request.reply_to:  # (the call ends once its chunks are written)
-                await self.channel.flush(request.reply_to, since_s=arrival_s)
+            if reply_to:  # (the call ends once its chunks are written)
+                await self.channel.flush(reply_to, since_s=arrival_s)
             if whole is not None:
                 yield whole
         except ConnectionError as error:  # the token channel lost chunks

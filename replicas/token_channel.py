@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import secrets
 import struct
 import time
@@ -33,7 +34,11 @@ from folio import EosReason
 from folio.serve.errors import ReplicaUnavailable
 from folio.serve.schema import Chunk, Finish, Timings, TopTokens, Usage
 
+logger = logging.getLogger(__name__)
+
 _LENGTH = struct.Struct("!I")
+CONNECT_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 30.0  # an ingress that could not be reached is not tried again for this long
 MAX_FRAME_BYTES = 256 << 20
 
 
@@ -119,6 +124,22 @@ class ChannelSender:
         self._flushing: dict[str, asyncio.Task] = {}
         self._failed: dict[str, tuple[float, str]] = {}  # address -> when a write to it last failed, and why
 
+    async def reachable(self, address: str) -> bool:
+        """Whether a connection to `address` is open (opening one if needed; not again for RETRY_AFTER_S after a
+        failure). A replica streams through Ray's call instead where it is not: the ingress takes chunks from
+        either."""
+        if time.monotonic() - self._failed.get(address, (float("-inf"), ""))[0] < RETRY_AFTER_S:
+            return False
+        try:
+            await asyncio.wait_for(self._writer(address), CONNECT_TIMEOUT_S)
+            return True
+        except (OSError, ValueError, TimeoutError) as error:
+            why = str(error) or type(error).__name__
+            self._failed[address] = (time.monotonic(), why)
+            logger.warning("the ingress's token channel at %s cannot be reached (%s): streaming through Ray for "
+                           "%g s", address.split("/")[0], why, RETRY_AFTER_S)
+            return False
+
     def send(self, address: str, request_id: str, chunk: Chunk, since_s: float) -> None:
         self._check(address, since_s)
         self._outbox.setdefault(address, []).append([request_id, chunk_to_plain(chunk)])
@@ -167,9 +188,10 @@ CALL_END_GRACE_S = 30.0  # a call that ended without error: how long its last ch
 
 async def channel_chunks(queue: asyncio.Queue, call: Any, grace_s: float = CALL_END_GRACE_S) -> AsyncIterator[Chunk]:
     """One request's chunks from its channel queue, through the one carrying `finish`. `call` is the replica call's
-    Ray stream: it yields nothing and ends once the replica has written the request's last chunk; a failure of it
-    (the replica's error, a lost replica) ends this with that error."""
-    ended = asyncio.ensure_future(_drain(call))
+    Ray stream: it ends once the replica has written the request's last chunk, and carries the chunks itself where
+    the replica could not reach this ingress; a failure of it (the replica's error, a lost replica) ends this with
+    that error."""
+    ended = asyncio.ensure_future(_drain(call, queue))
     try:
         while True:
             if ended.done():
@@ -193,9 +215,9 @@ async def channel_chunks(queue: asyncio.Queue, call: Any, grace_s: float = CALL_
         ended.add_done_callback(_retrieve)
 
 
-async def _drain(call: Any) -> None:
-    async for _ in call:
-        pass
+async def _drain(call: Any, queue: asyncio.Queue) -> None:
+    async for chunk in call:
+        queue.put_nowait(chunk)
 
 
 def _retrieve(task: asyncio.Future) -> None:

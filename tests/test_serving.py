@@ -42,15 +42,15 @@ def served(tmp_path_factory):
     spec = main.replace(app_name="spec", num_replicas=1, num_cpus=0.2, ingress_replicas=1, ingress_num_cpus=0.1,
                         ngram=True)
     # (Ray's 2 CPUs on a 2-core machine: 1.8 taken by the apps above)
-    chan = main.replace(app_name="chan", num_replicas=1, num_cpus=0.1, ingress_replicas=1, ingress_num_cpus=0.05,
-                        token_channel=True)
+    by_ray = main.replace(app_name="ray", num_replicas=1, num_cpus=0.1, ingress_replicas=1, ingress_num_cpus=0.05,
+                          token_channel=False)
     metrics_port = free_port()
     local.start_cluster(main, metrics_export_port=metrics_port)
     try:
         local.deploy(main)
         local.deploy(small)
         local.deploy(spec)
-        local.deploy(chan)
+        local.deploy(by_ray)
         channel = grpc.insecure_channel(f"127.0.0.1:{main.grpc_port}")
         yield {"main": main, "small": small, "channel": channel, "metrics_port": metrics_port}
         channel.close()
@@ -409,15 +409,16 @@ def test_speculative_app_completes_as_the_plain_one_and_exports_its_acceptance_r
 
 
 def test_token_channel_app_streams_as_the_ray_stream_does(served):
-    """Application "chan" (token_channel: streamed chunks reach the ingress over TCP, not as Ray items): greedy
-    streams with probabilities and top tokens equal "folio"'s, unary calls too, concurrent streams complete with
-    exact lengths, and a stream the client leaves frees its pages."""
+    """Application "folio" streams over the token channel (the default: chunks reach the ingress over TCP), "ray"
+    as Ray items (token_channel false): greedy streams with probabilities and top tokens are equal, unary calls too;
+    on the channel, concurrent streams complete with exact lengths and a stream the client leaves frees its pages."""
+    assert served["main"].token_channel
     from folio.serve.client import replica_stats
 
     stub = _stub(served)
     fields = dict(max_new_tokens=24, return_probs=True, return_top_tokens=3, **_greedy())
-    plain = _stream(stub, _request("The harbour at dawn", **fields))
-    chan = _stream(stub, _request("The harbour at dawn", **fields), app="chan")
+    plain = _stream(stub, _request("The harbour at dawn", **fields), app="ray")
+    chan = _stream(stub, _request("The harbour at dawn", **fields))
 
     def flat(messages, name):
         return [x for m in messages for x in getattr(m, name)]
@@ -428,25 +429,25 @@ def test_token_channel_app_streams_as_the_ray_stream_does(served):
     assert top_ids[0] == top_ids[1] and len(top_ids[0]) == 24
     assert "".join(m.text for m in chan) == "".join(m.text for m in plain)
     assert chan[-1].finish.usage.completion_tokens == 24 and chan[-1].finish.timings.time_to_first_token_s > 0
-    unary = stub.GenerateUnary(_request("The harbour at dawn", **fields), metadata=_md("chan"), timeout=60)
+    unary = stub.GenerateUnary(_request("The harbour at dawn", **fields), metadata=_md(), timeout=60)
     assert list(unary.token_ids) == flat(plain, "token_ids")
 
     def one(i: int) -> tuple[int, int]:
-        messages = _stream(stub, _request(f"Story {i}", max_new_tokens=6 + i, **_greedy()), app="chan")
+        messages = _stream(stub, _request(f"Story {i}", max_new_tokens=6 + i, **_greedy()))
         return 6 + i, sum(len(m.token_ids) for m in messages)
 
     with ThreadPoolExecutor(12) as pool:
         assert all(want == got for want, got in pool.map(one, range(12)))
 
-    call = stub.Generate(_request(LONG_PROMPT, max_new_tokens=3000, **_greedy()), metadata=_md("chan"), timeout=120)
+    call = stub.Generate(_request(LONG_PROMPT + " !", max_new_tokens=3000, **_greedy()), metadata=_md(), timeout=120)
     received = 0
     for message in call:
         received += len(message.token_ids)
         if received >= 5:
             break
     call.cancel()
-    assert wait_for(lambda: all(_in_use(s) == 0 and s["num_running"] == 0 for s in replica_stats("chan").values()),
-                    20), replica_stats("chan")
+    assert wait_for(lambda: all(_in_use(s) == 0 and s["num_running"] == 0 for s in replica_stats("folio").values()),
+                    20), replica_stats("folio")
 
 
 def test_python_handle_client_streams(served):

@@ -135,3 +135,38 @@ def test_stream_whose_last_chunks_never_come_is_unavailable():
 
     with pytest.raises(ReplicaUnavailable, match="never arrived"):
         asyncio.run(run())
+
+
+def test_an_unreachable_ingress_is_reported_and_not_retried_at_once(monkeypatch):
+    async def run():
+        server = ChannelServer()
+        await server.start("127.0.0.1")
+        address = server.address
+        await server.stop()
+        sender = ChannelSender()
+        attempts = []
+        real_writer = sender._writer
+
+        async def counted(addr):
+            attempts.append(addr)
+            return await real_writer(addr)
+
+        monkeypatch.setattr(sender, "_writer", counted)
+        first, second = await sender.reachable(address), await sender.reachable(address)
+        return first, second, len(attempts)
+
+    assert asyncio.run(run()) == (False, False, 1)
+
+
+async def _call_yielding(chunks: list[Chunk]):
+    """A replica call that streamed its chunks through Ray (it could not reach the channel)."""
+    for chunk in chunks:
+        await asyncio.sleep(0)
+        yield chunk
+
+
+def test_stream_takes_chunks_the_call_carries_itself():
+    async def run():
+        return [c async for c in channel_chunks(asyncio.Queue(), _call_yielding(_chunks()))]
+
+    assert asyncio.run(run()) == _chunks()
