@@ -376,13 +376,14 @@ def run_server(config, args, work: Workload, reports: list[str]) -> list[dict]:
         flood(target, config.app_name, [request(work, -1 - i, 0) for i in range(2 * args.replicas)], stream=True)
         for streams in args.concurrency:
             cpu: list[float] = []
-            profiled = args.profile_s and streams == max(args.concurrency)
-            profile = RayProfile(args.profile_s, Path(os.environ.get("OUT") or tempfile.mkdtemp(), "profile"))
-            with profile if profiled else contextlib.nullcontext():
+            profile = contextlib.nullcontext()
+            if args.profile_s and streams == max(args.concurrency):
+                profile = RayProfile(args.profile_s, Path(os.environ.get("OUT") or tempfile.mkdtemp(), "profile"))
+            with profile:
                 records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
                                       num_streams=streams, duration_s=args.duration,
                                       num_processes=args.clients, stream=True, client_cpu_s=cpu)
-            if profiled:
+            if isinstance(profile, RayProfile):
                 reports.append(f"py-spy, closed loop of {streams} streams (its first {args.profile_s:g} s):\n"
                                + profile.report())
             rows.append(summarize(f"server closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms, cpu,

@@ -128,6 +128,9 @@ class ChannelSender:
         """Whether a connection to `address` is open (opening one if needed; not again for RETRY_AFTER_S after a
         failure). A replica streams through Ray's call instead where it is not: the ingress takes chunks from
         either."""
+        writer = self._writers.get(address)
+        if writer is not None and not writer.is_closing():
+            return True  # (every request asks: no task, no await, while the connection is up)
         if time.monotonic() - self._failed.get(address, (float("-inf"), ""))[0] < RETRY_AFTER_S:
             return False
         try:

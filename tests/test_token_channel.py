@@ -130,8 +130,7 @@ def test_stream_fails_as_its_call_does():
 def test_stream_whose_last_chunks_never_come_is_unavailable():
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
-        async for _ in channel_chunks(queue, _call(), grace_s=0.1):
-            pass
+        return [c async for c in channel_chunks(queue, _call(), grace_s=0.1)]
 
     with pytest.raises(ReplicaUnavailable, match="never arrived"):
         asyncio.run(run())
