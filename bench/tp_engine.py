@@ -68,10 +68,16 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     return Model(config, weights, device, dtype, tensor_parallel=tp)
 
 
+def progress(message: str) -> None:
+    """A line as each phase starts or ends (stderr, unbuffered): where a run that never ends stopped."""
+    print(f"[{time.strftime('%H:%M:%S')} pid {os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
 def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) -> dict:
     """tok/s and ms per token of each workload, on a generator over `cache`."""
     out = {}
     tokenizer = synthetic_tokenizer(model.config.vocab_size)
+    progress(f"generator, graphs {'on' if graphs else 'off'}: warming up")
     gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=64, max_seq_len=512, cuda_graphs=graphs)
     gen.warmup()
     for name in names:
@@ -90,6 +96,7 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
         decode_s = wall - (first - t0)
         out[name] = {"tok_s": streams * new / wall, "ms_per_token": 1e3 * decode_s / (new - 1),
                      "outputs": [list(j.generated_ids) for j in jobs]}
+        progress(f"{name}: {out[name]['tok_s']:,.1f} tok/s")
     return out
 
 
@@ -101,6 +108,7 @@ def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str]
     device = torch.device("cuda", tp.rank) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     model = random_model(model_config(shape, dtype), device, dtype, tp)
+    progress(f"rank {tp.rank}: shard made")
     if tp.rank != 0:
         run_worker(model, tp)
         return None
@@ -146,6 +154,7 @@ def main(argv=None) -> dict:
     choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
     for graphs in {"off": (False,), "on": (True,), "both": (False, True)}[choice]:
         key = "tp_run" if not graphs else "tp_run_graphs"
+        progress(f"{args.tp} ranks, graphs {'on' if graphs else 'off'}: launching")
         try:
             result[key] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs),
                                  backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,

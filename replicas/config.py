@@ -23,10 +23,12 @@ from folio.serve.config_formats import (  # noqa: F401 (KV_FORMAT_OF_DTYPE, KV_F
     KV_FORMAT_OF_DTYPE,
     KV_FORMATS,
     WEIGHT_FORMATS,
+    check_adapters,
     check_memory_formats,
     check_tensor_parallel,
 )
 from folio.serve.config_values import ConfigError, check_type, convert, positive
+from folio.serve.ingress_mode import INGRESS_MODES
 
 DTYPES, ROUTERS = ("float32", "float16", "bfloat16"), ("prefix", "pow2", "ray_prefix")
 MIN_PAGE_SIZE = 16
@@ -84,6 +86,9 @@ class ServeConfig:
         num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
     token_channel: replicas send streamed chunks to the ingress over TCP (folio.serve.token_channel), else via Ray.
+    ingress_mode: "direct" (clients reach the ingress replicas through HAProxy) or "proxy" (through Serve's proxy
+        actors); folio.serve.ingress_mode. Set where the cluster starts: a cluster `folio serve` starts gets it; on
+        others their environment decides (cluster.yaml, the Helm chart), and an ingress that differs logs it.
     grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
         elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
@@ -147,6 +152,7 @@ class ServeConfig:
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     token_channel: bool = True
+    ingress_mode: str = "direct"
     grpc_port: int = 50051
     http_port: int = 8000
     http_host: str = "127.0.0.1"
@@ -237,20 +243,7 @@ class ServeConfig:
             raise ConfigError(f"router: must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.router_options is not None and not all(isinstance(k, str) for k in self.router_options):
             raise ConfigError("router_options: keys must be option names (strings)")
-        self._check_adapters()
-
-    def _check_adapters(self) -> None:
-        from folio.serve.adapters import ADAPTER_NAME
-
-        adapters = self.lora_adapters or {}
-        for name, path in adapters.items():
-            if not ADAPTER_NAME.fullmatch(name):
-                raise ConfigError(f"lora_adapters: {name!r} is not an adapter name (1-64 letters, digits, '.', '_', "
-                                  "'-')")
-            if not isinstance(path, str) or not path:
-                raise ConfigError(f"lora_adapters: {name}: must be an adapter directory, got {path!r}")
-        if len(adapters) > self.max_loras:
-            raise ConfigError(f"lora_adapters: {len(adapters)} adapters, more than max_loras ({self.max_loras})")
+        check_adapters(self)
 
     def _check_deployment(self) -> None:
         for name in ("num_gpus", "num_cpus", "ingress_num_cpus"):
@@ -262,6 +255,8 @@ class ServeConfig:
                 raise ConfigError(f"{name}: must be in [1, 65535], got {port}")
         if self.grpc_port == self.http_port:
             raise ConfigError(f"grpc_port / http_port: both are {self.grpc_port}")
+        if self.ingress_mode not in INGRESS_MODES:
+            raise ConfigError(f"ingress_mode: must be one of {', '.join(INGRESS_MODES)}, got {self.ingress_mode!r}")
         if not self.app_name or "/" in self.app_name:
             raise ConfigError(f"app_name: must be a non-empty name without '/', got {self.app_name!r}")
         for name in ("num_replicas", "ingress_replicas", "stall_timeout_s", "health_check_period_s",

@@ -23,6 +23,8 @@ FLAG_HELP = {
     "cuda_graphs": "true / false: capture decode steps in CUDA graphs; none: on, except under tensor parallelism",
     "tensor_parallel_size": "processes (GPUs) one replica's model is split over, on one machine; on GPUs "
                             "num_gpus must equal it",
+    "ingress_mode": "direct: HAProxy in front of ingress replicas that serve gRPC / HTTP themselves; proxy: "
+                    "Serve's proxy actors",
 }
 
 
@@ -63,3 +65,17 @@ def check_memory_formats(weight_format: str | None, kv_format: str | None, dtype
         raise ConfigError(f"kv_format: {kv_format} has no CUDA kernel (CPU replicas only); use q4 on a GPU")
     if host_cache_bytes is not None:
         positive("host_cache_bytes", host_cache_bytes, allow_zero=True)
+
+
+def check_adapters(config) -> None:
+    """ConfigError where a ServeConfig's static LoRA adapters are misnamed, lack a directory or exceed max_loras."""
+    from folio.serve.adapters import ADAPTER_NAME
+
+    adapters = config.lora_adapters or {}
+    for name, path in adapters.items():
+        if not ADAPTER_NAME.fullmatch(name):
+            raise ConfigError(f"lora_adapters: {name!r} is not an adapter name (1-64 letters, digits, '.', '_', '-')")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"lora_adapters: {name}: must be an adapter directory, got {path!r}")
+    if len(adapters) > config.max_loras:
+        raise ConfigError(f"lora_adapters: {len(adapters)} adapters, more than max_loras ({config.max_loras})")

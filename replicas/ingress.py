@@ -52,6 +52,7 @@ from folio.serve.errors import (
     RequestError,
 )
 from folio.serve.health import HealthMixin
+from folio.serve.ingress_mode import running_mode
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from folio.serve.token_channel import ChannelServer, channel_chunks
 from folio.serve.validation import (
@@ -91,6 +92,9 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         # Tokenizing and validating a request takes up to milliseconds per kilobyte of prompt: done off the event
         # loop, so that one large request never stalls the others' streams.
         self._validation_pool = ThreadPoolExecutor(max_workers=VALIDATION_THREADS, thread_name_prefix="validate")
+        if running_mode() != config.ingress_mode:  # (a cluster-wide setting: the cluster's environment decides)
+            logger.warning("ingress_mode is %r but this cluster runs %r (folio.serve.ingress_mode)",
+                           config.ingress_mode, running_mode())
 
     # --- gRPC (folio.v1.Generation) ---
 

@@ -26,12 +26,14 @@ from ray import serve
 from ray.serve.config import HTTPOptions
 
 import folio
+from folio.serve import ingress_mode
 from folio.serve.app import INGRESS_REFUSAL_HEADROOM, build_application, grpc_options, route_prefix
 from folio.serve.config import ServeConfig
 from folio.serve.proxy_gate import PROXY_LIMIT_ENV
 from folio.serve.proxy_setup import GRPC_HOST_ENV
 
 AUTH_MODE_ENV_VAR = "RAY_AUTH_MODE"  # ray._private.authentication.authentication_token_setup's
+_haproxy: ingress_mode.LocalHAProxy | None = None  # the HAProxy of the cluster start_cluster started (direct mode)
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_driver: bool = False,
@@ -53,17 +55,24 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
     # The gRPC proxy refuses calls beyond what the application admits and queues before Serve handles them: in a
     # burst, refusals then cost the proxy microseconds instead of milliseconds of CPU (proxy_gate).
     os.environ[PROXY_LIMIT_ENV] = str(proxy_limit(config))
-    context = ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=include_dashboard,
-        num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
-        log_to_driver=log_to_driver,
-        configure_logging=False,
-        # In every worker, before Serve's gRPC proxy starts: no calls cancelled by gRPC in a burst (proxy_setup).
-        runtime_env={"worker_process_setup_hook": "folio.serve.proxy_setup.setup_worker"},
-        **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
-    )
+    global _haproxy
+    _haproxy = ingress_mode.LocalHAProxy() if config.ingress_mode == "direct" else None
+    try:
+        with ingress_mode.local_environment(config.ingress_mode, _haproxy):  # (the cluster inherits it, not this one)
+            context = ray.init(
+                address="local",
+                _node_ip_address="127.0.0.1",
+                include_dashboard=include_dashboard,
+                num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
+                log_to_driver=log_to_driver,
+                configure_logging=False,
+                # In every worker, before Serve's gRPC servers start: no call cancelled by gRPC in a burst (proxy_setup)
+                runtime_env={"worker_process_setup_hook": "folio.serve.proxy_setup.setup_worker"},
+                **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
+            )
+    except BaseException:
+        _stop_haproxy()
+        raise
     try:
         serve.start(
             http_options=HTTPOptions(host=config.http_host, port=config.http_port),
@@ -78,9 +87,10 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None, log_to_dri
 
 
 def proxy_limit(config: ServeConfig) -> int:
-    """Calls the gRPC proxy lets through at once: all the ingress replicas admit and queue, and refuse in a moment."""
+    """Calls one gRPC server lets through at once: what the ingress replicas behind it admit and queue, and refuse
+    in a moment. Serve's proxy serves all of them; in direct mode each ingress replica runs a server of its own."""
     per_ingress = config.ingress_admission_limit + config.ingress_queue_limit + INGRESS_REFUSAL_HEADROOM
-    return config.ingress_replicas * per_ingress
+    return per_ingress if config.ingress_mode == "direct" else config.ingress_replicas * per_ingress
 
 
 def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:
@@ -95,6 +105,14 @@ def shutdown() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+        _stop_haproxy()
+
+
+def _stop_haproxy() -> None:
+    global _haproxy
+    if _haproxy is not None:
+        _haproxy.stop()
+        _haproxy = None
 
 
 # --- the record of a running `folio serve`, for clients on the same machine ---

@@ -1,6 +1,7 @@
 """Run in every worker process of a cluster `folio serve` starts (Ray's worker_process_setup_hook), before Serve's
-gRPC proxy builds its server: raise gRPC's limits on calls waiting to be picked up, and bind the gRPC proxy to the
-host `folio serve` serves on (GRPC_HOST_ENV; Serve binds every interface otherwise).
+gRPC servers start: raise gRPC's limits on calls waiting to be picked up, and bind the gRPC proxy and the replicas'
+gRPC servers (direct mode, folio.serve.ingress_mode) to the host `folio serve` serves on (GRPC_HOST_ENV; Serve binds
+every interface otherwise).
 
 gRPC's C core cancels incoming calls (status CANCELLED, details "CANCELLED") at random once more than
 `grpc.server.max_pending_requests` (1,000) have arrived but not yet been taken by the server's Python loop, and all of
@@ -48,8 +49,18 @@ def patch_serve() -> None:
 
     raise_grpc_pending_limits(constants.DEFAULT_GRPC_SERVER_OPTIONS)
     host = os.environ.get(GRPC_HOST_ENV)
-    if host and not getattr(default_impl.add_grpc_address, "folio_host", None):
+    if not host:
+        return
+    if not getattr(default_impl.add_grpc_address, "folio_host", None):
         default_impl.add_grpc_address = bound_to(host, default_impl.add_grpc_address)
+    # The replicas' inter-deployment gRPC servers (calls between deployments in direct mode, folio.serve
+    # .ingress_mode) bind "[::]:0" through tls_utils.add_port_to_grpc_server, which the replica module imported by
+    # name before it imported default_impl: patched in both places, whichever imported first.
+    from ray._common import tls_utils
+
+    for module in (tls_utils, sys.modules.get("ray.serve._private.replica")):
+        if module is not None and not getattr(module.add_port_to_grpc_server, "folio_host", None):
+            module.add_port_to_grpc_server = bound_to(host, module.add_port_to_grpc_server)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -78,10 +89,13 @@ def raise_grpc_pending_limits(options: list) -> None:
 
 
 def bound_to(host: str, add_address):
-    """Serve's add_grpc_address, with the host of "[::]:port" replaced by `host`."""
+    """A function adding a port to a gRPC server (Serve's add_grpc_address, Ray's add_port_to_grpc_server), with
+    a wildcard host ("[::]:port", "0.0.0.0:port") replaced by `host`."""
 
     def add(server, address: str):
-        port = address.rsplit(":", 1)[1]
+        bind_host, port = address.rsplit(":", 1)
+        if bind_host not in ("[::]", "0.0.0.0", ""):
+            return add_address(server, address)
         return add_address(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     add.folio_host = host

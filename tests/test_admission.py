@@ -257,7 +257,8 @@ def test_the_proxy_gate_refuses_calls_beyond_its_bound_before_serve_handles_them
 
 def test_the_worker_setup_hook_patches_serve_only_once_serve_is_imported():
     """In a fresh interpreter, as in a Ray worker: the hook imports nothing of Serve itself; importing Serve then
-    raises gRPC's pending-call limits and binds the gRPC proxy to the configured host."""
+    raises gRPC's pending-call limits and binds the gRPC proxy and the replicas' gRPC servers to the configured
+    host, whichever of Serve's modules is imported first."""
     import subprocess
     import sys
 
@@ -272,8 +273,13 @@ from ray.serve._private import constants, default_impl
 options = dict(constants.DEFAULT_GRPC_SERVER_OPTIONS)
 assert options["grpc.server.max_pending_requests"] == proxy_setup.MAX_PENDING_CALLS, options
 bound = []
-proxy_setup.bound_to("127.0.0.1", lambda server, address: bound.append(address))(None, "[::]:50051")
-assert bound == ["127.0.0.1:50051"] and default_impl.add_grpc_address.folio_host == "127.0.0.1"
+add = proxy_setup.bound_to("127.0.0.1", lambda server, address: bound.append(address))
+add(None, "[::]:50051"); add(None, "0.0.0.0:0"); add(None, "10.1.2.3:7")  # (a host of its own is kept)
+assert bound == ["127.0.0.1:50051", "127.0.0.1:0", "10.1.2.3:7"], bound
+assert default_impl.add_grpc_address.folio_host == "127.0.0.1"
+from ray.serve._private import replica
+from ray._common import tls_utils
+assert replica.add_port_to_grpc_server.folio_host == tls_utils.add_port_to_grpc_server.folio_host == "127.0.0.1"
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -102,6 +102,14 @@ def test_cluster_configs_install_folio_and_deploy_the_serve_config(name):
     assert "torch.__version__" in install and "FOLIO_PIP_SPEC=" in install
     # The node fails its setup if what Serve imports there is missing.
     assert any("import folio.serve.app, folio.router.ray_router" in c for c in config["setup_commands"])
+    # Every node's Serve runs the ingress mode the application is configured for (folio.serve.ingress_mode).
+    from folio.serve.ingress_mode import cluster_env
+
+    mode = load_yaml(SERVE_CONFIG)["applications"][0]["args"]["ingress_mode"]
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config[key]
+              if "ray start" in c]
+    assert len(starts) == 2 and all(f"{k}={v} " in c.split("ray start")[0]
+                                    for c in starts for k, v in cluster_env(mode).items())
 
 
 def test_ray_validation_rejects_broken_cluster_configs():
@@ -413,6 +421,23 @@ def test_chart_passes_memory_formats_to_the_application(helm, crd_validator):
     fits = args_of({"generator": {"replicas": 8}, "workers": {"gpusPerWorker": 8, "shmSize": "8Gi"},
                     "cache": {"hostCacheGiB": 5}})
     assert fits["host_cache_bytes"] == 5 << 30
+
+
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+def test_chart_gives_every_ray_pod_the_environment_of_its_ingress_mode(helm, crd_validator, mode):
+    """Serve reads the ingress mode from each process's environment (folio.serve.ingress_mode): the head and the
+    workers get the same variables, and the application the same mode."""
+    from folio.serve.ingress_mode import cluster_env
+
+    values = {} if mode == "direct" else {"serve": {"ingressMode": "proxy"}}
+    rayservice, _ = render(helm, values)
+    args = check_rayservice(rayservice, crd_validator, "folio", grpc_port=50051)["applications"][0]["args"]
+    assert args["ingress_mode"] == mode
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for pod in pods:
+        (container,) = pod["template"]["spec"]["containers"]
+        assert {e["name"]: e["value"] for e in container.get("env", [])} == cluster_env(mode)
 
 
 @pytest.mark.parametrize("router", ["pow2", "ray_prefix"])

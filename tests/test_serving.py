@@ -450,6 +450,15 @@ def test_token_channel_app_streams_as_the_ray_stream_does(served):
                     20), replica_stats("folio")
 
 
+def test_the_cluster_serves_through_its_haproxy(served):
+    """The default ingress mode (folio.serve.ingress_mode): HAProxy, started with this cluster's files, in front of
+    the ingress replicas; the calls of every other test here went through it."""
+    from folio.serve import ingress_mode, local
+
+    assert served["main"].ingress_mode == "direct" and local._haproxy is not None
+    assert ingress_mode._processes_with_argument_under(local._haproxy.directory)
+
+
 def test_python_handle_client_streams(served):
     from folio.serve.client import Client
     from folio.serve.errors import InvalidRequest

@@ -1,6 +1,7 @@
 """The standard gRPC health service (grpc.health.v1.Health) of folio's endpoint, on a local Ray cluster (loopback).
 
-One cluster for the module: application "folio" (ingress + 1 generator replica of the demo model). A test adds
+One cluster per ingress mode (calls through HAProxy to the ingress replicas' own servers, or through Serve's proxy):
+application "folio" (ingress + 1 generator replica of the demo model). A test adds
 application "down" and takes its generator replica away; the last test deletes "folio" under an open Watch.
 """
 
@@ -23,8 +24,8 @@ GENERATION = "folio.v1.Generation"
 GRACEFUL_SHUTDOWN_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["direct", "proxy"])  # (folio.serve.ingress_mode: both paths)
+def served(request, tmp_path_factory):
     from folio.demo import write_demo_model
     from folio.serve import local
     from folio.serve.config import ServeConfig
@@ -33,7 +34,7 @@ def served(tmp_path_factory):
     config = ServeConfig(model_path=str(model_dir), num_gpus=0, num_cpus=0.3, ingress_num_cpus=0.1, num_replicas=1,
                          cache_tokens=1024, page_size=16, max_batch_size=4, max_queue_size=4,
                          grpc_port=free_port(), http_port=free_port(), app_name="folio",
-                         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
+                         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, ingress_mode=request.param)
     local.start_cluster(config, num_cpus=2)
     try:
         local.deploy(config)

@@ -170,6 +170,7 @@ applications:
       max_queue_size: {{ $gen.maxQueueSize | int }}
       max_stream_messages_per_s: {{ $gen.streamMessagesPerS | float64 }}
       token_channel: {{ $gen.tokenChannel }}
+      ingress_mode: {{ .Values.serve.ingressMode | toJson }}
       {{- if ne $gen.maxQueuedRequests nil }}
       max_queued_requests: {{ $gen.maxQueuedRequests | int }}
       {{- end }}
@@ -222,4 +223,12 @@ applications:
           request_router_kwargs: {{ include "folio.routerKwargs" . }}
           request_routing_stats_period_s: {{ .Values.router.statsPeriodS | toJson }}
           request_routing_stats_timeout_s: {{ .Values.router.statsTimeoutS | toJson }}
+{{- end -}}
+
+{{/* The environment every Ray pod starts with for serve.ingressMode (folio.serve.ingress_mode.DIRECT_ENV). */}}
+{{- define "folio.ingressEnv" -}}
+{{- if eq .Values.serve.ingressMode "direct" }}
+- {name: RAY_SERVE_THROUGHPUT_OPTIMIZED, value: "1"}
+- {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+{{- end }}
 {{- end -}}
