@@ -6,6 +6,7 @@
 #   ENGINE_BENCH=only bash bench/gpu.sh  # the engine benchmark instead of the kernel one; ENGINE_ARGS passes options
 #   ENGINE_BENCH=only EXTRA_BENCH="bench/constrained.py --batches 1,64" bash bench/gpu.sh
 #                                        # a feature benchmark instead (its table last); several: separate them by ';'
+#   WHEELS=bench/scratch/wheels ...     # install these wheels first (the image has no llguidance, which folio needs)
 #   GPU_TESTS="tests/test_kv_quant_gpu.py tests/test_fp8_weights_gpu.py" ...
 #                                        # only these test files' gpu tests after the native ones (default: all)
 #   The quantized formats and the host tier (issue 21) in one call:
@@ -23,6 +24,13 @@ export PYTHONUNBUFFERED=1 FOLIO_CUDA_ARCHS="${FOLIO_CUDA_ARCHS:-9.0}" MAX_JOBS="
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; nvcc --version | tail -2
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/machine.txt"
+
+# WHEELS=dir: wheels of folio's pure dependencies the machine's image lacks (llguidance: folio.constrain, which the
+# engine imports), installed first without their dependencies.
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+fi
+"$PY" -c 'import llguidance' 2>/dev/null || echo "gpu.sh: llguidance is missing (folio imports it): set WHEELS"
 
 start=$(date +%s)
 # An editable install, not only `setup.py build_ext --inplace`: it builds the native modules in place the same way
