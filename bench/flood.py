@@ -87,6 +87,8 @@ def main() -> int:
     for name in ("max_batch_size", "max_queue_size", "cache_tokens", "page_size"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="the replicas' (default: "
                             "folio serve's demo deployment's on a CPU, the config's on a GPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="any other ServeConfig option, e.g. ingress_mode=proxy (repeatable)")
     args = parser.parse_args()
 
     from fakes import free_port
@@ -106,6 +108,7 @@ def main() -> int:
     for name in ("max_batch_size", "max_queue_size", "cache_tokens", "page_size"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    values.update(option.split("=", 1) for option in args.set)  # (strings: ServeConfig converts them)
     config = ServeConfig.from_dict(values)
     target = f"127.0.0.1:{config.grpc_port}"
     make = functools.partial(short_request, max_new_tokens=args.tokens)
