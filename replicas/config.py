@@ -94,7 +94,7 @@ class ServeConfig:
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
     stall_timeout_s: a replica whose engine made no progress for this long while it had work fails its health check.
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
-    request_timeout_s: end-to-end limit the gRPC proxy puts on a request (None: none).
+    request_timeout_s: end-to-end limit Serve puts on a gRPC request, in either ingress mode (None: none).
     routing_block_tokens: tokens between two routing keys a replica reports to routers (folio.router.events): the
         granularity at which routers match prompts, whatever the page size.
     router: how the generator deployment's callers pick a replica: "prefix" (folio.router.ray_router's prefix-aware
