@@ -89,8 +89,8 @@ class ServeConfig:
     ingress_mode: "direct" (clients reach the ingress replicas through HAProxy) or "proxy" (through Serve's proxy
         actors); folio.serve.ingress_mode. Set where the cluster starts: a cluster `folio serve` starts gets it; on
         others their environment decides (cluster.yaml, the Helm chart), and an ingress that differs logs it.
-    grpc_port / http_port / http_host: Ray Serve's proxies. On a cluster `folio serve` starts, both bind http_host;
-        elsewhere (`serve deploy`, KubeRay) Serve's gRPC proxy binds every interface.
+    grpc_port / http_port / http_host: where Serve listens (HAProxy, or its proxies). On a cluster `folio serve`
+        starts, both bind http_host; elsewhere (`serve deploy`, KubeRay) Serve's gRPC servers bind every interface.
     app_name: the Serve application (gRPC clients send it as the "application" metadata when several are deployed).
     stall_timeout_s: a replica whose engine made no progress for this long while it had work fails its health check.
     health_check_period_s, graceful_shutdown_timeout_s: Serve's; shutdown lets in-flight requests finish this long.
