@@ -60,8 +60,8 @@ case "$SUITE" in
 --requests 40 --profile-s 10 --label w2-engine")
     runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
 --duration 20 --clients 4")
-    runs+=("$serve $w2_1 --label w2-direct")  # the same two ingress replicas, direct (the default) ...
-    runs+=("$serve $w2_1 --set ingress_mode=proxy --label w2-proxy");;  # ... and through Serve's proxy actors
+    # through Serve's proxy actors (run 0 is direct, the default; with two ingress replicas direct ran the same)
+    runs+=("$serve ${w2_1/ingress_replicas=2/ingress_replicas=1} --set ingress_mode=proxy --label w2-proxy");;
   two|four)
     n=2; [ "$SUITE" = four ] && n=4
     runs+=("$serve $w2_1 --label w2-1")
