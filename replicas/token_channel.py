@@ -193,34 +193,39 @@ async def channel_chunks(queue: asyncio.Queue, call: Any, grace_s: float = CALL_
     """One request's chunks from its channel queue, through the one carrying `finish`. `call` is the replica call's
     Ray stream: it ends once the replica has written the request's last chunk, and carries the chunks itself where
     the replica could not reach this ingress; a failure of it (the replica's error, a lost replica) ends this with
-    that error."""
+    that error, after the chunks that came before it."""
     ended = asyncio.ensure_future(_drain(call, queue))
+    call_ended = False
     try:
         while True:
-            if ended.done():
-                ended.result()  # (raises the call's error)
+            if not call_ended:
+                item = await queue.get()  # (a chunk, or the call's end: _drain puts it last)
+            else:
                 try:
-                    chunk = await asyncio.wait_for(queue.get(), grace_s)
+                    item = await asyncio.wait_for(queue.get(), grace_s)
                 except TimeoutError:
                     raise ReplicaUnavailable("the replica's last chunks never arrived; retry") from None
-            else:
-                get = asyncio.ensure_future(queue.get())
-                await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()  # (a cancelled get takes nothing from the queue)
-                    continue
-                chunk = get.result()
-            yield chunk
-            if chunk.finish is not None:
+            if item is _CALL_ENDED:
+                ended.result()  # (raises the call's error)
+                call_ended = True
+                continue
+            yield item
+            if item.finish is not None:
                 return
     finally:
         # the call ends by itself after the last chunk, or was cancelled by the caller: nobody waits for it
         ended.add_done_callback(_retrieve)
 
 
+_CALL_ENDED = object()
+
+
 async def _drain(call: Any, queue: asyncio.Queue) -> None:
-    async for chunk in call:
-        queue.put_nowait(chunk)
+    try:
+        async for chunk in call:
+            queue.put_nowait(chunk)
+    finally:
+        queue.put_nowait(_CALL_ENDED)  # (the task is done before its reader runs again: ended.result() is ready)
 
 
 def _retrieve(task: asyncio.Future) -> None:
