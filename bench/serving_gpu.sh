@@ -46,8 +46,8 @@ wait "$build" || { tail -30 "$OUT/build.log"; echo "serving_gpu.sh: build FAILED
 echo "setup: $(( $(date +%s) - t_start )) s"
 
 runs=()
-serve="bench/serving.py --device cuda --model $ckpt --clients 4 ${SERVE_ARGS:-}"  # (e.g. --set token_channel=true)
-# (several replicas share the proxy and the ingress: two ingress replicas in both runs of a scaling pair)
+serve="bench/serving.py --device cuda --model $ckpt --clients 4 ${SERVE_ARGS:-}"  # (e.g. --set token_channel=false)
+# (two ingress replicas in both runs of a scaling pair: they take the calls of several generator replicas)
 w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 15 --no-engine --set ingress_replicas=2"
 # chat: 128 conversations in flight (~170k tokens with their answers) against 98,304 cache tokens a replica: split
 # by conversation they fit the replicas' caches, spread over all of them they do not (at the whole-GPU default both
