@@ -3,7 +3,7 @@
     python bench/engine.py [--workloads W4,W2,W3,W5,W1] [--no-peers] [--peer-requests 64] [--groups 16]
                            [--peer-reference W2:455,W3:218] [--chunk-size 8192] [--no-overlap] [--profile-host]
                            [--no-pdl] [--decode-attention simt] [--no-prefill-cudnn] [--no-residual-gemm]
-                           [--loras 8 [--lora-rank 16]]
+                           [--loras 8 [--lora-rank 16] [--lora-prompt-update masked,in-place]]
     python bench/engine.py --device cpu --tiny        (a smoke test of the script itself, no GPU)
     ENGINE_BENCH=1 bash bench/gpu.sh                  (after the build, the GPU tests and the kernel benchmark)
 
@@ -53,6 +53,7 @@ from folio import (  # noqa: E402
     Tokenizer,
     activation_reserve_bytes,
 )
+from folio.lora import apply as lora_apply  # noqa: E402
 from folio.lora import random_adapter  # noqa: E402
 from folio.model import flash  # noqa: E402
 from folio.options import EngineOptions  # noqa: E402
@@ -69,6 +70,7 @@ SHAPES = {
 COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=0,
               eos_token_id=None, architectures=["LlamaForCausalLM"])
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_MASKED_MAX_COLUMNS = lora_apply.MASKED_MAX_COLUMNS
 SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.8)
 OPTIONS: dict = {}  # command-line switches that reach into helpers (no_overlap, engine_options)
 FLASH_STATES: list[flash.FlashState] = []  # every model's prefill-attention probes, for engine.json
@@ -631,13 +633,16 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
     if OPTIONS.get("chunk_size"):
         note += f", max_chunk_size {OPTIONS['chunk_size']}"
     row = None
-    variants = [(p, 0) for p in OPTIONS.get("prefill_ahead") or [True]]  # several: an A/B in one process
+    variants = [(p, 0, None) for p in OPTIONS.get("prefill_ahead") or [True]]  # several: an A/B in one process
     if workload == "W2" and args.loras:  # the same workload again, its jobs spread over random LoRA adapters
-        variants.append((True, args.loras))
-    for prefill_ahead, loras in variants:
+        variants += [(True, args.loras, form) for form in args.lora_prompt_update.split(",")]
+    for prefill_ahead, loras, form in variants:
+        if form is not None:  # how prompt chunks of several adapters are updated (folio.lora.apply)
+            lora_apply.MASKED_MAX_COLUMNS = {"masked": DEFAULT_MASKED_MAX_COLUMNS, "in-place": 0}[form]
         res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead, loras)
         label = ("" if prefill_ahead else ", prefill ahead off") + (
-            f", {loras} LoRA adapters r{args.lora_rank} q/k/v/o/gate/up/down" if loras else "")
+            f", {loras} LoRA adapters r{args.lora_rank} q/k/v/o/gate/up/down" if loras else "") + (
+            f", prompt update {form}" if form is not None and "," in args.lora_prompt_update else "")
         variant = Row(workload, "folio", note + label, res.tokens_per_s,
                       median_ms(res.ttft_s), median_ms(res.tpot_s), vs_limit=res.tokens_per_s / limit,
                       extra={"wall_s": res.wall_s, "tokens": res.output_tokens, "profile": res.profile,
@@ -845,6 +850,9 @@ def main() -> None:
     parser.add_argument("--loras", type=int, default=0, help="W2: run it again with its jobs spread over this many "
                         "random LoRA adapters on q/k/v/o/gate/up/down (e.g. 8)")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the --loras adapters")
+    parser.add_argument("--lora-prompt-update", default="masked", help="W2 with --loras: how prompt chunks of "
+                        "several adapters are updated, 'masked' (the default rule: one masked GEMM pair over every "
+                        "row) or 'in-place' (per run); a comma list runs W2 once per entry")
     parser.add_argument("--trace-steps", default="", help="A:B: profile steps [A, B) of each workload's first "
                         "folio run and print the device timeline (busy share, idle gaps, top kernels)")
     # EngineOptions for A/B timing (bench/ab.sh's variants pass these)

@@ -16,6 +16,7 @@ from tiny_models import build_hf_model, hf_logits
 import folio
 from folio.kv_cache import Cache
 from folio.lora import AdapterError, LoraRegistry, random_adapter
+from folio.lora import apply as lora_apply
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.model import Model
 from folio.tokenizer import Tokenizer
@@ -108,9 +109,13 @@ def test_one_adapter_equals_merged_model(setup):
         assert rel_err(got, want) <= MAX_REL_ERR, spec
 
 
-def test_mixed_adapters_in_one_batch_prefill_and_decode(setup):
-    """Rows of three adapters, the base model, and one adapter twice (not adjacent), prefilled in two chunks (the
-    gathered path, then runs long enough to update in place), then decoded one token per step."""
+@pytest.mark.parametrize("prompt_update", ["masked", "in-place"])
+def test_mixed_adapters_in_one_batch_prefill_and_decode(setup, prompt_update, monkeypatch):
+    """Rows of three adapters, the base model, and one adapter twice (not adjacent), prefilled in two chunks (short
+    ones: the masked update; then long ones: masked over every row, or runs updated in place and the short adapter
+    rows gathered), then decoded one token per step."""
+    if prompt_update == "in-place":
+        monkeypatch.setattr(lora_apply, "MASKED_MAX_COLUMNS", 0)
     registry = setup.registry()
     adapters = ["all", None, "attn", "mlp", "all"]
     lengths = [50, 41, 63, 37, 44]
@@ -124,6 +129,12 @@ def test_mixed_adapters_in_one_batch_prefill_and_decode(setup):
                                                    for ids, t in zip(token_lists, tables)], adapters)
     rest = forward(setup.model, cache, registry, [SeqChunk(ids[split:-3], split, t, logits="all")
                                                   for ids, t in zip(token_lists, tables)], adapters)
+    rest_batch = registry.batch([(registry.resolve(a), len(ids) - 3 - split) for ids, a in zip(token_lists, adapters)],
+                                setup.model.device)
+    if prompt_update == "masked":
+        assert rest_batch.rows is None and not rest_batch.runs
+    else:  # the chunks of 35 ("all") and 48 ("attn") rows in place, the others' adapter rows gathered
+        assert len(rest_batch.runs) == 2 and rest_batch.rows is not None
     offsets = [0, 0]
     for i, ids in enumerate(token_lists):
         got[i].append(first[offsets[0]:offsets[0] + split])

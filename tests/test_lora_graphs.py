@@ -17,6 +17,7 @@ from tiny_models import build_hf_model, hf_logits, make_hf_model
 import folio
 from folio.kv_cache import Cache
 from folio.lora import AdapterError, LoraBatch, LoraRegistry, LoraSlots, lora_slot_bytes, random_adapter
+from folio.lora import apply as lora_apply
 from folio.lora.adapter import part_sizes
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.config import ModelConfig
@@ -67,16 +68,25 @@ def test_masked_update_equals_each_adapters_factors(llama):
             assert torch.allclose(some_rows, want, atol=1e-5), (layer_idx, projection)
 
 
-def test_eager_batch_takes_the_graph_form_in_steps_of_short_chunks(llama):
-    registry = registry_of(llama)
+def test_eager_batch_takes_the_graph_form_in_steps_of_short_chunks(llama, monkeypatch):
+    registry = registry_of(llama)  # 8 slots of rank 16: narrow
     all_, attn = registry.get("all"), registry.get("attn")
-    decode = LoraBatch.build([(all_, 1), (None, 1), (attn, 3)], registry.slots, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    decode = LoraBatch.build([(all_, 1), (None, 1), (attn, 3)], registry.slots, cpu)
     assert decode.rows is None and not decode.runs and decode.mask.shape == (5, registry.max_loras)
-    mixed = LoraBatch.build([(all_, 40), (None, 1), (attn, 3)], registry.slots, torch.device("cpu"))
-    assert mixed.rows.tolist() == [41, 42, 43] and len(mixed.runs) == 1
-    long_base = LoraBatch.build([(None, 40), (attn, 2)], registry.slots, torch.device("cpu"))
+    # a long chunk, most rows with adapters, narrow slots: the masked update over every row, base rows on slot -1
+    mixed = LoraBatch.build([(all_, 40), (None, 1), (attn, 3)], registry.slots, cpu)
+    assert mixed.rows is None and not mixed.runs and mixed.mask.shape == (44, registry.max_loras)
+    assert mixed.mask[40].sum() == 0 and mixed.mask[:40].sum(dim=0).max() == 40
+    half = LoraBatch.build([(None, 40), (attn, 40)], registry.slots, cpu)
+    assert half.rows is None and not half.runs
+    long_base = LoraBatch.build([(None, 40), (attn, 2)], registry.slots, cpu)
     assert long_base.rows.tolist() == [40, 41] and not long_base.runs  # the base chunk's rows are not updated
-    assert LoraBatch.build([(None, 4)], registry.slots, torch.device("cpu")) is None
+    assert LoraBatch.build([(None, 4)], registry.slots, cpu) is None
+    # wide slots: the long run updates in place, the short adapter rows gathered
+    monkeypatch.setattr(lora_apply, "MASKED_MAX_COLUMNS", registry.max_loras * registry.slots.max_lora_rank - 1)
+    mixed = LoraBatch.build([(all_, 40), (None, 1), (attn, 3)], registry.slots, cpu)
+    assert mixed.rows.tolist() == [41, 42, 43] and len(mixed.runs) == 1
 
 
 # --- the graphs' batch against merged models ---

@@ -12,6 +12,14 @@ contiguous):
   a step of short chunks only (decode and verify rows) that is every row of the step, base rows on slot -1, with
   no gather: the form a captured decode graph runs (`LoraBatch.for_graph`, over the graph's static buffer of row
   slots); otherwise the short adapter rows are gathered, updated and added back with one index_add_.
+
+A step of long chunks whose rows mostly carry adapters also takes the masked update over every row when the slots
+are narrow (max_loras x max_lora_rank <= MASKED_MAX_COLUMNS): one GEMM pair per projection for the whole step
+instead of one per run plus the gathered rows' (a step of four 512-token prompts of four adapters launched eight
+skinny GEMMs per projection and layer). The masked form multiplies every row by every slot's factors, max_loras
+times the FLOPs of its own adapter's, which at narrow slots stays a few percent of the base GEMMs'; the output rows
+are read and written once either way. With wide slots, or mostly base rows (whose output the masked form would
+read and write for nothing), the runs update in place as above.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from folio.lora.adapter import LoraAdapter
 from folio.lora.slots import LoraSlots
 
 MIN_IN_PLACE_ROWS = 32
+MASKED_MAX_COLUMNS = 256  # slot capacity (max_loras x max_lora_rank) up to which long runs may take the masked form
 LayerLora = Callable[[str, torch.Tensor, torch.Tensor], None]  # (projection, x, y) at one layer: see LoraBatch.apply
 
 
@@ -62,10 +71,10 @@ class LoraBatch:
         if not runs:
             return None
         long_runs = [r for r in runs if r.stop - r.start >= MIN_IN_PLACE_ROWS]
-        if all(n < MIN_IN_PLACE_ROWS for _, n in row_adapters):
-            # every row, base rows on slot -1, no gather: the graphs' form (with a long chunk in the step, its rows
-            # would all pay for the masked update, a base chunk's for nothing: gathered below instead)
-            row_slots = [slots.slot_of(adapter) for adapter, n in row_adapters for _ in range(n)]
+        if all(n < MIN_IN_PLACE_ROWS for _, n in row_adapters) or _masked_everywhere(row_adapters, slots):
+            # every row, base rows on slot -1, no gather: the graphs' form (with a long base chunk in the step, its
+            # rows would pay for the masked update for nothing: gathered below instead)
+            row_slots = [s for adapter, n in row_adapters for s in [slots.slot_of(adapter)] * n]
             return cls(slots, [], None, slots.mask(_to_device([row_slots], device)[0]))
         short = [(i, slots.slot_of(r.adapter)) for r in runs if r.stop - r.start < MIN_IN_PLACE_ROWS
                  for i in range(r.start, r.stop)]
@@ -93,6 +102,15 @@ class LoraBatch:
                 y[rows].addmm_(x[rows] @ delta.a.t(), delta.b.t())
         if self.mask is not None:
             self.slots.apply(layer_idx, projection, x, y, self.mask, self.rows)
+
+
+def _masked_everywhere(row_adapters: list[tuple[LoraAdapter | None, int]], slots: LoraSlots) -> bool:
+    """Whether a step with long chunks takes the masked update over every row: narrow slots, and at least half
+    of its rows carry an adapter (see the module docstring)."""
+    if slots.max_loras * slots.max_lora_rank > MASKED_MAX_COLUMNS:
+        return False
+    with_adapter = sum(n for adapter, n in row_adapters if adapter is not None)
+    return 2 * with_adapter >= sum(n for _, n in row_adapters)
 
 
 def _to_device(lists: list[list[int]], device: torch.device) -> torch.Tensor:
