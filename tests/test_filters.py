@@ -193,8 +193,14 @@ def test_rollback_restores_the_mask(tok: Tokenizer, vocab_size: int, token_bytes
 
 
 def test_batched_masks_equal_single_masks(tok: Tokenizer, vocab_size: int, token_bytes: list[bytes]) -> None:
+    """More grammars than fill_bitmasks' threads (several to a thread), copies of one template (one family, filled
+    together), a regex, a choice and an unconstrained row."""
+    first = next(iter(SCHEMAS.values()))
     filters: list[Filter | None] = [bound(JsonSchemaFilter(s), tok, vocab_size) for s in SCHEMAS.values()]
+    filters += [bound(JsonSchemaFilter(first), tok, vocab_size) for _ in range(3)]
     filters += [bound(RegexFilter(r"\d+"), tok, vocab_size), bound(ChoiceFilter(["a", "bb"]), tok, vocab_size), None]
+    families = {f.family for f in filters if f is not None}
+    assert len(families) == len(SCHEMAS) + 2 and filters[0].family == filters[len(SCHEMAS)].family
     rng = random.Random(0)
     bitmask = np.zeros((len(filters) + 2, bitmask_words(vocab_size)), dtype=np.int32)
     for _step in range(12):
