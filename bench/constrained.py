@@ -2,6 +2,7 @@
 decoding without one, at batch 1 and 64, in one process on one card.
 
     python bench/constrained.py [--batches 1,64] [--new-tokens 256] [--prompt-len 128] [--tokenizer tekken.json]
+                                [--gate-off] [--allow-all]
     python bench/constrained.py --device cpu --tiny      (a smoke test of the script itself, no GPU)
 
 The vocabulary is a real 131,072-token one (the Tekken tokenizer file shipped in mistral_common's wheel, --tokenizer;
@@ -173,6 +174,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test of the script)")
     parser.add_argument("--allow-all", action="store_true",
                         help="also run a filter that allows every token (the engine's masking cost alone)")
+    parser.add_argument("--gate-off", action="store_true",
+                        help="also run the schema with the sampler queued only once the masks are made (no "
+                             "folio.constrain.gate): the gate's effect in the same process")
     parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "scratch" / "tekken_240911.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -191,21 +195,29 @@ def main() -> None:
         gen, cache = bench_engine.make_generator(pair, batch, max_seq_len, batch, cache_tokens=cache_tokens)
         run(gen, prompts, 8, constrained="json", batch=batch)  # warm-up: graphs, compile, the grammar cache
         run(gen, prompts, 8, constrained=None, batch=batch)
-        plain, constrained, free, allow_all = [], [], [], []
+        plain, constrained, free, allow_all, ungated = [], [], [], [], []
+        gate = gen.masks.gate
         for _ in range(2):
             plain.append(run(gen, prompts, args.new_tokens, None, batch))
             constrained.append(run(gen, prompts, args.new_tokens, "json", batch))
             free.append(run(gen, prompts, args.new_tokens, "json-free", batch))
             if args.allow_all:
                 allow_all.append(run(gen, prompts, args.new_tokens, "all", batch))
+            if args.gate_off and gate is not None:  # the sampler queued only once the masks are made
+                gen.masks.gate = None
+                ungated.append(run(gen, prompts, args.new_tokens, "json", batch))
+                gen.masks.gate = gate
         plain_tps = sum(r["tokens_per_s"] for r in plain) / len(plain)
-        for r in constrained + free + allow_all:
+        for r in constrained + free + allow_all + ungated:
             r["ratio"] = r["tokens_per_s"] / plain_tps
+
+        def mean_ratio(runs: list) -> float | None:
+            return sum(r["ratio"] for r in runs) / len(runs) if runs else None
+
         row = {"batch": batch, "plain_tokens_per_s": plain_tps, "plain": plain, "constrained": constrained,
-               "ratio": sum(r["ratio"] for r in constrained) / len(constrained),
-               "allow_all_ratio": sum(r["ratio"] for r in allow_all) / len(allow_all) if allow_all else None,
-               "free": free, "free_ratio": sum(r["ratio"] for r in free) / len(free),
-               "target": 0.9 if batch > 1 else 0.95}
+               "ratio": mean_ratio(constrained), "allow_all_ratio": mean_ratio(allow_all), "free": free,
+               "free_ratio": mean_ratio(free), "gated": gate is not None, "ungated": ungated,
+               "ungated_ratio": mean_ratio(ungated), "target": 0.9 if batch > 1 else 0.95}
         log(f"batch {batch}: {json.dumps(row)[:600]}")
         table.append(row)
         del gen, cache
@@ -217,16 +229,18 @@ def main() -> None:
     print(f"\nconstrained decoding, {shape} shape, vocabulary {tokenizer.vocab_size}, {device_name}, "
           f"{os.cpu_count()} CPUs")
     print("| batch | plain tok/s | JSON-schema tok/s | ratio | target | grammar ms/step | mask wait ms/step | "
-          "free-strings ratio | allow-all ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "free-strings ratio | allow-all ratio | ratio, gate off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         c = row["constrained"]
         tps = sum(r["tokens_per_s"] for r in c) / len(c)
         grammar_ms = sum(r["grammar_fill_ms_per_step"] or 0 for r in c) / len(c)
         wait = sum(r["mask_wait_ms_per_step"] or 0 for r in c) / len(c)
         allow_all = f"{row['allow_all_ratio']:.3f}" if row["allow_all_ratio"] else "-"
+        ungated = f"{row['ungated_ratio']:.3f}" if row["ungated_ratio"] else "-"
         print(f"| {row['batch']} | {row['plain_tokens_per_s']:.1f} | {tps:.1f} | {row['ratio']:.3f} | "
-              f">= {row['target']} | {grammar_ms:.3f} | {wait:.3f} | {row['free_ratio']:.3f} | {allow_all} |")
+              f">= {row['target']} | {grammar_ms:.3f} | {wait:.3f} | {row['free_ratio']:.3f} | {allow_all} | "
+              f"{ungated} |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 
 from folio import cfg, convenience, isolation, job_binding
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
+from folio.constrain.gate import HostGate
 from folio.constrain.masks import MaskWorker
 from folio.emitter import Emitter
 from folio.host_pages import build_host_pages
@@ -30,11 +31,11 @@ from folio.options import EngineOptions
 from folio.pipeline import LaunchAhead
 from folio.results import Result
 from folio.runner import ModelRunner
-from folio.sampling.host import to_device
 from folio.scheduler import Chunk, Scheduler
 from folio.sequence import SeqStatus
 from folio.sizing import positive_int, resolve_max_batch_size, resolve_max_chunk_size, resolve_max_seq_len
 from folio.speculative.build import build_speculator, target_graph_rows
+from folio.speculative.verify_step import verify_and_emit
 from folio.stats import StepStats
 from folio.tokenizer import Tokenizer
 from folio.unadmittable import fail_unadmittable
@@ -130,6 +131,8 @@ class DynamicGenerator:
                                     prefill_ahead=bool(prefill_ahead),
                                     overlap_emit=graphs if overlap_emit is None else bool(overlap_emit))
         self.masks = MaskWorker(self.vocab_size, tokenizer.eos_token_ids)
+        # with launch-ahead steps on CUDA, a step queues its sampler before its grammar masks are made
+        self.masks.gate = HostGate.for_device(model.ops, model.device) if self.pipeline.decode_ahead else None
         self.runner.masks = self.masks
         self.emitter = Emitter(self.scheduler, self.runner, self.speculator)
         self._serials = itertools.count()
@@ -311,7 +314,7 @@ class DynamicGenerator:
         results += emitter.prefill_results(plan)
         sampled = [c for c in plan.chunks if c.wants_logits]
         if any(c.verify for c in sampled):
-            return results + self._verify_and_emit(sampled, logits, stats, tick)
+            return results + verify_and_emit(self, sampled, logits, stats, tick)
         if sampled:
             return results + self._sample_and_emit(sampled, logits, stats, tick)
         return results + emitter.emit(self.pipeline.take_staged())
@@ -332,13 +335,21 @@ class DynamicGenerator:
             if not chunks:
                 return emitter.emit(pipeline.take_staged())
         # While the grammar engine makes this step's masks on its worker thread, hand the previous step's tokens
-        # to their jobs (otherwise done after the next launch).
-        early = emitter.emit(pipeline.take_staged()) if self.masks.pending([c.seq for c in chunks]) else []
+        # to their jobs (otherwise done after the next launch): after queuing the sampler where the device can wait
+        # for the masks (folio.constrain.gate), else before sampling.
+        seqs = [c.seq for c in chunks]
+        later = self.runner.masks_can_come_later(seqs)
+        early = emitter.emit(pipeline.take_staged()) if not later and self.masks.pending(seqs) else []
         try:
-            sampled = self.runner.sample(chunks, logits)
+            sampled = self.runner.sample(chunks, logits, masks_later=later)  # (on failure it released the masks)
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
             return early + emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks,
                                                                                          logits, error)
+        if later:
+            try:
+                early = emitter.emit(pipeline.take_staged())
+            finally:
+                self.runner.release_masks()
         tick = stats.lap("sample", tick)
         # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
         now = any(c.seq.job.rolls_back for c in chunks)
@@ -355,44 +366,6 @@ class DynamicGenerator:
         tick = stats.lap("wait_tokens", tick)
         if pipeline.overlap_emit and not now:
             pipeline.staged = staged
-            return results
-        results += emitter.emit(staged)
-        stats.lap("emit", tick)
-        return results
-
-    def _verify_and_emit(self, chunks: list[Chunk], logits: torch.Tensor, stats: StepStats,
-                         tick: float) -> list[Result]:
-        """A step with verify rows: plain rows are sampled, verify rows rejection-sampled; nothing is launched
-        ahead (the next step's drafts depend on what is accepted now)."""
-        emitter, runner = self.emitter, self.runner
-        rows, offset = [], 0
-        for c in chunks:
-            rows.append(offset)
-            offset += c.num_logits
-        plain = [i for i, c in enumerate(chunks) if not c.verify]
-        verify = [i for i, c in enumerate(chunks) if c.verify]
-        device = logits.device
-        plain_chunks, verify_chunks = [chunks[i] for i in plain], [chunks[i] for i in verify]
-        plain_logits = logits[to_device([rows[i] for i in plain], torch.int64, device)] if plain else None
-        if plain and self.scheduler.num_cfg_jobs:
-            plain_chunks, plain_logits = cfg.mix(plain_chunks, plain_logits, self.vocab_size)
-            plain = plain if plain_chunks else []
-        verify_rows = [[rows[i] + j for j in range(chunks[i].num_logits)] for i in verify]
-        verify_logits = logits[to_device([r for row in verify_rows for r in row], torch.int64, device)]
-        try:
-            sampled = runner.sample(plain_chunks, plain_logits) if plain else None
-            verified = runner.verify(verify_chunks, verify_logits)
-        except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
-            return emitter.emit(self.pipeline.take_staged()) + isolation.verify_each(
-                runner, emitter, plain_chunks, plain_logits, verify_chunks, verify_logits, error)
-        tick = stats.lap("sample", tick)
-        results = emitter.emit(self.pipeline.take_staged()) if self.pipeline.overlap_emit else []
-        staged = emitter.stage_all(plain_chunks, sampled.read()) if sampled is not None else []
-        for chunk, tokens in zip(verify_chunks, verified.read()):
-            staged += emitter.stage_verified(chunk, tokens)
-        tick = stats.lap("wait_tokens", tick)
-        if self.pipeline.overlap_emit and not any(c.seq.job.rolls_back for c in plain_chunks):
-            self.pipeline.staged = staged
             return results
         results += emitter.emit(staged)
         stats.lap("emit", tick)

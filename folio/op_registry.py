@@ -34,6 +34,9 @@ LAUNCH_OPTION_DEFAULTS = MappingProxyType({"pdl": True, "use_mma": True})
 
 REFERENCE_OPS = "folio.reference_ops"
 SAMPLING_REFERENCE = "tests/native_reference.py (folio.sampling runs its own torch code without the kernels)"
+# Ops that order the device's stream after the host rather than compute: no reference; where the kernel is missing,
+# their callers take a path that does not need them.
+SYNC_REFERENCE = "none: a stream wait on the host (tests/test_host_gate_gpu.py)"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ OPS: tuple[OpSpec, ...] = (
     _op("apply_penalties", "logits", "history", "rep", "freq", "pres", "sustain", "decay",
         reference=SAMPLING_REFERENCE),
     _op("mask_tokens", "logits", "token_ids", reference=SAMPLING_REFERENCE),
+    # device: any tensor on the device whose current stream waits; flag: a pinned int64 host tensor [1]
+    _op("wait_host_value", "device", "flag", "value", "timeout_ns", native=("cuda",), reference=SYNC_REFERENCE),
 )
 
 BY_NAME: MappingProxyType = MappingProxyType({spec.name: spec for spec in OPS})

@@ -28,6 +28,7 @@ CUDA_SOURCES = [
     "native/cuda/gemv.cu",
     "native/cuda/gemv_fp8.cu",
     "native/cuda/quantize_fp8.cu",
+    "native/cuda/host_gate.cu",
 ]
 
 # Compute capabilities built by default: Hopper plus the common Ampere/Ada parts. FOLIO_CUDA_ARCHS="9.0"

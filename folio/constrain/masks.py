@@ -8,6 +8,10 @@ threads with the GIL released (`fill_many`); other filters fill theirs one by on
 one [B, W] int32 bitmask on the device, computing now any mask not ready (a sequence's first token after prefill
 in a launched-ahead step, or a mask made before the last feed: each is tagged with the sampled-token count).
 
+On CUDA, with a HostGate (folio.constrain.gate), `collect_later` returns at once: the device waits for the masks,
+which `release` writes and hands over (the generator queues the sampler between the two and hands the previous
+step's tokens to their jobs meanwhile).
+
 With background=True (after staging, while the next forward runs) the grammar filters' one call runs on a worker
 thread: the grammar engine holds no GIL while it works, so the step's own thread meanwhile hands the previous step's
 tokens to their jobs (the generator emits before it samples when masks are pending). Filters of other classes are
@@ -26,7 +30,10 @@ import numpy as np
 import torch
 
 from folio.constrain.base import bitmask_words
+from folio.constrain.gate import HostGate
 from folio.sequence import Sequence
+
+LATER_SLOTS = 2  # pinned buffers collect_later alternates between (one step's copy may still be queued)
 
 
 class MaskWorker:
@@ -42,6 +49,9 @@ class MaskWorker:
         self._members: set[Sequence] = set()
         self._pinned: torch.Tensor | None = None  # reused host staging buffer for the device copy
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy from it
+        self.gate: HostGate | None = None  # (set by the generator on CUDA: collect_later)
+        self._later_slots: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._later: tuple[list[Sequence], torch.Tensor, int] | None = None  # the masks the gate waits for
         # totals since construction, for benchmarks: masks made, seconds making them, and seconds the step spent
         # in collect (waiting for, or making, masks not ready: what the forward did not hide)
         self.num_masks = 0
@@ -136,9 +146,55 @@ class MaskWorker:
         if not self._members or not any(self.constrained(s) for s in seqs):
             return None, [None] * len(seqs)
         start = time.perf_counter()
-        self.prepare(seqs)
         host = self._host_buffer(len(seqs), device)
-        masks = host.numpy()
+        errors = self._fill(seqs, host.numpy())
+        self.wait_s += time.perf_counter() - start
+        on_device = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return on_device, errors
+
+    def collect_later(self, seqs: Seq[Sequence], device: torch.device) -> torch.Tensor | None:
+        """What `collect` returns, returned before the masks are made: the device's stream waits (HostGate) until
+        `release` has written them. None when no row is constrained (and nothing to release)."""
+        if not self._members or not any(self.constrained(s) for s in seqs):
+            return None
+        if len(self._later_slots) < LATER_SLOTS or self._later_slots[0][0].shape[0] < len(seqs):
+            rows = max(len(seqs), 64)
+            self._later_slots = [(torch.empty((rows, self.num_words), dtype=torch.int32).pin_memory(), None)
+                                 for _ in range(LATER_SLOTS)]
+        (buffer, copied), *rest = self._later_slots
+        if copied is not None:
+            copied.synchronize()  # (two steps back: its gate opened then, its tokens were read since)
+        host = buffer[: len(seqs)]
+        value = self.gate.arm()
+        on_device = host.to(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._later_slots = [*rest, (buffer, copied)]
+        self._later = (list(seqs), host, value)
+        return on_device
+
+    def release(self) -> dict[Sequence, BaseException]:
+        """Make (or wait for) the masks `collect_later` promised and open the gate; the errors the rows' filters
+        raised, by sequence (nothing when nothing waits)."""
+        later, self._later = self._later, None
+        if later is None:
+            return {}
+        seqs, host, value = later
+        start = time.perf_counter()
+        try:
+            errors = self._fill(seqs, host.numpy())
+            return {seq: error for seq, error in zip(seqs, errors) if error is not None}
+        finally:
+            self.gate.open(value)
+            self.wait_s += time.perf_counter() - start
+
+    def _fill(self, seqs: Seq[Sequence], masks: np.ndarray) -> list[BaseException | None]:
+        """The rows' masks into `masks` (unconstrained rows: all bits set); per row the error its filter raised
+        (its row then all clear: nothing to pick)."""
+        self.prepare(seqs)
         masks.fill(-1)
         errors: list[BaseException | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
@@ -154,12 +210,7 @@ class MaskWorker:
                 masks[i] = 0
             else:
                 masks[i] = ready[1]
-        self.wait_s += time.perf_counter() - start
-        on_device = host.to(device, non_blocking=True)
-        if device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return on_device, errors
+        return errors
 
     def _host_buffer(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """A [num_rows, W] int32 host tensor to copy to the device from: on CUDA, a view of one pinned buffer kept

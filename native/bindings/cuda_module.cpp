@@ -380,6 +380,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x,  // [M
   return {out, scale};
 }
 
+// The current stream of `device`'s device (any tensor on it) waits until the host writes a value >= `value` into
+// `flag` (a pinned host int64 tensor of one element); see native/cuda/host_gate.cu.
+void wait_host_value(const at::Tensor& device, const at::Tensor& flag, int64_t value, int64_t timeout_ns) {
+  check_all_on(kCuda, {{&device, "device"}});
+  FOLIO_CHECK_VALUE(flag.device().is_cpu() && flag.is_pinned(), "argument 'flag' must be a pinned host tensor");
+  FOLIO_CHECK_TYPE(flag.scalar_type() == at::kLong && flag.numel() == 1, "argument 'flag' must hold one int64, got ",
+                   flag.numel(), " of ", flag.scalar_type());
+  FOLIO_CHECK_VALUE(timeout_ns >= 0, "argument 'timeout_ns' must be >= 0, got ", timeout_ns);
+  const c10::cuda::CUDAGuard guard(device.device());
+  C10_CUDA_CHECK(cuda::wait_host_value(flag.data_ptr<int64_t>(), value, timeout_ns, current_stream(device)));
+}
+
 }  // namespace
 }  // namespace folio::bind
 

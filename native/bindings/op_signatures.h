@@ -47,7 +47,8 @@
      py::arg("silu_gate") = false)                                                                                   \
   OP(linear_fp8, CUDA_ONLY, PDL, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),                          \
      py::arg("bias") = py::none(), py::arg("silu_gate") = false)                                                     \
-  OP(quantize_rows_fp8, CUDA_ONLY, PDL, py::arg("x"))
+  OP(quantize_rows_fp8, CUDA_ONLY, PDL, py::arg("x"))                                                                \
+  OP(wait_host_value, CUDA_ONLY, NONE, py::arg("device"), py::arg("flag"), py::arg("value"), py::arg("timeout_ns"))
 // clang-format on
 
 // Launch options: keyword-only, defaulting to EngineOptions' defaults (PDL on, the tensor-core decode kernel) so

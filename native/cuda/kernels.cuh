@@ -57,6 +57,10 @@ cudaError_t apply_penalties(const PenaltyParams& p, cudaStream_t stream);
 
 cudaError_t mask_tokens(const MaskTokensParams& p, cudaStream_t stream);
 
+// host_gate.cu: the stream waits until the pinned host word *flag (a unified address) is >= value; traps after
+// timeout_ns (0: never).
+cudaError_t wait_host_value(int64_t* flag, int64_t value, int64_t timeout_ns, cudaStream_t stream);
+
 // linear for decode-sized inputs (gemv.cu): out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for
 // m < num_rows <= kLinearMaxRows, accumulated in fp32 and rounded once. One launch, no workspace, no atomics; the
 // result does not depend on num_rows or out_features (the summation order is fixed by in_features).
