@@ -25,6 +25,21 @@ def test_everything_at_once_with_graphs_and_launch_ahead(demo_dir):
     run_everything_at_once(demo_dir, "cuda")
 
 
+def run_to_end(gen: folio.DynamicGenerator, jobs: list[folio.DynamicJob], max_steps: int) -> dict:
+    """Enqueue jobs and step until every one ended; each job's final result. No page is held at the end."""
+    gen.enqueue(jobs)
+    finals, steps = {}, 0
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.eos:
+                finals[r.job] = r
+        steps += 1
+        assert steps < max_steps
+    gen.cache_manager.check()
+    assert gen.cache_manager.num_in_use == 0
+    return finals
+
+
 def run_everything_at_once(demo_dir, device: str) -> None:
     """(tests/test_constrained_engine.py runs it on the CPU, launch-ahead on.)"""
     import jsonschema
@@ -62,16 +77,7 @@ def run_everything_at_once(demo_dir, device: str) -> None:
                   for s in range(4)],
     }
     everything = [j for group in jobs.values() for j in group]
-    gen.enqueue(everything)
-    finals, steps = {}, 0
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r.eos:
-                finals[r.job] = r
-        steps += 1
-        assert steps < 5000
-    gen.cache_manager.check()
-    assert gen.cache_manager.num_in_use == 0
+    finals = run_to_end(gen, everything, max_steps=5000)
     for job in everything:
         assert finals[job].eos_reason != folio.EosReason.ERROR, finals[job].error
     for job in jobs["json"]:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from test_constrained_gpu import run_to_end
 
 import folio
 from folio.constrain.gate import HostGate
@@ -65,15 +66,7 @@ def run_constrained(demo_dir, gated: bool) -> tuple[list[list[int]], int]:
                               filters=[RegexFilter(r"[a-z]{2,6}( [a-z]{2,6}){3}")]) for s in range(3)]
     jobs += [folio.DynamicJob(input_ids=prompt, max_new_tokens=40, gen_settings=sampled, seed=s, stop_conditions=[])
              for s in range(3)]
-    gen.enqueue(jobs)
-    finals, steps = {}, 0
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r.eos:
-                finals[r.job] = r
-        steps += 1
-        assert steps < 2000
-    assert gen.cache_manager.num_in_use == 0
+    finals = run_to_end(gen, jobs, max_steps=2000)
     for job in jobs:
         assert finals[job].eos_reason != folio.EosReason.ERROR, finals[job].error
     for job in jobs[:6]:
