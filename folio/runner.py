@@ -263,20 +263,21 @@ class ModelRunner:
         jobs = [s.job for s in seqs]
         draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
         rows = [self._row_params(s, u, s.num_sampled) for s, u in zip(seqs, draws)]
-        allowed = self.masks.collect_later(seqs, logits.device) if masks_later else self._allowed(seqs, logits.device)
         try:
+            allowed = (self.masks.collect_later(seqs, logits.device) if masks_later
+                       else self._allowed(seqs, logits.device))
             # in place: these logits (a forward's output, or the decode graph's buffer, which the next replay
             # overwrites only after this step's sampler in stream order) are read by nothing else
             output = sample(logits, rows, self._penalty_windows(seqs, logits.shape[1]), in_place=True,
                             ops=self.model.ops, allowed=allowed)
+            self._record_sampled(seqs, output.token_ids)
+            # mirostat's state advances with the sampled token's probability, at staging
+            return SampledStep(output, any(j.return_probs or j.gen_settings.mirostat for j in jobs),
+                               any(j.return_top_tokens for j in jobs),
+                               [i for i, j in enumerate(jobs) if j.return_logits])
         except BaseException:
             self.release_masks()  # (the device must not wait for ever; the caller samples row by row)
             raise
-        self._record_sampled(seqs, output.token_ids)
-        # mirostat's state advances with the sampled token's probability, at staging
-        return SampledStep(output, any(j.return_probs or j.gen_settings.mirostat for j in jobs),
-                           any(j.return_top_tokens for j in jobs),
-                           [i for i, j in enumerate(jobs) if j.return_logits])
 
     def masks_can_come_later(self, seqs: list[Sequence]) -> bool:
         """Whether the step may queue its sampler before its masks are made (folio.constrain.gate): a gate on this
@@ -289,8 +290,7 @@ class ModelRunner:
 
     def release_masks(self) -> None:
         """Hand the device the masks `sample(..., masks_later=True)` promised (made now where not ready)."""
-        if self.masks is not None:
-            self.mask_errors.update(self.masks.release())
+        self.mask_errors.update(self.masks.release() if self.masks is not None else {})
 
     def _allowed(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:
         """The rows' filter bitmasks (None: no row is filtered); a filter that raised leaves its row nothing to

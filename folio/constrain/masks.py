@@ -168,12 +168,11 @@ class MaskWorker:
         if copied is not None:
             copied.synchronize()  # (two steps back: its gate opened then, its tokens were read since)
         host = buffer[: len(seqs)]
-        value = self.gate.arm()
+        self._later = (list(seqs), host, self.gate.arm())  # (from here on `release` must run)
         on_device = host.to(device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         self._later_slots = [*rest, (buffer, copied)]
-        self._later = (list(seqs), host, value)
         return on_device
 
     def release(self) -> dict[Sequence, BaseException]:
