@@ -16,6 +16,7 @@ Prints one table; writes $OUT/tp_engine.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
@@ -40,6 +41,7 @@ SHAPES_TP = {**SHAPES, "70B": dict(num_hidden_layers=80, hidden_size=8192, num_a
                                    num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
                                    tie_word_embeddings=False)}
 WORKLOADS = {"W1": (1, 128, 256), "B64": (64, 128, 128)}  # streams, prompt tokens, new tokens
+STACK_DUMP_S = 120.0
 
 
 def model_config(shape: str, dtype: torch.dtype) -> ModelConfig:
@@ -105,6 +107,9 @@ def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str]
     """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
     from folio.tp_worker import Driver, run_worker
 
+    # A rank that hangs (a collective one rank never reaches, a capture that never ends) prints every thread's
+    # Python stack every STACK_DUMP_S seconds: where it waits, without a debugger.
+    faulthandler.dump_traceback_later(STACK_DUMP_S, repeat=True, file=sys.stderr)
     device = torch.device("cuda", tp.rank) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     model = random_model(model_config(shape, dtype), device, dtype, tp)
