@@ -28,9 +28,9 @@ Each filter compiles to an llguidance grammar and drives one `LLMatcher`:
 - `fill_bitmask(row)` writes llguidance's mask into the row (the GIL is released while it computes);
   `fill_bitmasks(filters, bitmask)` fills a batch: the rows of one compiled grammar (copies of one template) in
   one call on one thread, the groups of different grammars on threads of their own. Copies of a template share its
-  lexer caches, and llguidance's threads contend on them: 64 rows of one bounded-string JSON schema over a 131k
-  vocabulary took 5.2 ms a step on one thread, 6.9 on 4 and 7.4 on 12 (llguidance's default executor, 80% of the
-  host's 16 CPUs); separately compiled grammars do scale (7.3 ms on one thread, 4.5 on 4).
+  lexer caches, and llguidance's threads contend on them: more threads on one grammar's rows made a step slower,
+  llguidance's default executor (80% of the host's CPUs) slowest, while separately compiled grammars do gain from
+  threads (bench/grammar_threads.py; bench/RESULTS.md, constrained decoding).
 - EOS: while the grammar accepts (it could end here), the tokenizer's EOS ids are in the mask; feeding one
   finishes the filter. When the grammar can go no further (a closed JSON document, a regex with nothing left to
   match) the matcher stops by itself: `is_finished` is true without an EOS, and the mask then holds only EOS.
