@@ -12,7 +12,6 @@ block_stride(page_size, block_tokens) pages.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 KEY_BYTES = 8
@@ -62,7 +61,7 @@ class KeyGeometry:
     the first dense_tokens of a sequence, then every block_tokens."""
 
     __slots__ = ("page_size", "block_tokens", "dense_tokens", "dense_key_tokens", "stride", "dense_pages",
-                 "dense_stride", "_depths", "_depth_pages")
+                 "dense_stride")
 
     def __init__(self, page_size: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  dense_tokens: int = DEFAULT_DENSE_TOKENS, dense_key_tokens: int = DEFAULT_DENSE_KEY_TOKENS) -> None:
@@ -71,10 +70,6 @@ class KeyGeometry:
         self.stride = block_stride(page_size, block_tokens)
         self.dense_pages = dense_pages(page_size, dense_tokens)
         self.dense_stride = block_stride(page_size, dense_key_tokens)
-        # the key depths among the first _depth_pages pages, grown on demand: a decision reads a prefix of them
-        # (recomputing them cost a Python call per page of the prompt)
-        self._depths: list[int] = []
-        self._depth_pages = 0
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeyGeometry) and self.as_tuple() == other.as_tuple()
@@ -86,20 +81,7 @@ class KeyGeometry:
         return self.page_size, self.block_tokens, self.dense_tokens, self.dense_key_tokens
 
     def depths(self, num_pages: int) -> list[int]:
-        """The page indices carrying routing keys among a sequence's first num_pages pages, in order."""
-        depths = self._depths_within(num_pages)
-        return depths[:bisect.bisect_left(depths, num_pages)]
-
-    def first_depths(self, num_keys: int) -> list[int]:
-        """The page indices of a sequence's first num_keys routing keys."""
-        return self._depths_within(self.dense_pages + num_keys * self.stride)[:num_keys]
-
-    def _depths_within(self, num_pages: int) -> list[int]:
-        if num_pages > self._depth_pages:
-            pages = max(num_pages, 2 * self._depth_pages, 256)
-            self._depths = key_depths(pages, self.stride, self.dense_pages, self.dense_stride)
-            self._depth_pages = pages
-        return self._depths
+        return key_depths(num_pages, self.stride, self.dense_pages, self.dense_stride)
 
     def num_reusable_keys(self, num_prompt_tokens: int, depths: Sequence[int]) -> int:
         """How many of a prompt's keys (at `depths`) name pages a replica can reuse: pages before the prompt's

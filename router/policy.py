@@ -232,7 +232,7 @@ class PrefixRouterPolicy:
             keys = self.prompt_keys(token_ids, namespace)
         prompt_len = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         geometry = self.geometry()
-        depths = geometry.first_depths(len(keys))
+        depths = geometry.depths(geometry.dense_pages + len(keys) * geometry.stride)[:len(keys)]
         num_reusable = geometry.num_reusable_keys(prompt_len, depths)
         slots, position_of = self._slots(candidate_ids)
         fresh = None

@@ -845,18 +845,3 @@ def test_a_lone_router_counts_one():
         clock.now += 1.0
         loads.set_report(0, _load_report(received=5 + 4 * step))
         assert loads.num_routers == 1.0
-
-
-def test_geometry_depths_equal_the_definition_whatever_the_order_asked():
-    """KeyGeometry keeps the key depths it computed and grows them on demand: any length asked, in any order,
-    gives what key_depths computes from scratch, and first_depths the first n of them."""
-    from folio.router.keys import KeyGeometry, key_depths
-
-    for page_size in (16, 64, 256):
-        geometry = KeyGeometry(page_size)
-        args = (geometry.stride, geometry.dense_pages, geometry.dense_stride)
-        for num_pages in (0, 1, 7, 300, 2, 5000, 1000, 64, 4097):
-            assert geometry.depths(num_pages) == key_depths(num_pages, *args), (page_size, num_pages)
-        everything = key_depths(20000, *args)
-        for num_keys in (0, 1, 3, 40, 900, 12):
-            assert geometry.first_depths(num_keys) == everything[:num_keys], (page_size, num_keys)
