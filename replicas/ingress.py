@@ -52,7 +52,7 @@ from folio.serve.errors import (
     RequestError,
 )
 from folio.serve.health import HealthMixin
-from folio.serve.ingress_mode import handle_for_this_process, running_mode
+from folio.serve.ingress_mode import running_mode
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from folio.serve.token_channel import ChannelServer, channel_chunks
 from folio.serve.validation import (
@@ -78,7 +78,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
     def __init__(self, generator: DeploymentHandle, config: ServeConfig):
         from folio.serve.metrics import IngressMetrics
 
-        self._generator = handle_for_this_process(generator)  # (direct mode: gRPC to the generator replicas)
+        self._generator = generator
         self._config = config
         self._tokenizer = Tokenizer.from_pretrained(config.model_path)
         self._info: ModelInfo | None = None

@@ -28,7 +28,6 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 
 INGRESS_MODES = ("direct", "proxy")
 
@@ -137,15 +136,3 @@ def running_mode() -> str:
     from ray.serve._private import constants
 
     return "direct" if constants.RAY_SERVE_ENABLE_DIRECT_INGRESS else "proxy"
-
-
-def handle_for_this_process(handle: Any) -> Any:
-    """`handle` calling its deployment the way this process's Serve does by default.
-
-    A handle passed to a deployment's constructor carries the options of the process that built the application
-    (`folio serve`'s, which keeps Serve's defaults: every call a Ray actor call, each streamed chunk a Ray object).
-    Inside a direct-mode cluster Serve's default is gRPC between the replicas (RAY_SERVE_USE_GRPC_BY_DEFAULT, which
-    throughput-optimized mode turns on), and the handle should follow it."""
-    from ray.serve._private import constants
-
-    return handle.options(_by_reference=not constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)
