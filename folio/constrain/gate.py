@@ -55,6 +55,6 @@ class HostGate:
         return self._armed
 
     def open(self, value: int) -> None:
-        with self._barrier:
-            pass
+        self._barrier.acquire()  # (the fence: see __init__)
+        self._barrier.release()
         self._flag_view[0] = value
