@@ -335,8 +335,8 @@ class DynamicGenerator:
             if not chunks:
                 return emitter.emit(pipeline.take_staged())
         # While the grammar engine makes this step's masks on its worker thread, hand the previous step's tokens
-        # to their jobs (otherwise done after the next launch): after queuing the sampler where the device can wait
-        # for the masks (folio.constrain.gate), else before sampling.
+        # to their jobs (otherwise done after the next launch): after queuing the sampler and the next step's
+        # forward where the device waits for the masks (folio.constrain.gate), else before sampling.
         seqs = [c.seq for c in chunks]
         later = self.runner.masks_can_come_later(seqs)
         early = emitter.emit(pipeline.take_staged()) if not later and self.masks.pending(seqs) else []
@@ -345,18 +345,19 @@ class DynamicGenerator:
         except Exception as error:  # noqa: BLE001 - find the rows that fail alone; the others go on
             return early + emitter.emit(pipeline.take_staged()) + isolation.sample_each(self.runner, emitter, chunks,
                                                                                          logits, error)
-        if later:
-            try:
+        try:
+            tick = stats.lap("sample", tick)
+            # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
+            now = any(c.seq.job.rolls_back for c in chunks)
+            if pipeline.decode_ahead and not now and not (self.speculator is not None and
+                                                          self.speculator.any_drafting(seqs, self.num_steps + 1)):
+                pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
+                tick = stats.lap("launch_ahead", tick)
+            if later:
                 early = emitter.emit(pipeline.take_staged())
-            finally:
+        finally:
+            if later:
                 self.runner.release_masks()
-        tick = stats.lap("sample", tick)
-        # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
-        now = any(c.seq.job.rolls_back for c in chunks)
-        if pipeline.decode_ahead and not now and not (self.speculator is not None and self.speculator.any_drafting(
-                [c.seq for c in chunks], self.num_steps + 1)):
-            pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)
-            tick = stats.lap("launch_ahead", tick)
         # With overlap_emit the previous step's tokens go to their jobs now, while the device computes this step.
         results = early + (emitter.emit(pipeline.take_staged()) if pipeline.overlap_emit else [])
         tick = stats.lap("emit", tick)

@@ -258,7 +258,7 @@ class ModelRunner:
     def sample(self, chunks: Seq[Chunk], logits: torch.Tensor, masks_later: bool = False) -> SampledStep:
         """One token for each chunk (each wants the logits of its last token, one row of `logits` each). The
         sampled ids are appended to the penalty histories on the device. masks_later (see masks_can_come_later):
-        the filters' masks reach the device when `release_masks` runs, which the caller must call next."""
+        the device waits for the masks' worker thread; the caller calls `release_masks` before the next step."""
         seqs = [c.seq for c in chunks]
         jobs = [s.job for s in seqs]
         draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
@@ -281,15 +281,15 @@ class ModelRunner:
 
     def masks_can_come_later(self, seqs: list[Sequence]) -> bool:
         """Whether the step may queue its sampler before its masks are made (folio.constrain.gate): a gate on this
-        device, masks still being made, and rows that take the native sampler, which never makes the host wait on
-        the device (the torch path's extended samplers and top tokens may)."""
+        device, masks still being made, and rows that take the native sampler (the torch path's extended samplers
+        and top tokens collect their masks first, as without a gate)."""
         return (self.masks is not None and self.masks.gate is not None and self.masks.pending(seqs)
                 and self.model.ops.native("sample_rows", "cuda") is not None
                 and not any(s.job.return_top_tokens or s.job.return_logits
                             or s.job.gen_settings.uses_extended_samplers for s in seqs))
 
     def release_masks(self) -> None:
-        """Hand the device the masks `sample(..., masks_later=True)` promised (made now where not ready)."""
+        """Wait until the masks' worker has handed the device what `sample(masks_later=True)` promised."""
         self.mask_errors.update(self.masks.release() if self.masks is not None else {})
 
     def _allowed(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor | None:

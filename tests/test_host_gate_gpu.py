@@ -46,6 +46,28 @@ def test_the_stream_waits_until_the_host_opens_the_gate():
     done.synchronize()
 
 
+def test_another_thread_opens_the_gate_while_this_one_waits_on_the_device():
+    """The generator's order: the masks' worker opens the gate, while the step's thread queues more work and
+    waits on the device meanwhile."""
+    import threading
+
+    gate = HostGate.for_device(OpSet(), torch.device("cuda"))
+    host = torch.full((4,), 3, dtype=torch.int64).pin_memory()
+    value = gate.arm()
+    on_device = host.to("cuda", non_blocking=True)
+
+    def write_and_open():
+        time.sleep(0.2)
+        host.fill_(5)
+        gate.open(value)
+
+    opener = threading.Thread(target=write_and_open)
+    opener.start()
+    # a copy back waits on the device until the gate opens; the copy queued behind the gate saw what was written
+    assert (on_device + 1).tolist() == [6, 6, 6, 6]
+    opener.join(timeout=10)
+
+
 def run_constrained(demo_dir, gated: bool) -> tuple[list[list[int]], int]:
     from folio.constrain import JsonSchemaFilter, RegexFilter
 

@@ -9,10 +9,10 @@ their jobs meanwhile, then writes the masks into pinned memory and opens the gat
 right away.
 
 `arm()` queues the wait on the device's current stream (folio.ops' wait_host_value: one thread polling a pinned
-int64) and returns the value that opens it; `open(value)` writes it. Everything that the host may wait on the
-device for must come after `open`: a host that waits first would wait for ever, and the kernel traps after
-TIMEOUT_S (a CUDA error the next synchronising call reports) rather than let the queued work read masks never
-written. Only the native sampler's path, which never synchronises, runs between the two (folio.runner).
+int64) and returns the value that opens it; `open(value)` writes it. The masks' worker thread opens it
+(folio.constrain.masks), never the thread that queued the wait, which may meanwhile queue more work and wait on the
+device: nothing the worker does waits on either. The kernel traps after TIMEOUT_S (a CUDA error the next
+synchronising call reports) rather than let the queued work read masks never written.
 """
 
 from __future__ import annotations

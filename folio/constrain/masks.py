@@ -9,8 +9,9 @@ one [B, W] int32 bitmask on the device, computing now any mask not ready (a sequ
 in a launched-ahead step, or a mask made before the last feed: each is tagged with the sampled-token count).
 
 On CUDA, with a HostGate (folio.constrain.gate), `collect_later` returns at once: the device waits for the masks,
-which `release` writes and hands over (the generator queues the sampler between the two and hands the previous
-step's tokens to their jobs meanwhile).
+which the worker thread writes into pinned memory once made, opening the gate itself. Until `release`, which
+waits for that and returns the filters' errors, the generator queues the sampler and the next step's forward
+behind the gate and hands the previous step's tokens to their jobs.
 
 With background=True (after staging, while the next forward runs) the grammar filters' one call runs on a worker
 thread: the grammar engine holds no GIL while it works, so the step's own thread meanwhile hands the previous step's
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ class MaskWorker:
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy from it
         self.gate: HostGate | None = None  # (set by the generator on CUDA: collect_later)
         self._later_slots: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._later: tuple[list[Sequence], torch.Tensor, int] | None = None  # the masks the gate waits for
+        self._later: Future | None = None  # the worker's writing of the masks the gate waits for
         # totals since construction, for benchmarks: masks made, seconds making them, and seconds the step spent
         # in collect (waiting for, or making, masks not ready: what the forward did not hide)
         self.num_masks = 0
@@ -157,7 +158,9 @@ class MaskWorker:
 
     def collect_later(self, seqs: Seq[Sequence], device: torch.device) -> torch.Tensor | None:
         """What `collect` returns, returned before the masks are made: the device's stream waits (HostGate) until
-        `release` has written them. None when no row is constrained (and nothing to release)."""
+        the worker thread has written them, after the masks it is making, and opened the gate. So the caller may
+        queue more work behind the gate, and wait on the device, before `release`. None when no row is
+        constrained (and nothing to release)."""
         if not self._members or not any(self.constrained(s) for s in seqs):
             return None
         if len(self._later_slots) < LATER_SLOTS or self._later_slots[0][0].shape[0] < len(seqs):
@@ -168,36 +171,55 @@ class MaskWorker:
         if copied is not None:
             copied.synchronize()  # (two steps back: its gate opened then, its tokens were read since)
         host = buffer[: len(seqs)]
-        self._later = (list(seqs), host, self.gate.arm())  # (from here on `release` must run)
+        self.prepare(seqs)  # (masks not made yet, made here; those being made stay on the worker)
+        made = [self._ready.pop(seq, None) for seq in seqs]
+        value = self.gate.arm()
+        try:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-masks")
+            # behind the fills it waits for, on the same thread: nothing there waits on this thread or the device
+            self._later = self._worker.submit(self._write_and_open, seqs, made, host.numpy(), value)
+        except BaseException:
+            self.gate.open(value)
+            raise
         on_device = host.to(device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         self._later_slots = [*rest, (buffer, copied)]
         return on_device
 
-    def release(self) -> dict[Sequence, BaseException]:
-        """Make (or wait for) the masks `collect_later` promised and open the gate; the errors the rows' filters
-        raised, by sequence (nothing when nothing waits)."""
-        later, self._later = self._later, None
-        if later is None:
-            return {}
-        seqs, host, value = later
-        start = time.perf_counter()
+    def _write_and_open(self, seqs: Seq[Sequence], made: list[Any], masks: np.ndarray, value: int
+                        ) -> dict[Sequence, BaseException]:
+        """(the worker thread) The masks collect_later promised into its pinned rows, then the gate opened."""
         try:
-            errors = self._fill(seqs, host.numpy())
+            errors = self._write_rows(seqs, made, masks)
             return {seq: error for seq, error in zip(seqs, errors) if error is not None}
         finally:
             self.gate.open(value)
+
+    def release(self) -> dict[Sequence, BaseException]:
+        """Wait until the masks `collect_later` promised are on their way to the device; the errors the rows'
+        filters raised, by sequence (nothing when nothing waits)."""
+        later, self._later = self._later, None
+        if later is None:
+            return {}
+        start = time.perf_counter()
+        try:
+            return later.result()
+        finally:
             self.wait_s += time.perf_counter() - start
 
     def _fill(self, seqs: Seq[Sequence], masks: np.ndarray) -> list[BaseException | None]:
         """The rows' masks into `masks` (unconstrained rows: all bits set); per row the error its filter raised
         (its row then all clear: nothing to pick)."""
         self.prepare(seqs)
+        return self._write_rows(seqs, [self._ready.pop(seq, None) for seq in seqs], masks)
+
+    def _write_rows(self, seqs: Seq[Sequence], made: list[Any], masks: np.ndarray) -> list[BaseException | None]:
+        """`made` (the rows' entries taken from the ready map, None for an unconstrained row) into `masks`."""
         masks.fill(-1)
         errors: list[BaseException | None] = [None] * len(seqs)
-        for i, seq in enumerate(seqs):
-            ready = self._ready.pop(seq, None)
+        for i, (seq, ready) in enumerate(zip(seqs, made)):
             if ready is None:
                 continue
             if isinstance(ready[1], tuple):  # made on the worker thread
