@@ -226,3 +226,34 @@ def test_vocabulary_and_grammar_caches(tok: Tokenizer, vocab_size: int) -> None:
     assert len([g for g in vocab.templates if "flat" in g or "name" in g]) >= 1
     a.feed(tok.encode("{")[0])  # independent matchers: b is still at the start
     assert not np.array_equal(mask_of(a, vocab_size), mask_of(b, vocab_size))
+
+
+@pytest.mark.parametrize("max_length", [3, 9, 24])
+def test_string_slices_leave_masks_as_the_full_walk_makes_them(max_length: int, tok: Tokenizer, vocab_size: int,
+                                                               token_bytes: list[bytes]) -> None:
+    """folio's finer string slices (grammar.STRING_SLICES) are a shortcut: over walks through bounded strings each
+    mask equals the one llguidance computes with no slices at all (every token walked)."""
+    import llguidance
+    import llguidance.numpy as llnp
+
+    from folio.constrain import grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": max_length},
+                                               "b": {"type": "array", "items": {"type": "string",
+                                                                                "maxLength": max_length}}},
+              "required": ["a", "b"], "additionalProperties": False}
+    f = bound(JsonSchemaFilter(schema), tok, vocab_size)
+    unsliced = llguidance.LLMatcher(grammar.vocabulary(tok, vocab_size).lltok.with_slices([]),
+                                    f.llguidance_grammar(), log_level=0)
+    rng = random.Random(max_length)
+    expected = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
+    for _step in range(60):
+        if f.is_finished():
+            break
+        llnp.fill_next_token_bitmask(unsliced, expected, 0)
+        row = mask_of(f, vocab_size)
+        assert np.array_equal(row, expected[0])
+        ids = allowed_ids(row, vocab_size)
+        token = int(ids[rng.randrange(ids.size)])
+        f.feed(token)
+        assert unsliced.consume_token(token)
