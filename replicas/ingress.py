@@ -52,7 +52,7 @@ from folio.serve.errors import (
     RequestError,
 )
 from folio.serve.health import HealthMixin
-from folio.serve.ingress_mode import running_mode
+from folio.serve.ingress_mode import handle_for_this_process, running_mode
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
 from folio.serve.token_channel import ChannelServer, channel_chunks
 from folio.serve.validation import (
@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 # Routers that match prompt text (EngineRequest.prompt) rather than token ids.
 TEXT_ROUTERS = ("ray_prefix",)
 VALIDATION_THREADS = 2
+# How often a request whose replica was lost before sending it anything is sent again.
+RETRIES_BEFORE_FIRST_CHUNK = 2
 _UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
                 ReplicaUnavailableError)
 
@@ -78,7 +80,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
     def __init__(self, generator: DeploymentHandle, config: ServeConfig):
         from folio.serve.metrics import IngressMetrics
 
-        self._generator = generator
+        self._generator = handle_for_this_process(generator)  # (direct mode: gRPC to the generator replicas)
         self._config = config
         self._tokenizer = Tokenizer.from_pretrained(config.model_path)
         self._info: ModelInfo | None = None
@@ -251,36 +253,51 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         channel = await self._token_channel() if stream and self._config.token_channel else None
         if channel is not None:
             engine_request = dataclasses.replace(engine_request, reply_to=channel.address)
-        response = self._generator.options(stream=True).generate.remote(engine_request)
-        chunks = response if channel is None else channel_chunks(channel.open(request_id), response)
-        ended = False  # the stream finished or failed: nothing left to cancel
-        first_token_s: float | None = None
-        try:
-            async for chunk in chunks:
-                if chunk.token_ids and first_token_s is None:
-                    first_token_s = time.monotonic()
-                if chunk.finish is not None:
-                    # What the client waited, measured here rather than on the replica. A unary completion arrives
-                    # whole: its first token came when the replica's time after its first token began.
-                    timings = chunk.finish.timings
-                    replica_after_first_s = timings.total_s - timings.time_to_first_token_s
-                    timings.total_s = time.monotonic() - start_s
-                    if stream:
-                        timings.time_to_first_token_s = (first_token_s or time.monotonic()) - start_s
-                    else:
-                        timings.time_to_first_token_s = max(0.0, timings.total_s - replica_after_first_s)
-                yield chunk
-            ended = True
-        except Exception as error:  # noqa: BLE001 — every failure becomes a status the client can act on
-            ended = True
-            raise as_request_error(error, request_id) from None
-        finally:
-            if not ended:
-                # The client left: cancel the replica's job so that its pages are released.
-                cancel_quietly(response)
-            if channel is not None:
-                channel.close(request_id)
-                await chunks.aclose()
+        for attempt in range(1 + RETRIES_BEFORE_FIRST_CHUNK):
+            if attempt:  # (a fresh id: nothing a replica of the failed call still sends can reach this attempt)
+                engine_request = dataclasses.replace(engine_request, request_id=f"{request_id}.retry{attempt}")
+            response = self._generator.options(stream=True).generate.remote(engine_request)
+            chunks = response if channel is None else channel_chunks(channel.open(engine_request.request_id),
+                                                                     response)
+            ended = False  # the stream finished or failed: nothing left to cancel
+            first_token_s: float | None = None
+            any_chunk = False
+            try:
+                async for chunk in chunks:
+                    if chunk.token_ids and first_token_s is None:
+                        first_token_s = time.monotonic()
+                    if chunk.finish is not None:
+                        # What the client waited, measured here rather than on the replica. A unary completion
+                        # arrives whole: its first token came when the replica's time after its first token began.
+                        timings = chunk.finish.timings
+                        replica_after_first_s = timings.total_s - timings.time_to_first_token_s
+                        timings.total_s = time.monotonic() - start_s
+                        if stream:
+                            timings.time_to_first_token_s = (first_token_s or time.monotonic()) - start_s
+                        else:
+                            timings.time_to_first_token_s = max(0.0, timings.total_s - replica_after_first_s)
+                    any_chunk = True
+                    yield chunk
+                ended = True
+                return
+            except Exception as error:  # noqa: BLE001 — every failure becomes a status the client can act on
+                ended = True
+                request_error = as_request_error(error, request_id)
+                # A replica lost before it sent anything: the client has seen nothing, so the request can start
+                # again elsewhere (the router ranks the lost replica last). Calls over gRPC meet this whenever a
+                # replica is killed: the call is accepted before the process is gone.
+                if any_chunk or attempt == RETRIES_BEFORE_FIRST_CHUNK or not isinstance(request_error,
+                                                                                       ReplicaUnavailable):
+                    raise request_error from None
+                logger.warning("request %s: retrying on another replica (%d of %d)", request_id, attempt + 1,
+                               RETRIES_BEFORE_FIRST_CHUNK)
+            finally:
+                if not ended:
+                    # The client left: cancel the replica's job so that its pages are released.
+                    cancel_quietly(response)
+                if channel is not None:
+                    channel.close(engine_request.request_id)
+                    await chunks.aclose()
 
     async def _token_channel(self) -> ChannelServer:
         """This replica's end of the token channel, listening on its node's address from the first use on."""

