@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -124,6 +128,26 @@ def make_filters(kind: str | None) -> list:
             "all": lambda: [AllowAll()]}[kind]()
 
 
+@contextlib.contextmanager
+def py_spy(path: Path | None):
+    """py-spy sampling this process's threads (waits included) while the block runs, to `path` (collapsed stacks:
+    `--py-spy DIR`); nothing when path is None."""
+    if path is None:
+        yield
+        return
+    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "--pid", str(os.getpid()), "--rate", "1000",
+                            "--format", "raw", "--output", str(path), "--idle", "--threads", "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(2.0)  # (attached by then)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        _, err = spy.communicate(timeout=60)
+        if spy.returncode:
+            log(f"py-spy failed ({spy.returncode}): {err.decode()[-300:]}")
+
+
 def run(gen, prompts, new_tokens: int, constrained: str | None, batch: int) -> dict:
     settings = SamplerSettings()
     jobs = [DynamicJob(input_ids=p, max_new_tokens=new_tokens, stop_conditions=[], gen_settings=settings, seed=i,
@@ -178,6 +202,9 @@ def main() -> None:
                         help="also run the schema with the sampler queued only once the masks are made (no "
                              "folio.constrain.gate): the gate's effect in the same process")
     parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "scratch" / "tekken_240911.json"))
+    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                        help="profile the first plain and schema runs of batches above 1 with py-spy (collapsed "
+                             "stacks of every thread, waits included) into DIR")
     args = parser.parse_args()
     device = torch.device(args.device)
     tokenizer = tekken_tokenizer(Path(args.tokenizer))
@@ -197,9 +224,12 @@ def main() -> None:
         run(gen, prompts, 8, constrained=None, batch=batch)
         plain, constrained, free, allow_all, ungated = [], [], [], [], []
         gate = gen.masks.gate
-        for _ in range(2):
-            plain.append(run(gen, prompts, args.new_tokens, None, batch))
-            constrained.append(run(gen, prompts, args.new_tokens, "json", batch))
+        for k in range(2):
+            spy_dir = args.py_spy if k == 0 and batch > 1 else None
+            with py_spy(spy_dir and spy_dir / f"plain-{batch}.txt"):
+                plain.append(run(gen, prompts, args.new_tokens, None, batch))
+            with py_spy(spy_dir and spy_dir / f"json-{batch}.txt"):
+                constrained.append(run(gen, prompts, args.new_tokens, "json", batch))
             free.append(run(gen, prompts, args.new_tokens, "json-free", batch))
             if args.allow_all:
                 allow_all.append(run(gen, prompts, args.new_tokens, "all", batch))
