@@ -15,6 +15,7 @@ until rank 0's Driver shuts them down (`LocalRanks.close`).
 
 from __future__ import annotations
 
+import gc
 import pickle
 import queue
 import tempfile
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from folio.kv_cache import Cache
+from folio.model.decode_graphs import release_all
 from folio.model.model import Model
 from folio.model.tensor_parallel import TensorParallel
 from folio.tp_worker import Driver, run_worker
@@ -103,7 +105,7 @@ class LocalRanks:
         finally:
             _stop(self.processes, grace_s)
             if dist.is_initialized():
-                dist.destroy_process_group()
+                leave_group()
             self._rendezvous.cleanup()
 
 
@@ -166,7 +168,8 @@ def _serve_rank(rank: int, world_size: int, backend: str, init_method: str, time
     try:
         run_worker(model, tp)
     finally:
-        dist.destroy_process_group()
+        del model
+        leave_group()
 
 
 def replica_main(tp: TensorParallel, model_dir: str | Path, drive: Callable[[Model, Cache], T],
@@ -199,11 +202,21 @@ def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeou
             # this process alive until the parent has read them
             value = pickle.dumps(main(TensorParallel.from_group(), *args))
         finally:
-            dist.destroy_process_group()
+            leave_group()
     except BaseException:  # noqa: BLE001 - whatever it is, the parent reports it
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, value))
+
+
+def leave_group() -> None:
+    """Leave the default process group, after this process's CUDA graphs and whatever holds them: NCCL's
+    destroy of a communicator that a live graph captured waits for ever."""
+    release_all()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
 
 
 def _collect(processes: list, results: Any, deadline: float, first_rank: int = 0) -> dict[int, bytes]:

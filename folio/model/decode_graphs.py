@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,6 +42,20 @@ from folio.model.model import Model
 
 STAGING_SETS = 4  # enough that a draft pass of a few forwards rarely waits for the device to catch up
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+# Every DecodeGraphs alive in this process, for release_all (a tensor-parallel rank leaving its process group).
+_LIVE: weakref.WeakSet[DecodeGraphs] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Drop every captured graph of this process (no graph replays after it: a process calls this as it leaves
+    its tensor-parallel group). NCCL must not destroy a communicator while a CUDA graph that captured its collectives
+    exists: its destroy then waits for ever, so a tensor-parallel rank releases its graphs first."""
+    for graphs in list(_LIVE):
+        graphs._graphs.clear()
+        graphs._logits.clear()
+    _LIVE.clear()
 
 
 class DecodeGraphs:
@@ -63,6 +78,7 @@ class DecodeGraphs:
         if self.driver is not None:
             self.driver.setup_graphs(max_batch_size, max_seq_len, capture)
         self._capture_all()
+        _LIVE.add(self)
 
     # --- construction steps ---
 
