@@ -33,13 +33,6 @@ def _model_kwargs(config: ServeConfig) -> dict:
     return {"device": config.resolved_device, "dtype": dtype, "weight_format": config.weight_format}
 
 
-def _cuda_graphs(config: ServeConfig) -> bool | None:
-    """The generator's cuda_graphs: the config's; unset, off under tensor parallelism, else the generator's default."""
-    if config.cuda_graphs is None and config.tensor_parallel_size > 1:
-        return False
-    return config.cuda_graphs
-
-
 def close_tensor_parallel(cache: Cache) -> None:
     """End a tensor-parallel replica's other ranks (nothing for one process)."""
     ranks = getattr(cache.mirror, "local_ranks", None)
@@ -87,6 +80,6 @@ def _build(config: ServeConfig, max_queued_jobs: int | None, ranks: tp_launch.Lo
                                  else max_queued_jobs,
                                  max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
                                  host_cache_bytes=config.host_cache_bytes,
-                                 cuda_graphs=_cuda_graphs(config),
+                                 cuda_graphs=config.cuda_graphs,
                                  **speculation.generator_kwargs(config, draft_model))
     return model, draft_model, tokenizer, cache, generator

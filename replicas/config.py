@@ -66,7 +66,7 @@ class ServeConfig:
         (folio.host_pages.DEFAULT_HOST_RAM_FRACTION, at most twice the GPU cache; set it when several replicas
         share a node), none on a CPU; 0: no host tier.
     max_batch_size: sequences one replica runs at once. cuda_graphs: capture decode steps in CUDA graphs (None: on
-        for a one-process CUDA replica, off under tensor parallelism: lockstep capture across ranks is opt-in).
+        for a CUDA replica, under tensor parallelism too: every rank captures in lockstep).
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
     max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
