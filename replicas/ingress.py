@@ -284,8 +284,8 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
                 ended = True
                 request_error = as_request_error(error, request_id)
                 # A replica lost before it sent anything: the client has seen nothing, so the request can start
-                # again elsewhere (the router ranks the lost replica last). Calls over gRPC meet this whenever a
-                # replica is killed: the call is accepted before the process is gone.
+                # again elsewhere (folio's router ranks the lost replica last; Serve's own routers probe it). Calls
+                # over gRPC meet this whenever a replica is killed: the call is accepted before the process is gone.
                 if any_chunk or attempt == RETRIES_BEFORE_FIRST_CHUNK or not isinstance(request_error,
                                                                                        ReplicaUnavailable):
                     raise request_error from None
