@@ -970,3 +970,142 @@ def test_requests_refused_at_the_ingress_are_counted(fake_ray_metrics):
     counted = [(tags["method"], tags["status"]) for _, tags in fake_ray_metrics["folio_requests_total"].values]
     assert counted == [("generate", "RESOURCE_EXHAUSTED"), ("generate_stream", "RESOURCE_EXHAUSTED"),
                        ("GenerateUnary", "INVALID_ARGUMENT")]
+
+
+class _FakeCall:
+    """A generator replica's call as the ingress sees it: its chunks, then `error` (if any)."""
+
+    def __init__(self, chunks: list, error: BaseException | None) -> None:
+        self.chunks, self.error, self.cancelled = chunks, error, False
+
+    async def _items(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+    def __aiter__(self):
+        return self._items()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeGeneratorHandle:
+    """`handle.options(stream=True).generate.remote(request)`, answering each call with the next planned call."""
+
+    def __init__(self, planned: list[_FakeCall]) -> None:
+        self.planned, self.request_ids = list(planned), []
+        self.generate = self
+
+    def options(self, **_kwargs):
+        return self
+
+    def remote(self, engine_request: EngineRequest) -> _FakeCall:
+        self.request_ids.append(engine_request.request_id)
+        return self.planned.pop(0)
+
+
+def _ingress_over(handle: _FakeGeneratorHandle):
+    """An Ingress (not deployed) whose generator handle is `handle`, for a token-id prompt that needs no tokenizer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from folio.serve.admission import Admission
+    from folio.serve.ingress import Ingress
+    from folio.serve.metrics import IngressMetrics
+    from folio.serve.validation import RequestLimits
+
+    cls = Ingress.func_or_class
+    ingress = cls.__new__(cls)
+    ingress._metrics = IngressMetrics("app")
+    ingress._admission = Admission(8)
+    ingress._generator = handle
+    ingress._config = ServeConfig(num_gpus=0, token_channel=False)
+    ingress._validation_pool = ThreadPoolExecutor(max_workers=1)
+
+    async def model_info():
+        return INFO
+
+    async def limits():
+        return RequestLimits()
+
+    async def no_adapter(request, engine_request):
+        return engine_request
+
+    ingress.model_info, ingress._request_limits, ingress._with_adapter = model_info, limits, no_adapter
+    ingress._engine_request = lambda request, info, request_id: EngineRequest(
+        input_ids=tuple(request.token_ids), max_new_tokens=request.max_new_tokens, request_id=request_id)
+    return ingress
+
+
+def _finished(text: str) -> Chunk:
+    from folio.results import EosReason
+
+    return Chunk(text=text, token_ids=[7], finish=Finish(reason=EosReason.MAX_NEW_TOKENS, usage=Usage(2, 0, 1)))
+
+
+def test_a_request_whose_replica_was_lost_before_answering_is_sent_again(fake_ray_metrics):
+    """A replica that fails as if gone (ActorUnavailableError: a call over gRPC to a replica being killed) before
+    any chunk: the request goes again, under a fresh id, up to RETRIES_BEFORE_FIRST_CHUNK times; after the first
+    chunk, or for any other error, the failure is the client's (UNAVAILABLE, or the replica's own status)."""
+    from ray.exceptions import ActorUnavailableError
+
+    from folio.serve.errors import ReplicaUnavailable
+    from folio.serve.ingress import RETRIES_BEFORE_FIRST_CHUNK
+
+    def lost() -> ActorUnavailableError:
+        return ActorUnavailableError("Actor is unavailable.", b"\x00" * 16)
+
+    request = GenerationRequest(token_ids=[5, 6], max_new_tokens=1)
+
+    async def stream(ingress) -> list:
+        return [chunk async for chunk in ingress.generate_stream(request)]
+
+    handle = _FakeGeneratorHandle([_FakeCall([], lost()), _FakeCall([], lost()), _FakeCall([_finished("ok")], None)])
+    chunks = asyncio.run(stream(_ingress_over(handle)))
+    assert [c.text for c in chunks] == ["ok"] and RETRIES_BEFORE_FIRST_CHUNK == 2
+    first = handle.request_ids[0]
+    assert handle.request_ids == [first, f"{first}.retry1", f"{first}.retry2"]
+
+    # one loss more than the retries: the client gets UNAVAILABLE
+    handle = _FakeGeneratorHandle([_FakeCall([], lost()) for _ in range(RETRIES_BEFORE_FIRST_CHUNK + 1)])
+    with pytest.raises(ReplicaUnavailable):
+        asyncio.run(stream(_ingress_over(handle)))
+    assert not handle.planned
+
+    # lost after a chunk reached the client: not sent again
+    handle = _FakeGeneratorHandle([_FakeCall([Chunk(text="a", token_ids=[3])], lost()),
+                                   _FakeCall([_finished("x")], None)])
+    with pytest.raises(ReplicaUnavailable):
+        asyncio.run(stream(_ingress_over(handle)))
+    assert len(handle.planned) == 1
+
+    # the replica's own refusal: the client's, at once
+    handle = _FakeGeneratorHandle([_FakeCall([], Overloaded("full", retry_after_s=1.0)),
+                                   _FakeCall([_finished("x")], None)])
+    with pytest.raises(Overloaded):
+        asyncio.run(stream(_ingress_over(handle)))
+    assert len(handle.planned) == 1
+
+
+def test_a_streamed_request_sent_again_takes_a_fresh_token_channel_entry(fake_ray_metrics):
+    """With the token channel, each attempt listens under its own request id, and none is left behind."""
+    from ray.exceptions import ActorUnavailableError
+
+    from folio.serve.token_channel import ChannelServer
+
+    async def run() -> tuple[list, dict, list]:
+        handle = _FakeGeneratorHandle([_FakeCall([], ActorUnavailableError("gone", b"\x00" * 16)),
+                                       _FakeCall([_finished("ok")], None)])
+        ingress = _ingress_over(handle)
+        ingress._config = ServeConfig(num_gpus=0, token_channel=True)
+        ingress._channel, ingress._channel_lock = ChannelServer(), asyncio.Lock()
+        await ingress._channel.start("127.0.0.1")
+        try:
+            chunks = [c async for c in ingress.generate_stream(GenerationRequest(token_ids=[5], max_new_tokens=1))]
+            return [c.text for c in chunks], dict(ingress._channel._queues), handle.request_ids
+        finally:
+            await ingress._channel.stop()
+
+    texts, open_entries, request_ids = asyncio.run(run())
+    assert texts == ["ok"] and open_entries == {} and request_ids[1] == f"{request_ids[0]}.retry1"
