@@ -10,6 +10,7 @@ from typing import Any
 from folio.serve.adapters import AdapterInfo, IngressAdapters, check_adapter_name, registry_handle, require_admin
 from folio.serve.config import ServeConfig
 from folio.serve.errors import InvalidRequest, RequestError
+from folio.serve.failures import answer_failure, as_request_error, current_request_id
 from folio.serve.schema import EngineRequest, GenerationRequest
 
 
@@ -30,7 +31,7 @@ class AdapterRpcs:
         try:
             return pb.ListLorasResponse(adapters=[grpc_convert.adapter_to_proto(a) for a in await self.list_loras()])
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _ingress()._answer_failure(grpc_context, error, "ListLorasResponse")
+            return answer_failure(grpc_context, error, "ListLorasResponse")
 
     async def LoadLora(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.proto.folio.v1 import generation_pb2 as pb
@@ -40,7 +41,7 @@ class AdapterRpcs:
             info = await self.load_lora(request.name, request.path)
             return pb.LoadLoraResponse(adapter=grpc_convert.adapter_to_proto(info))
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _ingress()._answer_failure(grpc_context, error, "LoadLoraResponse")
+            return answer_failure(grpc_context, error, "LoadLoraResponse")
 
     async def UnloadLora(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.proto.folio.v1 import generation_pb2 as pb
@@ -49,7 +50,7 @@ class AdapterRpcs:
             await self.unload_lora(request.name)
             return pb.UnloadLoraResponse()
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _ingress()._answer_failure(grpc_context, error, "UnloadLoraResponse")
+            return answer_failure(grpc_context, error, "UnloadLoraResponse")
 
     # --- Python ---
 
@@ -66,7 +67,7 @@ class AdapterRpcs:
         try:
             info = await self._generator.load_lora.remote(name, path)
         except Exception as error:  # noqa: BLE001 — mapped to a status
-            raise _ingress().as_request_error(error, _ingress()._request_id()) from None
+            raise as_request_error(error, current_request_id()) from None
         await self._lora_view().refresh()
         return info
 
@@ -77,7 +78,7 @@ class AdapterRpcs:
         try:
             await self._lora_view().registry.remove.remote(name)
         except Exception as error:  # noqa: BLE001 — mapped to a status
-            raise _ingress().as_request_error(error, _ingress()._request_id()) from None
+            raise as_request_error(error, current_request_id()) from None
         await self._lora_view().refresh()
 
     def _lora_view(self) -> IngressAdapters:
@@ -95,12 +96,5 @@ class AdapterRpcs:
         except RequestError:
             raise
         except Exception as error:  # noqa: BLE001 — the registry actor is gone: mapped to a status
-            raise _ingress().as_request_error(error, _ingress()._request_id()) from None
+            raise as_request_error(error, current_request_id()) from None
         return dataclasses.replace(engine_request, lora=adapter.name, lora_adapter_id=adapter.adapter_id)
-
-
-def _ingress() -> Any:
-    """folio.serve.ingress (its status mapping), imported late: it imports this module."""
-    from folio.serve import ingress
-
-    return ingress

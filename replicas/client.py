@@ -39,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 
 from folio.serve.adapters import AdapterInfo
 from folio.serve.errors import InvalidRequest, RequestError
-from folio.serve.ingress import cancel_quietly
+from folio.serve.failures import cancel_quietly
 from folio.serve.schema import Chunk, Completion, GenerationRequest, ModelInfo, Sampling, make_request
 
 

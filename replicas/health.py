@@ -166,7 +166,7 @@ class HealthMixin:
 
 
 def _set_status(grpc_context: Any, code: str, details: str) -> None:
-    """The status the proxy sends with the exception raised next (as folio.serve.ingress._fail does)."""
+    """The status the proxy sends with the exception raised next (as folio.serve.failures.fail does)."""
     if grpc_context is not None:
         import grpc
 

@@ -11,7 +11,7 @@ here cancels the job on the replica, which releases its pages.
 
 Ray Serve's gRPC proxy calls the method named like the RPC with the request message and `grpc_context`; a status
 set on the context travels back when the method raises (replica.py wraps the exception in gRPCStatusError) or, with
-the context's trailing metadata, when a unary method returns normally (_answer_failure).
+the context's trailing metadata, when a unary method returns normally (folio.serve.failures).
 """
 
 from __future__ import annotations
@@ -20,19 +20,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray import serve
-from ray.exceptions import LocalRayletDiedError, NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
-from ray.serve.exceptions import (
-    BackPressureError,
-    DeploymentUnavailableError,
-    ReplicaUnavailableError,
-    RequestCancelledError,
-)
 from ray.serve.handle import DeploymentHandle
 
 from folio import Tokenizer
@@ -40,17 +32,8 @@ from folio.serve.adapter_rpcs import AdapterRpcs
 from folio.serve.adapters import IngressAdapters
 from folio.serve.admission import Admission
 from folio.serve.config import ServeConfig
-from folio.serve.errors import (
-    REPLICA_KEY,
-    RETRY_AFTER_KEY,
-    SERVE_REFUSAL_RETRY_AFTER_S,
-    Cancelled,
-    InternalError,
-    InvalidRequest,
-    Overloaded,
-    ReplicaUnavailable,
-    RequestError,
-)
+from folio.serve.errors import REPLICA_KEY, InvalidRequest, ReplicaUnavailable, RequestError
+from folio.serve.failures import answer_failure, as_request_error, cancel_quietly, current_request_id, fail
 from folio.serve.health import HealthMixin
 from folio.serve.ingress_mode import handle_for_this_process, running_mode
 from folio.serve.schema import Chunk, Completion, EngineRequest, GenerationRequest, ModelInfo
@@ -70,8 +53,6 @@ TEXT_ROUTERS = ("ray_prefix",)
 VALIDATION_THREADS = 2
 # How often a request whose replica was lost before sending it anything is sent again.
 RETRIES_BEFORE_FIRST_CHUNK = 2
-_UNAVAILABLE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
-                ReplicaUnavailableError)
 
 
 @serve.deployment(name="Ingress")
@@ -110,7 +91,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
                     grpc_context.set_trailing_metadata([(REPLICA_KEY, chunk.finish.replica_id)])
                 yield grpc_convert.chunk_to_proto(chunk)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            _fail(grpc_context, error)
+            fail(grpc_context, error)
 
     async def GenerateUnary(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.serve import grpc_convert
@@ -120,7 +101,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
             chunks = [chunk async for chunk in self._observed_stream(generation, "GenerateUnary", stream=False)]
             return grpc_convert.completion_to_proto(Completion.from_chunks(chunks))
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _answer_failure(grpc_context, error, "GenerateUnaryResponse")
+            return answer_failure(grpc_context, error, "GenerateUnaryResponse")
 
     async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.proto.folio.v1 import generation_pb2 as pb
@@ -130,7 +111,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
                                       request.encode_special_tokens)
             return pb.TokenizeResponse(token_ids=ids)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _answer_failure(grpc_context, error, "TokenizeResponse")
+            return answer_failure(grpc_context, error, "TokenizeResponse")
 
     async def ModelInfo(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
         from folio.serve import grpc_convert
@@ -139,7 +120,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
             info = dataclasses.replace(await self.model_info(), adapters=tuple(await self.list_loras()))
             return grpc_convert.model_info_to_proto(info)
         except Exception as error:  # noqa: BLE001 — a status, never a traceback
-            return _answer_failure(grpc_context, error, "ModelInfoResponse")
+            return answer_failure(grpc_context, error, "ModelInfoResponse")
 
     # --- HTTP (the OpenAI-compatible API, folio.serve.openai_api; Serve calls this once the replica is built) ---
 
@@ -150,7 +131,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         return openai_api.build_app(openai_api.Backend(
             stream=self._observed_stream, model_info=self.model_info, tokenizer=self._tokenizer,
             tokenize=self.tokenize, chat_template=ChatTemplate.from_model_dir(self._config.model_path),
-            request_id=_request_id, health=lambda: self.serving_status(""), adapters=self.list_loras))
+            request_id=current_request_id, health=lambda: self.serving_status(""), adapters=self.list_loras))
 
     # --- Python (through serve.get_app_handle; see folio.serve.client) ---
 
@@ -242,7 +223,7 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
             self._metrics.record(method, status, ttft_s, tpot_s)
 
     async def _stream(self, request: GenerationRequest, start_s: float, stream: bool = True) -> AsyncIterator[Chunk]:
-        request_id = _request_id()
+        request_id = current_request_id()
         info = await self.model_info()
         check_prompt_bytes(request, await self._request_limits())  # before tokenizing: a huge prompt costs nothing more
         engine_request = await asyncio.get_running_loop().run_in_executor(
@@ -323,81 +304,3 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         ids = list(engine_request.input_ids)
         # Never empty: PrefixCacheAffinityRouter divides by the prompt's length.
         return self._tokenizer.decode(ids, decode_special_tokens=True) or " ".join(map(str, ids))
-
-
-def cancel_quietly(response: Any) -> None:
-    """DeploymentResponseGenerator.cancel(), which re-raises the request's own failure (e.g. BackPressureError)
-    when routing already failed: there is nothing left to cancel then."""
-    try:
-        response.cancel()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def as_request_error(error: BaseException, request_id: str) -> RequestError:
-    """The status a client should see for a failure below the ingress. An INTERNAL one names the request id
-    under which the failure is logged here (a new one when the caller has none)."""
-    request_id = request_id or new_request_id()
-    cause = error
-    if isinstance(error, RayTaskError) and error.cause is not None:
-        cause = error.cause  # the replica's own exception (str(RayTaskError) is a traceback)
-    if isinstance(cause, RequestError):
-        return type(cause)(*cause.args)
-    if isinstance(cause, BackPressureError):
-        return Overloaded("the server is at capacity (too many queued requests); retry later",
-                          retry_after_s=SERVE_REFUSAL_RETRY_AFTER_S)
-    if isinstance(cause, _UNAVAILABLE):
-        logger.warning("request %s: generator replica unavailable: %s", request_id, type(cause).__name__)
-        return ReplicaUnavailable("the replica serving this request was lost; retry")
-    if isinstance(cause, (RequestCancelledError, asyncio.CancelledError)):
-        return Cancelled("the request was cancelled")
-    logger.error("request %s failed", request_id, exc_info=error)
-    return InternalError(f"internal error ({type(cause).__name__}); request id {request_id}")
-
-
-def _fail(grpc_context: Any, error: Exception) -> None:
-    """Set the gRPC status and re-raise: the proxy sends the status set on the context with the exception (a
-    stream's status travels only this way)."""
-    error = _set_status(grpc_context, error)
-    raise error
-
-
-def _answer_failure(grpc_context: Any, error: Exception, response_type: str) -> Any:
-    """A unary call's failure: the status set on the context, and an empty response that the proxy discards for
-    it. Not raising spares the proxy and the ingress an exception's traceback and log per refusal, which made
-    refusals in a flood slower than the work admitted; the context's trailing metadata (the retry hint) travels
-    only this way. Raises without a gRPC context (Python callers)."""
-    error = _set_status(grpc_context, error)
-    if grpc_context is None:
-        raise error
-    from folio.proto.folio.v1 import generation_pb2 as pb
-
-    return getattr(pb, response_type)()
-
-
-def _set_status(grpc_context: Any, error: Exception) -> RequestError:
-    import grpc
-
-    if not isinstance(error, RequestError):
-        error = as_request_error(error, _request_id())
-    if grpc_context is not None:
-        grpc_context.set_code(getattr(grpc.StatusCode, error.status))
-        grpc_context.set_details(str(error))
-        retry_after_s = getattr(error, "retry_after_s", None)
-        if retry_after_s is not None:
-            grpc_context.set_trailing_metadata([(RETRY_AFTER_KEY, f"{retry_after_s:g}")])
-    return error
-
-
-def _request_id() -> str:
-    """Serve's id of the current request; a new one where Serve has none (outside a request context, or a call
-    through a handle that set none), so that logs and an INTERNAL status always name a real id."""
-    try:
-        request_id = serve.get_request_context().request_id
-    except Exception:  # noqa: BLE001 — outside a request context
-        request_id = ""
-    return request_id or new_request_id()
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

@@ -300,7 +300,7 @@ def as_openai_error(error: BaseException, params: Mapping[str, str | None] | Non
     if isinstance(error, OpenAIError):
         return error
     if not isinstance(error, RequestError):
-        from folio.serve.ingress import as_request_error
+        from folio.serve.failures import as_request_error
 
         error = as_request_error(error, "")
     message = str(error)

@@ -302,7 +302,7 @@ def test_failures_below_the_ingress_map_to_statuses():
     from ray.serve.exceptions import BackPressureError
 
     from folio.serve.errors import InternalError, ReplicaUnavailable
-    from folio.serve.ingress import as_request_error
+    from folio.serve.failures import as_request_error
 
     wrapped = RayTaskError("generate", "Traceback (most recent call last): ...", Overloaded("queue is full"))
     assert isinstance(as_request_error(wrapped, "r"), Overloaded)
@@ -322,10 +322,10 @@ def test_internal_errors_always_name_a_request_id(caplog):
 
     from ray.exceptions import RayTaskError
 
-    from folio.serve.ingress import _request_id, as_request_error
+    from folio.serve.failures import as_request_error, current_request_id
 
-    assert _request_id() and _request_id() != _request_id()
-    with caplog.at_level("ERROR", logger="folio.serve.ingress"):
+    assert current_request_id() and current_request_id() != current_request_id()
+    with caplog.at_level("ERROR", logger="folio.serve.failures"):
         internal = as_request_error(RayTaskError("generate", "Traceback", ZeroDivisionError("x")), "")
     match = re.search(r"request id (\S+)$", str(internal))
     assert match and match.group(1) not in ("''", ""), str(internal)
@@ -943,7 +943,8 @@ def test_requests_refused_at_the_ingress_are_counted(fake_ray_metrics):
 
     from folio.proto.folio.v1 import generation_pb2 as pb
     from folio.serve.admission import Admission
-    from folio.serve.ingress import Ingress, as_request_error
+    from folio.serve.failures import as_request_error
+    from folio.serve.ingress import Ingress
     from folio.serve.metrics import IngressMetrics
 
     cls = Ingress.func_or_class
