@@ -248,15 +248,8 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
                     if chunk.token_ids and first_token_s is None:
                         first_token_s = time.monotonic()
                     if chunk.finish is not None:
-                        # What the client waited, measured here rather than on the replica. A unary completion
-                        # arrives whole: its first token came when the replica's time after its first token began.
-                        timings = chunk.finish.timings
-                        replica_after_first_s = timings.total_s - timings.time_to_first_token_s
-                        timings.total_s = time.monotonic() - start_s
-                        if stream:
-                            timings.time_to_first_token_s = (first_token_s or time.monotonic()) - start_s
-                        else:
-                            timings.time_to_first_token_s = max(0.0, timings.total_s - replica_after_first_s)
+                        _as_client_waited(chunk.finish.timings, start_s,
+                                          (first_token_s or time.monotonic()) if stream else None)
                     any_chunk = True
                     yield chunk
                 ended = True
@@ -304,3 +297,15 @@ class Ingress(HealthMixin, AdapterRpcs):  # grpc.health.v1.Health: Check, Watch,
         ids = list(engine_request.input_ids)
         # Never empty: PrefixCacheAffinityRouter divides by the prompt's length.
         return self._tokenizer.decode(ids, decode_special_tokens=True) or " ".join(map(str, ids))
+
+
+def _as_client_waited(timings: Any, start_s: float, first_token_s: float | None) -> None:
+    """A request's Timings as its client waited, measured at the ingress rather than on the replica, from start_s.
+    first_token_s: when its first token (or else its end) arrived here; None for a unary completion, which arrives
+    whole: its first token came when the replica's time after its first token began."""
+    replica_after_first_s = timings.total_s - timings.time_to_first_token_s
+    timings.total_s = time.monotonic() - start_s
+    if first_token_s is not None:
+        timings.time_to_first_token_s = first_token_s - start_s
+    else:
+        timings.time_to_first_token_s = max(0.0, timings.total_s - replica_after_first_s)

@@ -53,8 +53,7 @@ def release_all() -> None:
     its tensor-parallel group). NCCL must not destroy a communicator while a CUDA graph that captured its collectives
     exists: its destroy then waits for ever, so a tensor-parallel rank releases its graphs first."""
     for graphs in list(_LIVE):
-        graphs._graphs.clear()
-        graphs._logits.clear()
+        graphs.drop()
     _LIVE.clear()
 
 
@@ -144,11 +143,15 @@ class DecodeGraphs:
         self.lora_slots = slots
         # The old graphs' pool goes back before the new captures allocate theirs (a logits buffer that a step
         # launched ahead still holds stays alive until it is sampled).
-        self._graphs.clear()
-        self._logits.clear()
+        self.drop()
         if self.capture:
             torch.cuda.empty_cache()
         self._capture_all()
+
+    def drop(self) -> None:
+        """Let go of the captured graphs and their output buffers (nothing replays until captured again)."""
+        self._graphs.clear()
+        self._logits.clear()
 
     # --- use ---
 
