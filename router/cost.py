@@ -64,7 +64,7 @@ class LoadTable:
 
     _FIELDS = ("known", "jobs", "routed_jobs", "routed_load", "received", "busy_until", "max_running",
                "prefill_rate", "decode_step", "new_tokens", "allocatable_pages", "page_size", "eff_prefill", "eff_step",
-               "eff_new", "settled")
+               "eff_new", "settled", "fit_tokens", "one_job_s")
 
     def __init__(self, defaults: CostDefaults | None = None, *, clock: Callable[[], float],
                  capacity: int = 64) -> None:
@@ -177,10 +177,18 @@ class LoadTable:
             measured = values[known & (values > 0)]
             fleet = float(np.median(measured)) if len(measured) else default
             target[:] = np.where(values > 0, values, fleet)
-        for slot, (reported_at, tokens) in self._reported_backlog.items():
-            self.busy_until[slot] = reported_at + tokens / float(self.eff_prefill[slot])
-        self._reported_backlog.clear()
+        if self._reported_backlog:
+            backlog = self._reported_backlog
+            slots = np.fromiter(backlog, dtype=np.intp, count=len(backlog))
+            reported_at, tokens = np.array(list(backlog.values()), dtype=np.float64).reshape(len(backlog), 2).T
+            self.busy_until[slots] = reported_at + tokens / self.eff_prefill[slots]
+            backlog.clear()
         self.settled[:] = self._settled(slice(None), self.jobs + self.routed_load)
+        # A slot lacks the pages for u uncached tokens when ceil(u / page_size) + 1 > its allocatable pages, that is
+        # when u > (allocatable - 1) x page_size (pages are whole); then it waits for one job to finish.
+        self.fit_tokens[:] = np.where(self.known > 0, (self.allocatable_pages - 1.0) * np.maximum(self.page_size, 1.0),
+                                      np.inf)
+        self.one_job_s[:] = self.eff_new * self.eff_step
         self._stale = False
 
     def _settled(self, slots, jobs: np.ndarray) -> np.ndarray:
@@ -208,9 +216,7 @@ class LoadTable:
         """Per slot, the wait for a job to finish and free pages when the slot lacks the pages for uncached_tokens
         (request_s's page term, vectorised: the shortlist is chosen with it)."""
         self.refresh()
-        pages_needed = np.ceil(uncached_tokens / np.maximum(self.page_size[slots], 1.0)) + 1
-        short = (self.known[slots] > 0) & (pages_needed > self.allocatable_pages[slots])
-        return np.where(short, self.eff_new[slots] * self.eff_step[slots], 0.0)
+        return np.where(uncached_tokens > self.fit_tokens[slots], self.one_job_s[slots], 0.0)
 
     def prefill_rate_of(self, slot: int) -> float:
         self.refresh()
@@ -221,8 +227,6 @@ class LoadTable:
         the pages for them (it would wait for a job to finish and free some)."""
         self.refresh()
         seconds = uncached_tokens / float(self.eff_prefill[slot])
-        if self.known[slot] > 0:
-            pages_needed = math.ceil(uncached_tokens / max(float(self.page_size[slot]), 1.0)) + 1
-            if pages_needed > self.allocatable_pages[slot]:
-                seconds += float(self.eff_new[slot] * self.eff_step[slot])
+        if uncached_tokens > self.fit_tokens[slot]:
+            seconds += float(self.one_job_s[slot])
         return seconds

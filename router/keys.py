@@ -47,8 +47,16 @@ def is_key_depth(depth: int, stride: int, dense_pages: int = 0, dense_stride: in
 
 
 def key_depths(num_pages: int, stride: int, dense_pages: int = 0, dense_stride: int = 1) -> list[int]:
-    """The page indices carrying routing keys among a sequence's first num_pages pages, in order."""
-    return [d for d in range(num_pages) if is_key_depth(d, stride, dense_pages, dense_stride)]
+    """The page indices carrying routing keys among a sequence's first num_pages pages, in order (the depths for
+    which is_key_depth holds, built from ranges: a router asks for them on every decision, and at page size 16 a
+    prompt spans hundreds of pages)."""
+    dense_end = min(dense_pages, num_pages)
+    if dense_end <= 0:
+        return list(range(stride - 1, num_pages, stride))
+    dense = set(range(dense_stride - 1, dense_end, dense_stride))
+    dense.update(range(stride - 1, dense_end, stride))
+    first_sparse = dense_end + (stride - 1 - dense_end) % stride  # the first depth >= dense_end keyed every stride
+    return sorted(dense) + list(range(first_sparse, num_pages, stride))
 
 
 def block_keys(keys: Sequence[int], stride: int, dense_pages: int = 0, dense_stride: int = 1) -> list[int]:
