@@ -27,8 +27,9 @@ class _Reporter:
 
     def __init__(self, replica, args: argparse.Namespace) -> None:
         self.events = CacheEvents(replica.page_size, getattr(args, "block_tokens", 256))
-        # The simulated replica's speeds are constants of the simulation: what measuring them would give.
-        self.rates = ReplicaRates(prefill_tokens_per_s=replica.prefill_rate, decode_step_s=args.decode_step)
+        # The simulated replica's speeds are constants of the simulation: what measuring them at length would give.
+        self.rates = ReplicaRates(prefill_tokens_per_s=replica.prefill_rate, decode_step_s=args.decode_step,
+                                  prefill_samples=1000, decode_samples=1000)
         self.epoch = 0
         self.last: tuple[float, dict] | None = None
         self.num_events = 0

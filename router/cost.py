@@ -8,7 +8,12 @@
     plus, when r lacks the pages for the uncached part, one job's decode time (it waits for pages to free).
 
 Rates come from the replicas' reports (folio.router.rates, measured on their engine steps); a replica that has not
-measured one yet gets the median of the fleet's, and only a fleet that has measured nothing uses the defaults.
+measured one yet gets the median of the fleet's, and only a fleet that has measured nothing uses the defaults. A
+replica's own value counts as RATE_PRIOR_SAMPLES observations of the fleet's median would against its own count,
+    rate(r) = (n(r) x own(r) + RATE_PRIOR_SAMPLES x fleet) / (n(r) + RATE_PRIOR_SAMPLES)
+since a replica's first steps measure it poorly (the replicas of one deployment run one model on one kind of
+device): two idle replicas whose first prefill steps read 700 and 2,300 tokens/s would otherwise send a request away
+from the one holding most of its prompt. After a few dozen steps a replica's own rate decides.
 prefill_busy_until is a FIFO model of the replica's prefill work: a report sets it to the report's arrival plus its
 backlog at the replica's rate, and each request this router sends there pushes it by that request's uncached
 tokens at that rate; it drains as time passes, so work routed half a period ago and prefilled since no longer
@@ -48,7 +53,11 @@ class CostDefaults:
 
 # A report's values that _apply_reports writes, in its column order
 _REPORTED = operator.attrgetter("num_jobs", "num_received", "max_running", "prefill_tokens_per_s", "decode_step_s",
-                                "mean_new_tokens", "num_allocatable_pages", "page_size")
+                                "mean_new_tokens", "num_allocatable_pages", "page_size", "prefill_samples",
+                                "decode_samples", "finished_samples")
+
+# How many of its own observations a replica's rate needs to weigh as much as the fleet's median (see above).
+RATE_PRIOR_SAMPLES = 4.0
 
 # Routers sharing a fleet (one per ingress replica) are counted from the last SHARE_WINDOW_S seconds of reports.
 SHARE_WINDOW_S = 30.0
@@ -64,7 +73,7 @@ class LoadTable:
 
     _FIELDS = ("known", "jobs", "routed_jobs", "routed_load", "received", "busy_until", "max_running",
                "prefill_rate", "decode_step", "new_tokens", "allocatable_pages", "page_size", "eff_prefill", "eff_step",
-               "eff_new", "settled", "fit_tokens", "one_job_s")
+               "eff_new", "settled", "fit_tokens", "one_job_s", "prefill_samples", "decode_samples", "new_samples")
 
     def __init__(self, defaults: CostDefaults | None = None, *, clock: Callable[[], float],
                  capacity: int = 64) -> None:
@@ -120,7 +129,8 @@ class LoadTable:
         self.ensure(max(pending))
         slots = np.fromiter(pending, dtype=np.intp, count=len(pending))
         columns = np.array([_REPORTED(d) for d in pending.values()], dtype=np.float64).reshape(len(pending), -1)
-        jobs, received, max_running, prefill_rate, decode_step, new_tokens, allocatable, page_size = columns.T
+        (jobs, received, max_running, prefill_rate, decode_step, new_tokens, allocatable, page_size, prefill_samples,
+         decode_samples, new_samples) = columns.T
         # what the replicas received since their last reports, against what this router sent them meanwhile
         # (a restarted replica's count starts again: its first report is not compared)
         compared = (self.known[slots] > 0) & (received >= self.received[slots])
@@ -137,6 +147,9 @@ class LoadTable:
         self.new_tokens[slots] = new_tokens
         self.allocatable_pages[slots] = allocatable
         self.page_size[slots] = page_size
+        self.prefill_samples[slots] = prefill_samples
+        self.decode_samples[slots] = decode_samples
+        self.new_samples[slots] = new_samples
 
     def _count_share(self, own_sent: float, received: float) -> None:
         now = self._clock()
@@ -171,12 +184,14 @@ class LoadTable:
         if self._pending:
             self._apply_reports()
         known = self.known > 0
-        for values, default, target in ((self.prefill_rate, self.defaults.prefill_tokens_per_s, self.eff_prefill),
-                                        (self.decode_step, self.defaults.decode_step_s, self.eff_step),
-                                        (self.new_tokens, self.defaults.mean_new_tokens, self.eff_new)):
+        for values, samples, default, target in (
+                (self.prefill_rate, self.prefill_samples, self.defaults.prefill_tokens_per_s, self.eff_prefill),
+                (self.decode_step, self.decode_samples, self.defaults.decode_step_s, self.eff_step),
+                (self.new_tokens, self.new_samples, self.defaults.mean_new_tokens, self.eff_new)):
             measured = values[known & (values > 0)]
             fleet = float(np.median(measured)) if len(measured) else default
-            target[:] = np.where(values > 0, values, fleet)
+            own_weight = samples / (samples + RATE_PRIOR_SAMPLES)
+            target[:] = np.where(values > 0, own_weight * values + (1.0 - own_weight) * fleet, fleet)
         if self._reported_backlog:
             backlog = self._reported_backlog
             slots = np.fromiter(backlog, dtype=np.intp, count=len(backlog))

@@ -22,6 +22,9 @@ reports for routers that missed batches. Format (plain JSON-able types, version 
     prefill_tokens_per_s   float: measured prefill speed (0: not measured yet)    (folio.router.rates)
     decode_step_s          float: measured seconds per decode step (0: not yet)
     mean_new_tokens        float: tokens generated per finished job (0: not yet)
+    prefill_samples,       int, optional: the observations behind each of the three (engine steps, finished jobs);
+    decode_samples,        absent (a replica of an earlier version): SAMPLES_UNKNOWN, trusted as fully measured
+    finished_samples
     block_tokens           int: tokens between two routing keys past dense_tokens   (folio.router.events)
     dense_tokens           int: leading tokens of a sequence with a routing key every dense_key_tokens
     dense_key_tokens       int
@@ -59,6 +62,10 @@ _NUMBERS = operator.itemgetter(*_NUMBER_FIELDS)
 _INTS = operator.itemgetter(*(_NUMBER_FIELDS.index(name) for name in _INT_FIELDS))
 _FLOATS = operator.itemgetter(*(_NUMBER_FIELDS.index(name) for name in _FLOAT_FIELDS))
 _REPORTED_TYPES = tuple(float if name in _FLOAT_FIELDS else int for name in _NUMBER_FIELDS)
+_SAMPLE_FIELDS = ("prefill_samples", "decode_samples", "finished_samples")
+# What a report without the sample counts (an earlier version's) is read as: as many observations as it takes to
+# trust its rates over the fleet's (folio.router.cost).
+SAMPLES_UNKNOWN = 1 << 30
 _POSITIVE = operator.itemgetter(*(_NUMBER_FIELDS.index(name)
                                   for name in ("page_size", "block_tokens", "dense_key_tokens", "seq")))
 
@@ -119,6 +126,9 @@ class ReplicaDigest:
     # parse_digest(decode_batches=False): the report's batch list as it came, for a native index to decode and
     # apply in one call (batches is then empty); None once decoded
     encoded_batches: list | None = None
+    prefill_samples: int = SAMPLES_UNKNOWN
+    decode_samples: int = SAMPLES_UNKNOWN
+    finished_samples: int = SAMPLES_UNKNOWN
 
     @property
     def num_jobs(self) -> int:
@@ -181,9 +191,13 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
     instance_id = stats.get("instance_id", "")
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
+    samples = [stats.get(name, SAMPLES_UNKNOWN) for name in _SAMPLE_FIELDS]
+    for name, value in zip(_SAMPLE_FIELDS, samples):
+        if type(value) is not int or value < 0:
+            raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
     if not decode_batches and stats.get("snapshot") is None:
         return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], (), None,
-                             stats.get("batches"))
+                             stats.get("batches"), *samples)
     try:
         batches = tuple(_batch(b) for b in _new_batches(_list(stats.get("batches"), "batches"), applied_seq))
         snapshot = _snapshot(stats.get("snapshot"))
@@ -191,7 +205,8 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
         raise DigestError(str(e)) from None
     if any(b.seq > seq for b in batches) or (snapshot is not None and snapshot.seq > seq):
         raise DigestError("a batch or the snapshot is newer than the report's seq")
-    return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], batches, snapshot)
+    return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], batches, snapshot,
+                         None, *samples)
 
 
 def _check_numbers(numbers: tuple) -> None:

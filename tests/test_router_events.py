@@ -25,7 +25,7 @@ from fakes import FakePool
 
 from folio.cache import OutOfPages, PageEvent, PageEventKind, PagePool
 from folio.hashing import page_hashes
-from folio.router.digest import DIGEST_VERSION, DigestError, build_digest, parse_digest
+from folio.router.digest import DIGEST_VERSION, SAMPLES_UNKNOWN, DigestError, build_digest, parse_digest
 from folio.router.events import CacheEvents, pack
 from folio.router.index import Match, PrefixIndex
 from folio.router.keys import page_key
@@ -781,15 +781,21 @@ def test_digest_round_trips_through_json():
     events.add([PageEvent(EVICTED, hashes[5], 5)])
     pool = FakePool(page_size=PAGE_SIZE, num_pages=77)
     pool.num_free, pool.num_allocatable = 11, 40
-    rates = ReplicaRates(prefill_tokens_per_s=1234.5, decode_step_s=0.025, mean_new_tokens=77.0)
+    rates = ReplicaRates(prefill_tokens_per_s=1234.5, decode_step_s=0.025, mean_new_tokens=77.0, prefill_samples=3,
+                         decode_samples=9, finished_samples=2)
     stats = build_digest(pool, events, running=3, queued=1, epoch=7, instance_id="x", max_running=8,
                          num_prefill_tokens=100, num_received=42, rates=rates)
     assert set(stats) == {"v", "instance_id", "epoch", "num_running", "num_queued", "max_running",
                           "num_prefill_tokens", "num_received", "page_size", "num_pages", "num_free_pages",
                           "num_allocatable_pages",
                           "prefill_tokens_per_s", "decode_step_s", "mean_new_tokens", "block_tokens", "dense_tokens",
-                          "dense_key_tokens", "seq", "batches", "snapshot"}
+                          "dense_key_tokens", "seq", "batches", "snapshot", "prefill_samples", "decode_samples",
+                          "finished_samples"}
     digest = parse_digest(json.loads(json.dumps(stats)))
+    assert (digest.prefill_samples, digest.decode_samples, digest.finished_samples) == (3, 9, 2)
+    # A replica of the version before the sample counts: its rates are taken as fully measured.
+    earlier = {name: value for name, value in stats.items() if not name.endswith("_samples")}
+    assert parse_digest(earlier).prefill_samples == parse_digest(earlier).finished_samples == SAMPLES_UNKNOWN
     assert (digest.instance_id, digest.epoch, digest.num_running, digest.num_queued, digest.num_jobs,
             digest.max_running, digest.num_prefill_tokens, digest.num_received) == ("x", 7, 3, 1, 4, 8, 100, 42)
     assert (digest.page_size, digest.num_pages, digest.num_free_pages, digest.num_allocatable_pages) == (
@@ -839,6 +845,9 @@ def valid_stats() -> dict:
     ({"mean_new_tokens": 1e400}, "mean_new_tokens"),
     ({"num_queued": True}, "num_queued"),
     ({"mean_new_tokens": False}, "mean_new_tokens"),
+    ({"prefill_samples": -1}, "prefill_samples"),
+    ({"decode_samples": 2.0}, "decode_samples"),
+    ({"finished_samples": True}, "finished_samples"),
     ({"num_running": "3"}, "num_running"),
     ({"epoch": 3.0}, "epoch"),
     ({"seq": None}, "seq"),

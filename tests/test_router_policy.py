@@ -36,7 +36,7 @@ from fakes import FakePool
 
 from folio.cache import PageEvent, PageEventKind
 from folio.hashing import page_hashes
-from folio.router.cost import LoadTable
+from folio.router.cost import RATE_PRIOR_SAMPLES, LoadTable
 from folio.router.digest import build_digest
 from folio.router.events import CacheEvents
 from folio.router.keys import KeyGeometry, page_key
@@ -142,8 +142,10 @@ def prompt(group: int, num_pages: int, suffix: int = 5) -> list[int]:
     return shared + [random.Random(group).randrange(10**6) + 10**7 + i for i in range(suffix)]
 
 
-def measured(prefill: float, step: float, new: float) -> ReplicaRates:
-    return ReplicaRates(prefill_tokens_per_s=prefill, decode_step_s=step, mean_new_tokens=new)
+def measured(prefill: float, step: float, new: float, samples: int = 10**9) -> ReplicaRates:
+    """Rates behind `samples` observations each (by default so many that a replica's own rates decide)."""
+    return ReplicaRates(prefill_tokens_per_s=prefill, decode_step_s=step, mean_new_tokens=new,
+                        prefill_samples=samples, decode_samples=samples, finished_samples=samples)
 
 
 def hashes_of(token_ids: list[int]) -> list[bytes]:
@@ -404,9 +406,8 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
     for replica in replicas.values():
         if rng.random() < 0.5:  # prompts are up to 296 tokens: 19 pages, and one more
             replica.pool.num_allocatable = rng.randrange(0, 16)
-        replica.rates = ReplicaRates(prefill_tokens_per_s=prefill if rng.random() < 0.7 else 0.0,
-                                     decode_step_s=step if rng.random() < 0.7 else 0.0,
-                                     mean_new_tokens=new if rng.random() < 0.7 else 0.0)
+        replica.rates = measured(prefill if rng.random() < 0.7 else 0.0, step if rng.random() < 0.7 else 0.0,
+                                 new if rng.random() < 0.7 else 0.0)
         if rng.random() < 0.25:
             replica.store(rng.choice(groups), rng.randrange(1, 17))
         if rng.random() < 0.06:
@@ -633,6 +634,43 @@ def test_a_reported_backlog_drains_as_time_passes(clock):
     assert prefill_wait(1) == pytest.approx(0.3)
 
 
+def test_a_replicas_rates_weigh_against_the_fleets_by_their_observations(clock):
+    """rate = (n x own + RATE_PRIOR_SAMPLES x fleet median) / (n + RATE_PRIOR_SAMPLES), per rate, n its count."""
+    reported = {"a": (700.0, 0.03, 20.0, 1), "b": (2300.0, 0.01, 60.0, 2), "c": (1500.0, 0.02, 40.0, 400)}
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    for replica_id, (prefill, step, new, samples) in reported.items():
+        replica = FakeReplica(replica_id, max_running=2)
+        replica.rates = measured(prefill, step, new, samples)
+        replica.running = 3  # one waits for a batch slot: the wait uses all three rates
+        replica.report(policy)
+    fleet = (1500.0, 0.02, 40.0)  # the medians
+    tokens = prompt(6, num_pages=6)  # 101 tokens, cached nowhere
+    decision = policy.choose(list(reported), tokens)
+    for replica_id, (*own, samples) in reported.items():
+        weight = samples / (samples + RATE_PRIOR_SAMPLES)
+        prefill, step, new = (weight * value + (1 - weight) * median for value, median in zip(own, fleet))
+        assert decision.costs[replica_id] == pytest.approx(wait_s(3, 0, 2, prefill, step, new) + 101 / prefill)
+
+
+def test_a_first_slow_measurement_does_not_send_a_prompt_from_its_prefix(clock):
+    """Two idle replicas of one deployment; the first prefill steps measured one at 700 tokens/s, the other at
+    2,300 (one prompt in a step against four, on a loaded host). The slower holds 64 of a 110-token prompt: taken
+    at face value, 46 tokens there cost more than 110 plus the recompute charge on the other."""
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    holder, other = FakeReplica("holder"), FakeReplica("other")
+    tokens = prompt(7, num_pages=4, suffix=46)
+    holder.store(tokens, 4)
+    for replica, prefill in ((holder, 700.0), (other, 2300.0)):
+        for _ in range(2):
+            replica.rates.observe_step(110, 0, 110 / prefill)
+        replica.rates.observe_step(0, 1, 0.02)
+        replica.report(policy)
+    assert 46 / 700 > (110 + W * 64) / 2300  # what face value would choose
+    decision = policy.choose(["holder", "other"], tokens)
+    assert decision.num_cached_tokens["holder"] == 64
+    assert decision.best == "holder", decision.costs
+
+
 def test_unmeasured_rates_use_the_fleet_median_and_the_defaults_only_when_nothing_is_measured(clock):
     tokens = prompt(6, num_pages=6)  # 101 tokens, cached nowhere
     reported = {"a": (1000.0, 0.01, 40.0), "b": (0.0, 0.05, 50.0), "c": (4000.0, 0.0, 300.0), "d": (1500.0, 0.02, 0.0)}
@@ -824,7 +862,7 @@ def test_key_geometry_comes_from_the_reports(clock):
 def _load_report(received: int, backlog: int = 0) -> SimpleNamespace:
     return SimpleNamespace(num_jobs=0, num_received=received, max_running=8, prefill_tokens_per_s=1000.0,
                            decode_step_s=0.02, mean_new_tokens=50.0, num_allocatable_pages=100, page_size=16,
-                           num_prefill_tokens=backlog)
+                           num_prefill_tokens=backlog, prefill_samples=100, decode_samples=100, finished_samples=100)
 
 
 def test_a_router_counts_the_routers_sharing_the_fleet_from_what_the_replicas_received():

@@ -353,9 +353,9 @@ def test_replicas_report_digests(cluster):
 @pytest.mark.ray
 def test_shared_prefixes_stick_to_one_replica_and_hit_its_cache(cluster):
     # 8 pages: routing keys fall every 64 tokens at the start of a prompt (folio.router.keys), so the router sees
-    # the whole prefix cached. Replicas measure their own prefill rates, and on a loaded machine two identical
-    # replicas' first measurements differ by up to a few times: a prefix worth 128 of ~140 prompt tokens outweighs
-    # that, where one the router sees as 64 of ~110 (6 pages) did not.
+    # the whole prefix cached. On a loaded machine two identical replicas' first prefill-rate measurements differ by
+    # up to a few times; routers weigh them against the fleet's by their counts (folio.router.cost), and a prefix
+    # worth 128 of ~140 prompt tokens outweighs what remains.
     prefix_pages = 8
     rng = random.Random(0)
     prefixes = [[rng.randrange(50, 950) for _ in range(prefix_pages * PAGE_SIZE)] for _ in range(8)]
