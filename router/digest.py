@@ -191,10 +191,13 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
     instance_id = stats.get("instance_id", "")
     if not isinstance(instance_id, str):
         raise DigestError(f"digest field 'instance_id' must be a str, got {instance_id!r}")
-    samples = [stats.get(name, SAMPLES_UNKNOWN) for name in _SAMPLE_FIELDS]
-    for name, value in zip(_SAMPLE_FIELDS, samples):
-        if type(value) is not int or value < 0:
-            raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
+    get = stats.get
+    samples = (get("prefill_samples", SAMPLES_UNKNOWN), get("decode_samples", SAMPLES_UNKNOWN),
+               get("finished_samples", SAMPLES_UNKNOWN))
+    if not (tuple(map(type, samples)) == (int, int, int) and min(samples) >= 0):
+        for name, value in zip(_SAMPLE_FIELDS, samples):
+            if type(value) is not int or value < 0:
+                raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
     if not decode_batches and stats.get("snapshot") is None:
         return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], (), None,
                              stats.get("batches"), *samples)
