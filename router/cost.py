@@ -9,8 +9,8 @@
 
 Rates come from the replicas' reports (folio.router.rates, measured on their engine steps); a replica that has not
 measured one yet gets the median of the fleet's, and only a fleet that has measured nothing uses the defaults. A
-replica's own value counts as RATE_PRIOR_SAMPLES observations of the fleet's median would against its own count,
-    rate(r) = (n(r) x own(r) + RATE_PRIOR_SAMPLES x fleet) / (n(r) + RATE_PRIOR_SAMPLES)
+replica's own value is weighed against the fleet's median by its count of observations n(r),
+    rate(r) = (n(r) x own(r) + RATE_PRIOR_SAMPLES x fleet) / (n(r) + RATE_PRIOR_SAMPLES),
 since a replica's first steps measure it poorly (the replicas of one deployment run one model on one kind of
 device): two idle replicas whose first prefill steps read 700 and 2,300 tokens/s would otherwise send a request away
 from the one holding most of its prompt. After a few dozen steps a replica's own rate decides.
