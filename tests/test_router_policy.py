@@ -25,6 +25,7 @@ replica.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter, defaultdict
@@ -72,20 +73,17 @@ def test_the_oracles_key_pages():
     assert [d for d in range(16) if is_key_depth(d)] == [1, 3, 7, 11, 15]
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16, 48, 64, 100, 256, 512])
-@pytest.mark.parametrize("dense_tokens", [0, 64, 200, 256, 1000])
-@pytest.mark.parametrize("dense_key_tokens", [16, 64, 96])
-def test_key_depths_are_the_pages_the_definition_keys(page_size, dense_tokens, dense_key_tokens):
+def test_key_depths_are_the_pages_the_definition_keys():
     """KeyGeometry.depths builds the list from ranges; the definition, written out, tests each page."""
-    geometry = KeyGeometry(page_size, BLOCK_TOKENS, dense_tokens, dense_key_tokens)
-    block_pages, dense_key_pages = max(1, BLOCK_TOKENS // page_size), max(1, dense_key_tokens // page_size)
-
-    def keyed(depth):
-        in_dense = depth < dense_tokens // page_size
-        return (depth + 1) % block_pages == 0 or (in_dense and (depth + 1) % dense_key_pages == 0)
-
-    for num_pages in (0, 1, 2, 5, 17, 64, 300):
-        assert geometry.depths(num_pages) == [d for d in range(num_pages) if keyed(d)], num_pages
+    for page_size, dense_tokens, dense_key_tokens in itertools.product([1, 3, 16, 48, 64, 100, 256, 512],
+                                                                       [0, 64, 200, 256, 1000], [16, 64, 96]):
+        geometry = KeyGeometry(page_size, BLOCK_TOKENS, dense_tokens, dense_key_tokens)
+        block_pages, dense_key_pages = max(1, BLOCK_TOKENS // page_size), max(1, dense_key_tokens // page_size)
+        dense_pages = dense_tokens // page_size
+        for num_pages in (0, 1, 2, 5, 17, 64, 300):
+            keyed = [d for d in range(num_pages)
+                     if (d + 1) % block_pages == 0 or (d < dense_pages and (d + 1) % dense_key_pages == 0)]
+            assert geometry.depths(num_pages) == keyed, (page_size, dense_tokens, dense_key_tokens, num_pages)
 
 
 class Clock:
