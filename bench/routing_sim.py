@@ -479,6 +479,10 @@ def simulate(kind: str, requests: list[Request], args: argparse.Namespace,
         result["key_events_per_replica_s"] = router.key_events_per_replica_s()
     if isinstance(router, RayPrefixRouter):
         result["ray_decisions"] = dict(router.modes)
+    ours = getattr(router, "routers", [router])
+    if all(hasattr(r, "num_past_holder") for r in ours):
+        result["past_holder"] = sum(r.num_past_holder for r in ours)
+        result["past_holder_tokens"] = sum(r.tokens_past_holder for r in ours)
     return result
 
 
@@ -576,6 +580,10 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
             print(f"{kind}: decisions by queue spread > imbalanced_threshold (power of two) "
                   f"{modes['imbalanced'] / total:.0%}, by longest match {modes['match'] / total:.0%}, "
                   f"to the fewest routed characters {modes['smallest'] / total:.0%}")
+        if "past_holder" in r:
+            print(f"{kind}: {r['past_holder']:,} requests sent past a replica holding more of their prompt "
+                  f"({r['past_holder_tokens']:,} tokens computed again by choice, of {r['prefilled_tokens']:,} "
+                  "prefilled)")
     digest = max((r.get("digest_bytes_max", 0) for r in rows.values()), default=0)
     if digest:
         rate = max((r.get("key_events_per_replica_s", 0) for r in rows.values()), default=0)

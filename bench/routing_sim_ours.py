@@ -81,6 +81,9 @@ class OurRouter:
         self.policy.sync_replicas(self.ids)
         self.reporters = [reporter_of(r, args) for r in replicas]
         self.digest_bytes = 0
+        # Requests sent to a replica holding less of the prompt than the best-placed candidate (the cost model chose
+        # to compute the difference again), and that difference in tokens: where hit rate goes for balance.
+        self.num_past_holder = self.tokens_past_holder = 0
 
     def key_events_per_replica_s(self) -> float:
         """Routing-key events (stored + evicted, net) the replicas published per replica and report period."""
@@ -91,6 +94,11 @@ class OurRouter:
         prompt = req.conv.token_ids[:req.num_prompt_tokens].tolist()
         decision = self.policy.choose(self.ids, prompt)
         self.policy.on_routed(decision.best, decision)
+        cached = decision.num_cached_tokens
+        shortfall = max(cached.values(), default=0) - cached.get(decision.best, 0)
+        if shortfall > 0:
+            self.num_past_holder += 1
+            self.tokens_past_holder += shortfall
         return decision.best
 
     def tick(self, now: float) -> None:
