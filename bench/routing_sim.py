@@ -160,16 +160,22 @@ class SimReplica:
         self._changed_s = now
 
     def num_prefill_tokens(self, now: float) -> int:
-        """Prompt tokens not prefilled yet; a job not started counts less the leading pages its pool holds now
-        (as the engine's scheduler reports it: folio.scheduler.Scheduler.num_prefill_tokens)."""
+        """Prompt tokens not prefilled yet; a job not started counts less the leading pages its pool holds now or
+        a job ahead of it will compute (as the engine's scheduler reports it:
+        folio.scheduler.Scheduler.num_prefill_tokens)."""
         current = 0 if self.prefilling is None else (self.prefilling.prefill_end_s - now) * self.prefill_rate
         waiting = 0
+        queued_ahead: set[bytes] = set()
         for queue in (self.admitted, self.waiting):
             for job in queue:
                 req = job.req
                 reusable = req.conv.hashes[:(req.num_prompt_tokens - 1) // self.page_size]
                 found = self.pool.lookup(reusable)
-                waiting += req.num_prompt_tokens - (found.num_ready + found.num_pending) * self.page_size
+                num_reused = found.num_ready + found.num_pending
+                while num_reused < len(reusable) and reusable[num_reused] in queued_ahead:
+                    num_reused += 1
+                queued_ahead.update(req.conv.hashes[num_reused:req.num_prompt_tokens // self.page_size])
+                waiting += req.num_prompt_tokens - num_reused * self.page_size
         return int(max(0.0, current)) + waiting
 
     def arrive(self, job: Job, now: float) -> None:

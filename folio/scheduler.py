@@ -149,12 +149,14 @@ class Scheduler:
 
     def num_prefill_tokens(self) -> int:
         """Tokens still to prefill over running and queued sequences (a decoding sequence's one unfed token does
-        not count; a queued one counts less the leading pages the pool holds now, which its admission would reuse
-        if they are still there)."""
+        not count). A queued one counts less the leading pages its admission would reuse if they are still there:
+        those the pool holds now, and those a sequence queued ahead of it will compute (a burst of prompts sharing
+        a new prefix is one prefix of work, not one per prompt)."""
         running = sum(n for n in (seq.num_uncached_tokens for seq in self.active) if n > 1)
         cached = self.cache.num_cached_prefix_tokens
-        return running + sum(max(seq.num_uncached_tokens - cached(seq.page_hashes, len(seq.token_ids)), 0)
-                             for seq in self.pending)
+        queued_ahead: set[bytes] = set()
+        return running + sum(max(seq.num_uncached_tokens - cached(seq.page_hashes, len(seq.token_ids), queued_ahead),
+                                 0) for seq in self.pending)
 
     # --- the step ---
 

@@ -276,6 +276,21 @@ def test_num_prefill_tokens_of_a_queued_prompt_excludes_the_pages_the_pool_holds
     assert h.sched.num_prefill_tokens() == 4 + 10
 
 
+def test_num_prefill_tokens_counts_a_prefix_shared_in_the_queue_once():
+    """Queued prompts sharing a prefix no job has computed yet: the first computes it, the others take its pages in
+    flight when admitted, so the backlog holds the prefix once (a burst of one new system prompt must not look
+    like seconds of prefill to the router)."""
+    h = Harness(num_pages=32, page_size=4, max_batch_size=1, max_chunk_size=64)
+    prefix = list(range(12))  # 3 full pages
+    h.enqueue(prefix + [100, 101, 102], 2)
+    h.enqueue(prefix + [200, 201, 202], 2)
+    h.enqueue(prefix[:8] + [300, 301, 302, 303, 304], 2)  # shares 2 of the 3 pages
+    h.enqueue(list(range(500, 510)), 2)
+    assert h.sched.num_prefill_tokens() == 15 + 3 + 5 + 10
+    h.step()  # the first is admitted and prefills; the others reuse its pages, in flight or ready
+    assert h.sched.num_prefill_tokens() == 3 + 5 + 10
+
+
 def test_preempted_in_the_step_of_its_partial_copy_records_no_slots():
     """A sequence admitted, given a partial-page copy and preempted within one step: the copy is dropped from the
     plan, so releasing it must not record that page as holding the copied tokens. (Found by the state machine:

@@ -59,14 +59,24 @@ class KVCacheManager:
 
     # --- counts ---
 
-    def num_cached_prefix_tokens(self, page_hashes: list[bytes], num_tokens: int) -> int:
+    def num_cached_prefix_tokens(self, page_hashes: list[bytes], num_tokens: int,
+                                 queued_ahead: set[bytes] | None = None) -> int:
         """Tokens of a prompt of num_tokens whose leading full pages (`page_hashes`) the pool holds or is filling
-        now: what its admission would reuse if it came now (the last token is always computed)."""
+        now: what its admission would reuse if it came now (the last token is always computed).
+
+        queued_ahead: for a queue walked in order, the pages that prompts queued ahead of this one will compute;
+        leading pages among them count as reused too (an admission takes pages in flight instead of computing them
+        again), and this prompt's own pages beyond those it reuses are added to the set."""
         if not self.prefix_cache:
             return 0
         reusable = page_hashes[:max(num_tokens - 1, 0) // self.page_size]
         found = self._pool.lookup(reusable)
-        return (found.num_ready + found.num_pending) * self.page_size
+        num_reused = found.num_ready + found.num_pending
+        if queued_ahead is not None:
+            while num_reused < len(reusable) and reusable[num_reused] in queued_ahead:
+                num_reused += 1
+            queued_ahead.update(page_hashes[num_reused:])
+        return num_reused * self.page_size
 
     @property
     def num_pages(self) -> int:
