@@ -200,7 +200,8 @@ class LoadTable:
         if self._reported_backlog:
             backlog = self._reported_backlog
             slots = np.fromiter(backlog, dtype=np.intp, count=len(backlog))
-            reported_at, tokens = np.array(list(backlog.values()), dtype=np.float64).reshape(len(backlog), 2).T
+            reported_at, tokens = np.fromiter(chain.from_iterable(backlog.values()), dtype=np.float64,
+                                              count=2 * len(backlog)).reshape(len(backlog), 2).T
             self.busy_until[slots] = reported_at + tokens / self.eff_prefill[slots]
             backlog.clear()
         self.settled[:] = self._settled(slice(None), self.jobs + self.routed_load)
