@@ -62,10 +62,15 @@ class PolicyConfig:
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
     default_*: rates assumed before any replica has measured its own (folio.router.cost.CostDefaults).
-    recompute_weight: a replica whose cache holds less of the prompt than the best-placed candidate's is charged this
-        share of the prefill time of the difference, on top of its own time to first token: the recompute delays the
-        requests behind it there. 0.45 is the largest weight with which bench/routing_sim.py's hot-spot burst kept
-        its load max:mean <= 1.3 (0.6: 1.31); it recomputes the hot prefix on fewer replicas (33 against 36 of 64).
+    recompute_weight: a replica whose cache holds less of the prompt than the best-placed candidates' is charged
+        recompute_weight / n of the prefill time of the difference, on top of its own time to first token, n being
+        the number of candidates that hold that much (the prefix's copies). The recompute delays the requests
+        behind it there; what it buys differs with n. A prefix on one replica, sent elsewhere because that replica
+        is busy with other work, costs a whole recompute to spare a wait its later requests may not meet again. A
+        prefix that n replicas already serve is in demand enough to need them, and one more copy takes 1/n of that
+        demand's load. With 1.5, bench/routing_sim.py's templates stay with their holders while its hot prefix
+        spreads at a fraction of that price (bench/RESULTS.md); one weight for every prefix had to stay at 0.45 or
+        less to keep the hot-spot burst's load max:mean <= 1.3, and then sent templates away from busy holders.
     seed: the tie-breaking rng's seed."""
 
     shortlist_size: int = 8
@@ -79,7 +84,7 @@ class PolicyConfig:
     default_prefill_tokens_per_s: float = CostDefaults.prefill_tokens_per_s
     default_decode_step_s: float = CostDefaults.decode_step_s
     default_new_tokens: float = CostDefaults.mean_new_tokens
-    recompute_weight: float = 0.45
+    recompute_weight: float = 1.5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -258,13 +263,15 @@ class PrefixRouterPolicy:
         loads = self.loads
         scored = []
         # A replica that would compute again what another holds also costs the fleet that prefill time: the requests
-        # that queue behind it there wait for it too (see PolicyConfig.recompute_weight).
-        most_cached = max((geometry.tokens_of(m.num_blocks, depths) for m in shortlist.values() if m is not None),
-                          default=0)
-        recompute_weight = self.config.recompute_weight
+        # that queue behind it there wait for it too ...
+        cached_of = {pos: 0 if match is None else geometry.tokens_of(match.num_blocks, depths)
+                     for pos, match in shortlist.items()}
+        most_cached = max(cached_of.values(), default=0)
+        # ... shared among the replicas holding that much of it (see PolicyConfig.recompute_weight)
+        recompute_weight = self.config.recompute_weight / max(sum(c == most_cached for c in cached_of.values()), 1)
         for pos, match in shortlist.items():
             slot = int(slots[pos])
-            cached = 0 if match is None else geometry.tokens_of(match.num_blocks, depths)
+            cached = cached_of[pos]
             # Matched keys no event confirmed yet are in that replica's backlog: this request waits for them there
             # rather than computing them again, so they are not a delay of its own on top of the wait.
             in_flight = 0 if match is None else cached - geometry.tokens_of(match.num_reported_blocks, depths)

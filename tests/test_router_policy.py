@@ -458,8 +458,9 @@ def test_costs_and_shortlist_against_brute_force_over_every_replica(seed, sample
                 holders.add(replica_id)
             cached_of[replica_id] = cached
         most_cached = max(cached_of.values())  # every holder is scored
+        num_copies = sum(cached == most_cached for cached in cached_of.values()) if most_cached else 1
         for replica_id in replicas:
-            costs[replica_id] += W * (most_cached - cached_of[replica_id]) / prefill
+            costs[replica_id] += W / num_copies * (most_cached - cached_of[replica_id]) / prefill
         assert decision.costs == pytest.approx({r: costs[r] for r in decision.costs}, rel=1e-9, abs=1e-12)
         assert [decision.costs[r] for r in decision.shortlist] == sorted(decision.costs.values())
         others = set(decision.shortlist) - holders
@@ -528,7 +529,8 @@ def test_the_shortlist_finds_a_replica_with_room_past_those_that_lack_pages(cloc
 
 def test_an_in_flight_prefix_prefilled_since_is_no_discount(clock):
     prefill, step, new = 1000.0, 0.01, 50.0
-    policy = PrefixRouterPolicy(PolicyConfig(routed_ttl_s=100.0, **EXACT), clock=clock)
+    # (no recompute charge: the cap on the discount alone decides)
+    policy = PrefixRouterPolicy(PolicyConfig(routed_ttl_s=100.0, recompute_weight=0.0, **EXACT), clock=clock)
     busy, idle = FakeReplica("busy", max_running=2), FakeReplica("idle", max_running=2)
     busy.running = 3
     for replica in (busy, idle):
@@ -541,7 +543,7 @@ def test_an_in_flight_prefix_prefilled_since_is_no_discount(clock):
     assert decision.num_cached_tokens["busy"] == 512
     # busy: no prefill left, 4 jobs for 2 batch slots; then 4 tokens of its own. idle: the whole prompt.
     assert decision.costs == pytest.approx({"busy": settled_s(4, 2, step, new) + 4 / prefill,
-                                            "idle": 0.516 + W * 0.512})
+                                            "idle": 0.516})
     # The discount for the in-flight 512 tokens is capped at the prefill still queued on "busy" (none): without the
     # cap "busy" would cost 0.77 - 0.512 + 0.004 = 0.262 and win.
     assert decision.best == "idle"
@@ -572,6 +574,32 @@ def test_a_holder_wins_while_its_wait_is_below_the_prefill_time_it_saves(clock, 
             "idle": len(tokens) / prefill + w * cached / prefill,
             "holder": wait_s(jobs, backlog, max_running, prefill, step, new) + (len(tokens) - cached) / prefill})
         assert decision.best == winner
+
+
+@pytest.mark.parametrize("num_holders, winner", [(1, "holder0"), (3, "idle")])
+def test_the_recompute_charge_is_shared_among_the_copies_of_a_prefix(clock, num_holders, winner):
+    """The same 1 s backlog on every holder of a 512-token prefix: one holder keeps the request (an idle replica
+    pays the prefill and the whole recompute charge, W x 0.512 s), while with three holders the idle replica pays a
+    third of that charge and wins: a prefix that several replicas serve spreads at a fraction of the price."""
+    prefill, step, new = 1000.0, 0.01, 50.0
+    tokens = prompt(4, num_pages=32, suffix=20)
+    cached = 32 * PAGE_SIZE
+    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    holders = [FakeReplica(f"holder{i}") for i in range(num_holders)]
+    idle = FakeReplica("idle")
+    for replica in (*holders, idle):
+        replica.rates = measured(prefill, step, new)
+        if replica is not idle:
+            replica.store(tokens, 32)
+            replica.backlog = 1000
+        replica.report(policy)
+    ids = [r.replica_id for r in (*holders, idle)]
+    decision = policy.choose(ids, tokens)
+    holder_s = wait_s(0, 1000, holders[0].max_running, prefill, step, new) + (len(tokens) - cached) / prefill
+    idle_s = len(tokens) / prefill + W / num_holders * cached / prefill
+    assert decision.costs == pytest.approx({**{h.replica_id: holder_s for h in holders}, "idle": idle_s})
+    assert cached / prefill * (1 + W / 3) < holder_s - (len(tokens) - cached) / prefill < cached / prefill * (1 + W)
+    assert decision.best == winner
 
 
 def test_fresh_job_counts_override_the_reports(fleet):
@@ -653,8 +681,9 @@ def test_a_replicas_rates_weigh_against_the_fleets_by_their_observations(clock):
 def test_a_first_slow_measurement_does_not_send_a_prompt_from_its_prefix(clock):
     """Two idle replicas of one deployment; the first prefill steps measured one at 700 tokens/s, the other at
     2,300 (one prompt in a step against four, on a loaded host). The slower holds 64 of a 110-token prompt: taken
-    at face value, 46 tokens there cost more than 110 plus the recompute charge on the other."""
-    policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
+    at face value, 46 tokens there cost more than 110 on the other (no recompute charge here: the rates alone
+    decide)."""
+    policy = PrefixRouterPolicy(PolicyConfig(recompute_weight=0.0, **EXACT), clock=clock)
     holder, other = FakeReplica("holder"), FakeReplica("other")
     tokens = prompt(7, num_pages=4, suffix=46)
     holder.store(tokens, 4)
@@ -663,7 +692,7 @@ def test_a_first_slow_measurement_does_not_send_a_prompt_from_its_prefix(clock):
             replica.rates.observe_step(110, 0, 110 / prefill)
         replica.rates.observe_step(0, 1, 0.02)
         replica.report(policy)
-    assert 46 / 700 > (110 + W * 64) / 2300  # what face value would choose
+    assert 46 / 700 > 110 / 2300  # what face value would choose
     decision = policy.choose(["holder", "other"], tokens)
     assert decision.num_cached_tokens["holder"] == 64
     assert decision.best == "holder", decision.costs
