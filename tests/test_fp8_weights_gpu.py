@@ -82,6 +82,28 @@ def test_native_gemv_silu_gate(dtype, rows, intermediate, k):
         assert rel_err(got, fp32_oracle(x, w, bias, silu_gate=True)) <= 2e-2
 
 
+def raw_weight(n: int, k: int, seed: int) -> fp8.Fp8Weight:
+    """Uniformly random e4m3 codes: every finite value, subnormals and both zeros included (NaN codes excluded)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.int32, generator=gen)
+    codes = torch.where(codes & 0x7F == 0x7F, codes ^ 1, codes).to(torch.uint8)
+    scale = torch.rand(n, device="cuda", generator=gen) * 1e-2 + 1e-3
+    return fp8.Fp8Weight(codes.view(fp8.FP8_DTYPE), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(4112, 1024), (520, 1000)])  # several groups per block; the unaligned path
+def test_native_gemv_every_code_and_batch_invariance(dtype, n, k):
+    module = native()
+    w = raw_weight(n, k, seed=n)
+    x = torch.randn(8, k, device="cuda", dtype=dtype)
+    got = module.linear_fp8(x, w.weight, w.scale)
+    assert rel_err(got, fp32_oracle(x, w)) <= 1e-2
+    for rows in (1, 3):  # a row's result does not depend on the other rows of the batch
+        for m in range(0, 8, rows):
+            assert torch.equal(module.linear_fp8(x[m:m + rows], w.weight, w.scale), got[m:m + rows])
+
+
 def test_native_gemv_strided_and_unaligned_inputs():
     module = native()
     w = weight(64, 80, seed=1)  # K % 16 == 0 but rows of x taken from a wider tensor, and an odd K below
