@@ -23,23 +23,30 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
 }
 
 // d += A * B over one k16 step of m16n8k16 (fp32 accumulators). The lane (g = lane / 4, t = lane % 4) passes
-// a_lo = A[g][2t, 2t+1], a_hi = A[g][2t+8, 2t+9] (A's rows 8..15 are zero here), b_lo = B[2t, 2t+1][g],
-// b_hi = B[2t+8, 2t+9][g]; it gets d[0], d[1] = D[g][2t, 2t+1] (d[2], d[3]: D's rows 8..15, zero).
+// a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9], b0 = B[2t, 2t+1][g],
+// b1 = B[2t+8, 2t+9][g]; it gets d = D[g][2t, 2t+1], D[g+8][2t, 2t+1].
 template <typename T>
-__device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b_lo, uint32_t b_hi) {
-  const uint32_t zero = 0u;
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a_lo), "r"(zero), "r"(a_hi), "r"(zero), "r"(b_lo), "r"(b_hi));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   } else {
-    static_assert(std::is_same_v<T, __half>, "mma_k16: bfloat16 or float16");
+    static_assert(std::is_same_v<T, __half>, "mma_m16n8k16: bfloat16 or float16");
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a_lo), "r"(zero), "r"(a_hi), "r"(zero), "r"(b_lo), "r"(b_hi));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+}
+
+// The same with A's rows 8..15 zero: a_lo = A[g][2t, 2t+1], a_hi = A[g][2t+8, 2t+9]; d[0], d[1] = D[g][2t, 2t+1]
+// (d[2], d[3]: D's rows 8..15, zero).
+template <typename T>
+__device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b_lo, uint32_t b_hi) {
+  mma_m16n8k16<T>(d, a_lo, 0u, a_hi, 0u, b_lo, b_hi);
 }
 
 // The row of W lane group g (of kTileRows) of tile b (a block's, by default blockIdx.x) reads: row kTileRows * b + g;

@@ -143,25 +143,7 @@ __device__ __forceinline__ void fp8x4_to(uint32_t w, uint32_t& lo, uint32_t& hi)
   }
 }
 
-// d += A * B over one k16 step of m16n8k16 (fp32 accumulators), A = 16 rows of W, B = 8 rows of x. The lane
-// (g = lane / 4, t = lane % 4) passes a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9],
-// a3 = A[g+8][2t+8, 2t+9], b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; it gets d = D[g][2t, 2t+1], D[g+8][2t, 2t+1].
-template <typename T>
-__device__ __forceinline__ void mma_w16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    static_assert(std::is_same_v<T, __half>, "mma_w16: bfloat16 or float16");
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
+using gemv::mma_m16n8k16;  // (gemv_common.cuh): A = 16 rows of W, B = 8 rows of x
 
 // One chunk of the lane's two rows of W (w0: tile 0's, w1: tile 1's) against the same chunk of its row of x: four
 // mmas. mma j takes weights 4j .. 4j+3 (word j) and x elements 4j .. 4j+3 (words 2j, 2j+1 of the chunk's 32 bytes
@@ -177,7 +159,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], float (&acc_hi)[4], u
     uint32_t a0, a1, a2, a3;
     fp8x4_to<T>(wv0[j], a0, a2);
     fp8x4_to<T>(wv1[j], a1, a3);
-    mma_w16<T>(j % 2 ? acc_hi : acc, a0, a1, a2, a3, xv[2 * j], xv[2 * j + 1]);
+    mma_m16n8k16<T>(j % 2 ? acc_hi : acc, a0, a1, a2, a3, xv[2 * j], xv[2 * j + 1]);
   }
 }
 
