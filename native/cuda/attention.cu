@@ -112,11 +112,6 @@ struct KvChunk<T, kFmtNone> {
   __device__ __forceinline__ void load(const unsigned char* src) { v.load(reinterpret_cast<const T*>(src)); }
   __device__ __forceinline__ void to_floats(float, float (&f)[8]) const { v.to_floats(f); }
 };
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Merges online-softmax state (m2, l2, acc2) into (m, l, acc); m in log2 units, -inf = empty.
 template <int N>
@@ -269,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
     } else {
       cp_async_commit();  // an empty group keeps "all but the newest group" meaning "this iteration's group"
     }
-    cp_async_wait_all_but_newest();
+    cp_async_wait<1>();
     KvChunk<T, FMT> k_vec[UNROLL], v_vec[UNROLL];
     bool valid[UNROLL];
 #pragma unroll
@@ -342,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
     }
   }
   // ...then the warps, through shared memory (which the loop's buffers used until every warp is past it).
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   if (lane < LANES_PER_TOKEN) {
 #pragma unroll

@@ -79,9 +79,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst_shared, const void* src,
                "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one_pending() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_none_pending() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -293,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
     }
     if (tile + kWarps < num_tiles) prefetch(tile + kWarps, stage ^ 1);
     cp_async_commit();  // possibly empty: "one pending" then always means "this tile has landed"
-    cp_async_wait_one_pending();
+    cp_async_wait<1>();
     __syncwarp();  // every lane's copies of this tile are visible to the whole warp
     if constexpr (kQuant) {
       dequantize(stage, k_scale, v_scale);
@@ -363,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
     }
     __syncwarp();  // all lanes are done reading this stage before the next iteration's prefetch refills it
   }
-  cp_async_wait_none_pending();
+  cp_async_wait<0>();
 
   // Row sums over the 4 lanes of a row, then the warps merge through shared memory (the pipeline's space).
 #pragma unroll

@@ -24,6 +24,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// cp.async groups (sm_80+): close the group of the copies this thread issued since the last commit; wait until at
+// most kPending of this thread's committed groups are still in flight (their copies visible to it after).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Eight consecutive elements <-> eight floats. The address must be aligned to 8 elements' worth of bytes for
 // 16-bit types and to 16 bytes for float (the launchers check alignment before choosing vector paths).
 template <typename T> struct Vec8;

@@ -68,7 +68,7 @@ constexpr size_t kRingBytes = sizeof(uint4) * kStages * kStageChunks * kThreads;
 constexpr int kMaxRows = static_cast<int>(kLinearMaxRows);
 static_assert(kMaxRows <= 8, "x is the B operand of m16n8k16: its 8 columns are rows of x");
 static_assert(kThreads >= kMaxRows * kTileRows, "the epilogue gives each output of a tile one thread");
-static_assert(kStages >= 2 && kStages <= 4, "copy_async_wait takes kStages - 1 as an immediate");
+static_assert(kStages >= 2 && kStages <= 4, "cp_async_wait takes kStages - 1 as an immediate");
 
 // Chunk c of a row of W, element by element (the unaligned path): weights 16c .. 16c+15, byte i of word i / 4 at
 // bits 8 * (i % 4); k >= K reads 0.
@@ -168,11 +168,6 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
   const auto dst_addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst_addr), "l"(src) : "memory");
 }
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // One warp step of one lane: chunk c = first_chunk + 4u of its rows of W (from its ring slot `in`:
 // [kTiles][kUnroll][kThreads] uint4, this lane's column) and of its row of x. PARTIAL: the row's last step, whose
@@ -260,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS)
       }
       copy_slot = copy_slot + 1 == kStages ? 0 : copy_slot + 1;
     }
-    copy_async_commit();
+    cp_async_commit();
   };
 
   bool waited = !VEC;  // the first steps' copies go out before the wait for x's producer (launch.cuh)
@@ -275,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, FOLIO_GEMV_FP8_MIN_BLOCKS)
     float acc[4] = {}, acc_hi[4] = {};  // D[g][2t, 2t+1] (tile 0, rows 2t, 2t+1 of x), D[g+8][..] (tile 1)
     for (int s = 0; s < steps; ++s) {
       stage_next();
-      copy_async_wait<kStages - 1>();
+      cp_async_wait<kStages - 1>();
       gemv::wait_for_x_once(waited);
       const uint4* in = ring + slot * (kStageChunks * kThreads) + threadIdx.x;
       const int64_t c0 = first + int64_t{s} * kBlockStepChunks;
