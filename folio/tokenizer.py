@@ -188,6 +188,10 @@ class Tokenizer:
 
     # ---------------------------------------------------------------------------------------- encode / decode
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what __init__ takes): another process builds the same one."""
+        return self._hf.to_str()
+
     def encode(self, text: str, add_bos: bool = False, encode_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text in the input (e.g. "<|eos|>") becomes the special token only
         with encode_special_tokens=True; otherwise it is tokenized as the plain characters it consists of."""

@@ -26,11 +26,11 @@ Each filter compiles to an llguidance grammar and drives one `LLMatcher`:
   text: the first `bind` builds a template matcher, later binds take a `deep_copy` of it (bounded LRU).
 - `bind` raises FilterError with llguidance's message for a schema, regex or grammar that does not compile.
 - `fill_bitmask(row)` writes llguidance's mask into the row (the GIL is released while it computes);
-  `fill_bitmasks(filters, bitmask)` fills a batch: the rows of one compiled grammar (copies of one template) in
-  one call on one thread, the groups of different grammars on threads of their own. Copies of a template share its
-  lexer caches, and llguidance's threads contend on them: more threads on one grammar's rows made a step slower,
-  llguidance's default executor (80% of the host's CPUs) slowest, while separately compiled grammars do gain from
-  threads (bench/grammar_threads.py; bench/RESULTS.md, constrained decoding).
+  `fill_bitmasks(filters, bitmask)` fills a batch: rows of one vocabulary by worker processes from procs.MIN_ROWS
+  rows up, where the host has the CPUs (folio.constrain.procs); else the rows of one compiled grammar (copies of
+  one template) in one call on one thread, the groups of different grammars on threads of their own. llguidance's
+  threads in one process contend: more threads on one grammar's rows made a step slower, and threads with a
+  tokenizer and grammar of their own each no faster (bench/grammar_threads.py; bench/RESULTS.md).
 - EOS: while the grammar accepts (it could end here), the tokenizer's EOS ids are in the mask; feeding one
   finishes the filter. When the grammar can go no further (a closed JSON document, a regex with nothing left to
   match) the matcher stops by itself: `is_finished` is true without an EOS, and the mask then holds only EOS.
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -53,6 +54,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
+from folio.constrain import procs
 from folio.constrain.base import Filter, FilterError, bitmask_words
 from folio.tokenizer import Tokenizer
 
@@ -67,6 +69,8 @@ STRING_SLICES = [r"[\x20\x0A\x0D\x09]+", *(f"{_STRING_CHAR}{{1,{n}}}" for n in (
                  f"{_STRING_CHAR}+"]
 
 GROUP_THREADS = 4  # grammars filled at once by fill_bitmasks (each group's rows on one thread)
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _vocabularies: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Vocabulary]] = weakref.WeakKeyDictionary()
@@ -93,10 +97,12 @@ class _Vocabulary:
             special.append(token_id)
             tokens.append(f"<pad_{token_id}>".encode())
         self.eos_ids = list(tokenizer.eos_token_ids)
-        wrapper = _TokenizerWrapper(tokenizer, tokens, special)
-        self.lltok = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=self.eos_ids or None,
+        self.vocab_size = vocab_size
+        self.wrapper = _TokenizerWrapper(tokenizer, tokens, special)
+        self.lltok = llguidance.LLTokenizer(self.wrapper, n_vocab=vocab_size, eos_token=self.eos_ids or None,
                                             slices=STRING_SLICES)
         self.templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.pool: procs.MaskProcesses | None = None  # (mask_processes)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         with _lock:
@@ -112,6 +118,24 @@ class _Vocabulary:
                 while len(self.templates) > GRAMMAR_CACHE_SIZE:
                     self.templates.popitem(last=False)
         return template.deep_copy()
+
+    def mask_processes(self) -> procs.MaskProcesses | None:
+        """The worker processes making this vocabulary's masks, once they are ready (the first call starts them,
+        on a background thread); None until then, where procs.PROCESSES is 0, or once they failed."""
+        if procs.PROCESSES <= 0:
+            return None
+        if self.pool is None:
+            with _lock:
+                if self.pool is None:
+                    self.pool = procs.start_pool(self.pool_init(), procs.PROCESSES)
+            return None
+        return self.pool if self.pool.ready.is_set() and self.pool.error is None else None
+
+    def pool_init(self) -> dict[str, Any]:
+        """What a mask worker process builds this vocabulary from (it encodes text as folio's tokenizer does)."""
+        w = self.wrapper
+        return {"tokens": w.tokens, "special": w.special_token_ids, "eos": self.eos_ids, "bos": w.bos_token_id,
+                "vocab_size": self.vocab_size, "slices": STRING_SLICES, "tokenizer_json": w._tokenizer.to_json()}
 
     def family(self, grammar: str) -> tuple[int, str]:
         """What the copies of one template share (their lexer caches): the key fill_bitmasks groups rows by."""
@@ -154,6 +178,13 @@ class GrammarFilterBase(Filter, abc.ABC):
         super().__init__()
         self._matcher: llguidance.LLMatcher | None = None
         self.family: tuple[int, str] | None = None  # (bind: rows of one family are filled on one thread)
+        # what folio.constrain.procs keeps a worker's shadow of this filter by: its grammar text and vocabulary,
+        # the shadow, a count bumped by bind and reset (the shadow starts again), and the fewest tokens fed since
+        # the shadow's last sync (rollback: the shadow rolls back to there)
+        self._grammar: str | None = None
+        self._vocab: _Vocabulary | None = None
+        self._shadow: list | None = None
+        self._epoch = self._low = 0
 
     @abc.abstractmethod
     def llguidance_grammar(self) -> str:
@@ -172,6 +203,8 @@ class GrammarFilterBase(Filter, abc.ABC):
             raise FilterError(f"{type(self).__name__}: {e}") from e
         self.family = vocab.family(grammar)
         self._fed = []
+        self._grammar, self._vocab = grammar, vocab
+        self._epoch += 1
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
@@ -203,6 +236,7 @@ class GrammarFilterBase(Filter, abc.ABC):
     def reset(self) -> None:
         self.matcher.reset()
         self._fed = []
+        self._epoch += 1
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(self._fed):
@@ -210,6 +244,7 @@ class GrammarFilterBase(Filter, abc.ABC):
         if num_tokens and not self.matcher.rollback(num_tokens):
             raise FilterError(f"{type(self).__name__}: rollback failed: {self.matcher.get_error()}")
         del self._fed[len(self._fed) - num_tokens:]
+        self._low = min(self._low, len(self._fed))
 
 
 class JsonSchemaFilter(GrammarFilterBase):
@@ -289,8 +324,9 @@ class ChoiceFilter(GrammarFilterBase):
 def fill_bitmasks(filters: Sequence[Filter | None], bitmask: np.ndarray) -> None:
     """Fill row i of `bitmask` ([B, W] int32, C-contiguous) for filters[i] (None: every token allowed).
 
-    Grammar filters are filled by llguidance with the GIL released, the rows of each compiled grammar together on
-    one thread, different grammars on threads of their own (see the module docstring); other filters one by one.
+    Grammar filters are filled by llguidance with the GIL released: by worker processes where a vocabulary has
+    procs.MIN_ROWS rows or more (folio.constrain.procs), else the rows of each compiled grammar together on one
+    thread, different grammars on threads of their own (see the module docstring); other filters one by one.
     """
     global _group_pool
     if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags["C_CONTIGUOUS"]:
@@ -298,7 +334,10 @@ def fill_bitmasks(filters: Sequence[Filter | None], bitmask: np.ndarray) -> None
     if len(filters) > bitmask.shape[0]:
         raise ValueError(f"{len(filters)} filters for a bitmask of {bitmask.shape[0]} rows")
     groups: dict[Any, list[tuple[llguidance.LLMatcher, int]]] = {}
+    in_processes = _fill_in_processes(filters, bitmask) if len(filters) >= procs.MIN_ROWS else set()
     for i, f in enumerate(filters):
+        if i in in_processes:
+            continue
         if isinstance(f, GrammarFilterBase):
             if bitmask_words(f.vocab_size) != bitmask.shape[1]:
                 raise ValueError(f"filter {i}'s vocabulary needs {bitmask_words(f.vocab_size)} words per row")
@@ -325,6 +364,33 @@ def fill_bitmasks(filters: Sequence[Filter | None], bitmask: np.ndarray) -> None
     llnp.fill_next_token_bitmask_par(_executors[0], buckets[0], bitmask)
     for task in tasks:
         task.result()
+
+
+def _fill_in_processes(filters: Sequence[Filter | None], bitmask: np.ndarray) -> set[int]:
+    """The rows of vocabularies with procs.MIN_ROWS grammar rows or more, filled by their worker processes where
+    those are ready; the rows filled."""
+    if procs.PROCESSES <= 0:
+        return set()
+    by_vocab: dict[_Vocabulary, list[tuple[GrammarFilterBase, int]]] = {}
+    for i, f in enumerate(filters):
+        if isinstance(f, GrammarFilterBase) and f._vocab is not None and \
+                bitmask_words(f.vocab_size) == bitmask.shape[1]:
+            by_vocab.setdefault(f._vocab, []).append((f, i))
+    filled: set[int] = set()
+    for vocab, items in by_vocab.items():
+        if not procs.MIN_ROWS <= len(items) <= procs.MAX_ROWS:
+            continue
+        pool = vocab.mask_processes()
+        if pool is None:
+            continue
+        try:
+            left = pool.fill(items, bitmask)
+        except procs.MaskProcessError as e:  # the pool is closed: these rows and later fills go in process
+            logger.warning("grammar masks go back in process: %s", e)
+            continue
+        filled.update(i for _, i in items)
+        filled.difference_update(left)
+    return filled
 
 
 # the engine's MaskWorker fills the masks of many grammar filters in one call through this
