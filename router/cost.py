@@ -218,36 +218,31 @@ class LoadTable:
         slot_wait = np.maximum(jobs + 1.0 - max_running, 0.0) / max_running * self.eff_new[slots] * step
         return slot_wait + jobs / max_running * step
 
-    def wait_s(self, slots: np.ndarray, fresh_jobs: np.ndarray | None = None) -> np.ndarray:
-        """Predicted seconds before a new request's own prefill could start on each of `slots`. fresh_jobs:
-        current job counts (NaN where unknown) that replace the report-based estimate."""
+    def waits(self, rows: np.ndarray | slice, uncached_tokens: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per slot of `rows` (slot numbers, or a slice of them): the predicted seconds before a new request's own
+        prefill could start, and that plus the wait for a job to finish and free pages where the slot lacks the
+        pages for uncached_tokens (what a request sharing nothing would wait; see terms)."""
         self.refresh()
-        prefill_wait = np.maximum(self.busy_until[slots] - self._clock(), 0.0)
-        if fresh_jobs is None:
-            return prefill_wait + self.settled[slots]
-        estimated = self.jobs[slots] + self.routed_load[slots]
-        return prefill_wait + self._settled(slots, np.where(np.isnan(fresh_jobs), estimated, fresh_jobs))
+        wait = self.busy_until[rows] - self._clock()
+        np.maximum(wait, 0.0, out=wait)
+        wait += self.settled[rows]
+        unshared = self.one_job_s[rows] * (uncached_tokens > self.fit_tokens[rows])
+        unshared += wait
+        return wait, unshared
 
-    def prefill_wait_of(self, slot: int) -> float:
-        """Seconds of prefill queued on the slot now (the draining part of its wait)."""
+    def wait_with_jobs(self, slot: int, jobs: float) -> float:
+        """waits() of one slot with a current job count (e.g. Ray's queue-length cache) in place of the reports'
+        plus what was routed since."""
         self.refresh()
-        return max(float(self.busy_until[slot]) - self._clock(), 0.0)
+        max_running = max(self.max_running.item(slot), 1.0)
+        step = self.eff_step.item(slot)
+        slot_wait = max(jobs + 1.0 - max_running, 0.0) / max_running * self.eff_new.item(slot) * step
+        return max(self.busy_until.item(slot) - self._clock(), 0.0) + slot_wait + jobs / max_running * step
 
-    def shortfall_s(self, slots: np.ndarray, uncached_tokens: float) -> np.ndarray:
-        """Per slot, the wait for a job to finish and free pages when the slot lacks the pages for uncached_tokens
-        (request_s's page term, vectorised: the shortlist is chosen with it)."""
+    def terms(self, slot: int) -> tuple[float, float, float, float]:
+        """The slot's (prefill tokens/s, seconds of prefill queued now, uncached tokens it has the pages for, one
+        job's decode seconds): a request of u uncached tokens takes u / rate to prefill there, plus the decode
+        seconds when u > the tokens it has pages for (it waits for a job to finish and free some)."""
         self.refresh()
-        return np.where(uncached_tokens > self.fit_tokens[slots], self.one_job_s[slots], 0.0)
-
-    def prefill_rate_of(self, slot: int) -> float:
-        self.refresh()
-        return float(self.eff_prefill[slot])
-
-    def request_s(self, slot: int, uncached_tokens: float) -> float:
-        """Seconds to prefill `uncached_tokens` on the slot, plus one job's decode time where the replica lacks
-        the pages for them (it would wait for a job to finish and free some)."""
-        self.refresh()
-        seconds = uncached_tokens / float(self.eff_prefill[slot])
-        if uncached_tokens > self.fit_tokens[slot]:
-            seconds += float(self.one_job_s[slot])
-        return seconds
+        return (self.eff_prefill.item(slot), max(self.busy_until.item(slot) - self._clock(), 0.0),
+                self.fit_tokens.item(slot), self.one_job_s.item(slot))

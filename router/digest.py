@@ -68,7 +68,17 @@ _SAMPLE_FIELDS = ("prefill_samples", "decode_samples", "finished_samples")
 SAMPLES_UNKNOWN = 1 << 30
 _POSITIVE = operator.itemgetter(*(_NUMBER_FIELDS.index(name)
                                   for name in ("page_size", "block_tokens", "dense_key_tokens", "seq")))
-
+# The common report, what build_digest writes (every field, the numbers of the types it writes), read in one C call:
+# v, instance_id, the numbers in ReplicaDigest's order, the sample counts, the snapshot (None) and the batches (a
+# list): most reports a router decodes are this; anything else takes the checks field by field.
+_COMMON = operator.itemgetter("v", "instance_id", *_NUMBER_FIELDS, *_SAMPLE_FIELDS, "snapshot", "batches")
+_COMMON_TYPES = (int, str, *_REPORTED_TYPES, int, int, int, type(None), list)
+_COMMON_FIELDS = operator.itemgetter(slice(1, 2 + len(_NUMBER_FIELDS)))  # instance_id and the numbers
+_COMMON_COUNTS = operator.itemgetter(slice(2, 2 + len(_NUMBER_FIELDS) + len(_SAMPLE_FIELDS)))
+_COMMON_SAMPLES = operator.itemgetter(slice(2 + len(_NUMBER_FIELDS), 2 + len(_NUMBER_FIELDS) + len(_SAMPLE_FIELDS)))
+_COMMON_RATES = operator.itemgetter(*(2 + _NUMBER_FIELDS.index(name) for name in _FLOAT_FIELDS))
+_COMMON_POSITIVE = operator.itemgetter(*(2 + _NUMBER_FIELDS.index(name)
+                                         for name in ("page_size", "block_tokens", "dense_key_tokens")))
 
 class DigestError(ValueError):
     """A routing-stats dict that is not a valid report."""
@@ -167,6 +177,10 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
     would cost more than applying the new one. decode_batches=False: a report without a snapshot keeps its batch
     list undecoded and unchecked in `encoded_batches` (the native index's apply_encoded decodes and checks it; the
     caller parses again with decode_batches=True where that refuses)."""
+    if not decode_batches and type(stats) is dict:
+        common = _common_digest(stats)
+        if common is not None:
+            return common
     if type(stats) is not dict and not isinstance(stats, Mapping):
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
@@ -210,6 +224,23 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
         raise DigestError("a batch or the snapshot is newer than the report's seq")
     return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], batches, snapshot,
                          None, *samples)
+
+
+def _common_digest(stats: dict) -> ReplicaDigest | None:
+    """parse_digest(decode_batches=False) of the common report (see _COMMON), or None where it is not one: the
+    caller's checks, field by field, then accept it or name what is wrong."""
+    try:
+        values = _COMMON(stats)
+    except KeyError:
+        return None
+    if tuple(map(type, values)) != _COMMON_TYPES or values[0] != DIGEST_VERSION or 0 in _COMMON_POSITIVE(values):
+        return None
+    prefill_rate, decode_step, new_tokens = _COMMON_RATES(values)
+    # (a NaN fails its comparison; with one among the numbers, min() may miss a negative, but the rates' test fails)
+    if not (prefill_rate < math.inf and decode_step < math.inf and new_tokens < math.inf
+            and min(_COMMON_COUNTS(values)) >= 0):
+        return None
+    return ReplicaDigest(*_COMMON_FIELDS(values), (), None, values[-1], *_COMMON_SAMPLES(values))
 
 
 def _check_numbers(numbers: tuple) -> None:

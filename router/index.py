@@ -21,11 +21,11 @@ Single-threaded: the caller (one router, one event loop) serialises calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from folio.router.digest import Batch, ReplicaDigest
+from folio.router.digest import Batch, ReplicaDigest, parse_digest
 from folio.router.held_keys import HeldKeys, deepest_in_masks, make_held_keys
 
 ReplicaId = Hashable
@@ -74,6 +74,7 @@ class PrefixIndex:
         self._ids: list[ReplicaId | None] = []  # slot -> replica id
         self._free_slots: list[int] = []
         self._held = held if held is not None else make_held_keys()
+        self._decodes_batches = hasattr(self._held, "apply_encoded")
         self._routed: dict[int, int] = {}  # key -> bitmask of slots it was routed to
         self.stats = IndexStats()
 
@@ -154,7 +155,33 @@ class PrefixIndex:
         from a new instance (the replica restarted) first forgets what the old one held. None (nothing changed) for
         a digest with encoded batches (decodes_batches) that the native path does not take: decode it in full and
         report it again."""
-        state = self._replicas.get(replica_id) or self._add(replica_id)
+        return self._report(self._replicas.get(replica_id) or self._add(replica_id), digest)
+
+    def report_stats(self, replica_id: ReplicaId, stats: Mapping[str, Any]) -> tuple[int, ReplicaDigest] | None:
+        """Apply a replica's report as the dict it sent (folio.router.digest): its slot and the decoded report, or
+        None (nothing changed) if it is not newer than the last one applied. Raises DigestError if it is not a
+        report. One look-up of the replica, and only the batches it has not applied decoded: a router receives
+        every replica's report each period, and each of them many times."""
+        state = self._replicas.get(replica_id)
+        previous = None if state is None else state.digest
+        applied_seq = 0
+        if (previous is not None and (type(stats) is dict or isinstance(stats, Mapping))
+                and stats.get("instance_id", "") == previous.instance_id):
+            epoch = stats.get("epoch")
+            if type(epoch) is int and epoch <= previous.epoch:
+                return None  # the same report again (routers see each one many times): skip decoding it
+            applied_seq = state.seq
+        # the native index decodes and applies the batches itself where it can (most reports)
+        digest = parse_digest(stats, applied_seq, decode_batches=not self._decodes_batches)
+        if state is None:
+            state = self._add(replica_id)  # (not before: a dict that is no report adds no replica)
+        changed = self._report(state, digest)
+        if changed is None:
+            digest = parse_digest(stats, applied_seq)
+            changed = self._report(state, digest)
+        return (state.slot, digest) if changed else None
+
+    def _report(self, state: _Replica, digest: ReplicaDigest) -> bool | None:
         previous = state.digest
         if previous is not None and previous.instance_id == digest.instance_id and digest.epoch <= previous.epoch:
             return False
@@ -173,7 +200,7 @@ class PrefixIndex:
     @property
     def decodes_batches(self) -> bool:
         """Whether report() takes digests whose batches are still encoded (parse_digest(decode_batches=False))."""
-        return hasattr(self._held, "apply_encoded")
+        return self._decodes_batches
 
     def _apply_encoded(self, state: _Replica, digest: ReplicaDigest) -> bool:
         """The common report, its batches decoded and applied by the native index in one call: same instance, in

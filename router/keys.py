@@ -12,6 +12,7 @@ block_stride(page_size, block_tokens) pages.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 KEY_BYTES = 8
@@ -69,7 +70,7 @@ class KeyGeometry:
     the first dense_tokens of a sequence, then every block_tokens."""
 
     __slots__ = ("page_size", "block_tokens", "dense_tokens", "dense_key_tokens", "stride", "dense_pages",
-                 "dense_stride")
+                 "dense_stride", "_key_depths")
 
     def __init__(self, page_size: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  dense_tokens: int = DEFAULT_DENSE_TOKENS, dense_key_tokens: int = DEFAULT_DENSE_KEY_TOKENS) -> None:
@@ -78,6 +79,7 @@ class KeyGeometry:
         self.stride = block_stride(page_size, block_tokens)
         self.dense_pages = dense_pages(page_size, dense_tokens)
         self.dense_stride = block_stride(page_size, dense_key_tokens)
+        self._key_depths: list[int] = []  # the depths of the first keys of a sequence, as many as asked for yet
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeyGeometry) and self.as_tuple() == other.as_tuple()
@@ -91,16 +93,18 @@ class KeyGeometry:
     def depths(self, num_pages: int) -> list[int]:
         return key_depths(num_pages, self.stride, self.dense_pages, self.dense_stride)
 
+    def depths_of_keys(self, num_keys: int) -> list[int]:
+        """The depths of a sequence's first num_keys routing keys (kept from call to call: a router asks on every
+        decision, for prompts of a few lengths)."""
+        known = self._key_depths
+        if len(known) < num_keys:
+            known = self._key_depths = self.depths(self.dense_pages + max(num_keys, 2 * len(known)) * self.stride)
+        return known[:num_keys]
+
     def num_reusable_keys(self, num_prompt_tokens: int, depths: Sequence[int]) -> int:
-        """How many of a prompt's keys (at `depths`) name pages a replica can reuse: pages before the prompt's
-        last token, which is always computed."""
-        last_reusable_page = max(num_prompt_tokens - 1, 0) // self.page_size - 1
-        count = 0
-        for depth in depths:
-            if depth > last_reusable_page:
-                break
-            count += 1
-        return count
+        """How many of a prompt's keys (at `depths`, increasing) name pages a replica can reuse: pages before the
+        prompt's last token, which is always computed."""
+        return bisect_right(depths, max(num_prompt_tokens - 1, 0) // self.page_size - 1)
 
     def tokens_of(self, num_keys: int, depths: Sequence[int]) -> int:
         """Prompt tokens a replica holding the first num_keys keys (at `depths`) holds."""

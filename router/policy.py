@@ -34,7 +34,7 @@ import numpy as np
 
 from folio.hashing import page_hashes
 from folio.router.cost import CostDefaults, LoadTable
-from folio.router.digest import DigestError, ReplicaDigest, parse_digest
+from folio.router.digest import DigestError, ReplicaDigest
 from folio.router.index import DEFAULT_MAX_ROUTED_KEYS, DEFAULT_ROUTED_TTL_S, PrefixIndex, ReplicaId
 from folio.router.keys import (
     DEFAULT_BLOCK_TOKENS,
@@ -105,7 +105,8 @@ class PolicyConfig:
 class Decision:
     """shortlist: the scored replicas, best first, with their predicted seconds (costs) and cached prompt tokens;
     ranking: every candidate, the shortlist first and then the others by predicted wait (Ray's choose_replicas
-    shape: one replica per rank)."""
+    shape: one replica per rank); order: the same as positions in the candidate list (no replica id hashed: a
+    caller holding objects per candidate, Ray's RunningReplica, picks them by position)."""
 
     shortlist: list[ReplicaId]
     mode: Mode
@@ -113,15 +114,21 @@ class Decision:
     num_cached_tokens: dict[ReplicaId, int]
     num_prompt_tokens: int
     keys: list[int] = field(default_factory=list)  # the prompt's routing keys, for on_routed
-    _rest: Callable[[], list[ReplicaId]] = field(default=lambda: [], repr=False)
+    _order: Callable[[], list[int]] = field(default=lambda: [], repr=False)
+    _candidates: Sequence[ReplicaId] = field(default=(), repr=False)
 
     @property
     def best(self) -> ReplicaId | None:
         return self.shortlist[0] if self.shortlist else None
 
     @property
+    def order(self) -> list[int]:
+        return self._order()
+
+    @property
     def ranking(self) -> list[list[ReplicaId]]:
-        return [[r] for r in self.shortlist] + [[r] for r in self._rest()]
+        candidates = self._candidates
+        return [[candidates[pos]] for pos in self._order()]
 
 
 class PrefixRouterPolicy:
@@ -134,8 +141,8 @@ class PrefixRouterPolicy:
         self._rng = random.Random(config.seed)
         self._num_rejected_reports = 0
         # The last candidate list, its slots, and each slot's position in it (-1: not a candidate).
-        self._candidates: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, dtype=np.int64),
-                                                                 np.zeros(0, dtype=np.int64))
+        self._candidates: tuple[list, np.ndarray, np.ndarray, np.ndarray | slice] = (
+            [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), slice(0, 0))
         self._geometry: KeyGeometry | None = None  # the one most replicas reported
 
     @property
@@ -152,7 +159,7 @@ class PrefixRouterPolicy:
 
     def _forget_candidates(self) -> None:
         """After replicas came or went: the candidates' slots, and the geometry most of them reported."""
-        self._candidates = ([], self._candidates[1][:0], self._candidates[2][:0])
+        self._candidates = ([], self._candidates[1][:0], self._candidates[2][:0], slice(0, 0))
         self._geometry = None
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
@@ -165,34 +172,23 @@ class PrefixRouterPolicy:
         """Apply a replica's report (a dict from folio.router.digest.build_digest, or a parsed one). Returns whether
         it changed anything; an invalid dict is counted and ignored (a replica of another version must not break
         routing)."""
-        if not isinstance(stats, ReplicaDigest):
-            known = self.index.digest(replica_id)
-            instance_id = stats.get("instance_id", "") if isinstance(stats, Mapping) else ""
-            if known is not None and instance_id == known.instance_id:
-                epoch = stats.get("epoch")
-                if type(epoch) is int and epoch <= known.epoch:
-                    return False  # the same report again (routers see each one many times): skip decoding it
-                applied_seq = self.index.applied_seq(replica_id, instance_id)
-            else:
-                applied_seq = 0  # a first report, or a new instance's
-            try:
-                # the native index decodes and applies the batches itself where it can (most reports)
-                digest = parse_digest(stats, applied_seq, decode_batches=not self.index.decodes_batches)
-                changed = self.index.report(replica_id, digest)
-                if changed is None:
-                    digest = parse_digest(stats, applied_seq)
-                    changed = self.index.report(replica_id, digest)
-            except DigestError:
-                self._num_rejected_reports += 1
-                return False
-            stats = digest
-        else:
+        if isinstance(stats, ReplicaDigest):
             changed = self.index.report(replica_id, stats)
             if changed is None:
                 raise ValueError("report() takes digests with encoded batches only as dicts (it decodes them again)")
-        if not changed:
-            return False
-        self.loads.set_report(self.index.slot_of(replica_id), stats)
+            if not changed:
+                return False
+            slot = self.index.slot_of(replica_id)
+        else:
+            try:
+                applied = self.index.report_stats(replica_id, stats)
+            except DigestError:
+                self._num_rejected_reports += 1
+                return False
+            if applied is None:
+                return False
+            slot, stats = applied
+        self.loads.set_report(slot, stats)
         geometry = self._geometry
         # (a report of the geometry most replicas report cannot make another one the most reported)
         if geometry is not None and (stats.page_size, stats.block_tokens, stats.dense_tokens,
@@ -224,29 +220,29 @@ class PrefixRouterPolicy:
         return [hashed[d] for d in depths]
 
     def choose(self, candidate_ids: Sequence[ReplicaId], token_ids: Sequence[int] = (), namespace: bytes = b"",
-               *, num_jobs: Mapping[ReplicaId, int] | None = None, keys: Sequence[int] | None = None,
-               num_prompt_tokens: int | None = None) -> Decision:
+               *, num_jobs: Mapping[ReplicaId, int] | Callable[[list[ReplicaId]], Mapping[ReplicaId, int]] | None
+               = None, keys: Sequence[int] | None = None, num_prompt_tokens: int | None = None) -> Decision:
         """Rank `candidate_ids` for a prompt of `token_ids` (hash namespace `namespace`, see folio.hashing), or of
         `num_prompt_tokens` tokens whose routing keys are `keys` (from prompt_keys).
 
-        num_jobs: fresher job counts than the reports' (e.g. Ray's queue-length cache), per replica.
+        num_jobs: fresher job counts than the reports' (e.g. Ray's queue-length cache), per replica, for the
+            replicas scored; or a function giving them for a list of replica ids, asked once for the shortlist (a
+            mapping of every candidate would cost a fleet of hundreds a pass over all of them per request). The
+            shortlist's draw from the least waiting uses the reports' counts plus what was routed since.
         """
         if not candidate_ids:
             return Decision([], Mode.LOAD, {}, {}, 0)
+        candidate_ids = candidate_ids if type(candidate_ids) is list else list(candidate_ids)
         if keys is None:
             keys = self.prompt_keys(token_ids, namespace)
         prompt_len = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         geometry = self.geometry()
-        depths = geometry.depths(geometry.dense_pages + len(keys) * geometry.stride)[:len(keys)]
+        depths = geometry.depths_of_keys(len(keys))
         num_reusable = geometry.num_reusable_keys(prompt_len, depths)
-        slots, position_of = self._slots(candidate_ids)
-        fresh = None
-        if num_jobs:
-            fresh = np.full(len(slots), np.nan)
-            for pos, replica_id in enumerate(candidate_ids):
-                if replica_id in num_jobs:
-                    fresh[pos] = num_jobs[replica_id]
-        wait = self.loads.wait_s(slots, fresh)
+        slots, position_of, rows = self._slots(candidate_ids)
+        loads = self.loads
+        # Chosen by what a request sharing nothing would wait there, page shortfall included.
+        wait, unshared = loads.waits(rows, prompt_len)
         matches = self.index.match(keys[:num_reusable]) if num_reusable else {}
         shortlist = {}
         for slot, match in matches.items():
@@ -254,13 +250,11 @@ class PrefixRouterPolicy:
                 shortlist[int(position_of[slot])] = match
         mode = Mode.AFFINITY if shortlist else Mode.LOAD
         # Several routers choosing at once from the same view spread over as many times the candidates.
-        k = min(len(slots), round(self.config.shortlist_size * self.loads.num_routers))
-        # Chosen by what a request sharing nothing would wait there, page shortfall included.
-        unshared = wait + self.loads.shortfall_s(slots, prompt_len)
+        k = min(len(slots), round(self.config.shortlist_size * loads.num_routers))
         least = (np.argpartition(unshared, k)[:k] if len(slots) > k else np.arange(len(slots))).tolist()
         for pos in self._rng.sample(least, min(self.config.sampled, len(least))):
             shortlist.setdefault(pos, None)
-        loads = self.loads
+        fresh = (num_jobs([candidate_ids[pos] for pos in shortlist]) if callable(num_jobs) else num_jobs) or {}
         scored = []
         # A replica that would compute again what another holds also costs the fleet that prefill time: the requests
         # that queue behind it there wait for it too ...
@@ -272,37 +266,54 @@ class PrefixRouterPolicy:
         for pos, match in shortlist.items():
             slot = int(slots[pos])
             cached = cached_of[pos]
+            prefill_rate, prefill_wait, fit_tokens, one_job_s = loads.terms(slot)
             # Matched keys no event confirmed yet are in that replica's backlog: this request waits for them there
             # rather than computing them again, so they are not a delay of its own on top of the wait.
             in_flight = 0 if match is None else cached - geometry.tokens_of(match.num_reported_blocks, depths)
-            discount = min(in_flight / loads.prefill_rate_of(slot), loads.prefill_wait_of(slot))  # what is queued
-            own_wait = max(float(wait[pos]) - discount, 0.0)
-            cost = own_wait + loads.request_s(slot, max(prompt_len - cached, 0))
+            discount = min(in_flight / prefill_rate, prefill_wait)  # what is queued
+            uncached = max(prompt_len - cached, 0)
+            # its own prefill, and where the replica lacks the pages for it, a job's decode time to free some
+            jobs = fresh.get(candidate_ids[pos]) if fresh else None
+            own_wait = float(wait[pos]) if jobs is None else loads.wait_with_jobs(slot, jobs)
+            cost = max(own_wait - discount, 0.0) + uncached / prefill_rate + (
+                one_job_s if uncached > fit_tokens else 0.0)
             if recompute_weight and cached < most_cached:
-                cost += recompute_weight * (most_cached - cached) / loads.prefill_rate_of(slot)
+                cost += recompute_weight * (most_cached - cached) / prefill_rate
             scored.append((cost, self._rng.random(), pos, cached))
         scored.sort()
-        ids = [candidate_ids[pos] for _, _, pos, _ in scored]
-        picked = set(shortlist)
+        positions = [pos for _, _, pos, _ in scored]
 
-        def rest() -> list[ReplicaId]:
-            return [candidate_ids[p] for p in np.argsort(wait, kind="stable").tolist() if p not in picked]
+        def order() -> list[int]:
+            by_wait = np.argsort(wait, kind="stable")
+            rest = np.ones(len(wait), dtype=bool)
+            rest[positions] = False
+            return positions + by_wait[rest[by_wait]].tolist()
 
-        return Decision(ids, mode, {candidate_ids[pos]: cost for cost, _, pos, _ in scored},
-                        {candidate_ids[pos]: cached for _, _, pos, cached in scored}, prompt_len, list(keys), rest)
+        return Decision([candidate_ids[pos] for pos in positions], mode,
+                        {candidate_ids[pos]: cost for cost, _, pos, _ in scored},
+                        {candidate_ids[pos]: cached for _, _, pos, cached in scored}, prompt_len, list(keys), order,
+                        candidate_ids)
 
-    def _slots(self, candidate_ids: Sequence[ReplicaId]) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates' slots, and every slot's position among the candidates (-1: not one); cached for the
-        next call with the same candidates (a router's candidates rarely change)."""
-        cached_ids, slots, position_of = self._candidates
-        if len(cached_ids) == len(candidate_ids) and cached_ids == list(candidate_ids):
-            return slots, position_of
+    def _slots(self, candidate_ids: Sequence[ReplicaId]) -> tuple[np.ndarray, np.ndarray, np.ndarray | slice]:
+        """The candidates' slots, every slot's position among the candidates (-1: not one), and what selects the
+        candidates' rows of the load table (a slice where the candidates are the first slots in order, as all of a
+        fleet's replicas usually are: a view instead of a gather); kept for the next call with the same candidates
+        (a router's candidates rarely change)."""
+        cached_ids, slots, position_of, rows = self._candidates
+        if len(cached_ids) == len(candidate_ids) and cached_ids == candidate_ids:
+            # (list equality tests each pair for identity first: the latest equal candidates are kept, so that a
+            # router whose replica ids came again as new objects, as a Serve broadcast renews them all, compares
+            # them without __eq__ from the next call on; the first pair tells)
+            if cached_ids[0] is not candidate_ids[0]:
+                self._candidates = (list(candidate_ids), slots, position_of, rows)
+            return slots, position_of, rows
         slots = np.array([self.index.slot_of(r) for r in candidate_ids], dtype=np.int64)
         self.loads.ensure(int(slots.max()))
         position_of = np.full(self.index.num_slots, -1, dtype=np.int64)
         position_of[slots] = np.arange(len(slots))
-        self._candidates = (list(candidate_ids), slots, position_of)
-        return slots, position_of
+        rows = slice(0, len(slots)) if np.array_equal(slots, np.arange(len(slots))) else slots
+        self._candidates = (list(candidate_ids), slots, position_of, rows)
+        return slots, position_of, rows
 
     def on_routed(self, replica_id: ReplicaId, decision: Decision) -> None:
         """The request of `decision` was sent to `replica_id`: its prompt's blocks will be there shortly."""

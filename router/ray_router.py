@@ -58,6 +58,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._expected: OrderedDict[str, _Expected] = OrderedDict()  # request key -> where it should go
         self._in_transit: dict[ReplicaID, deque[float]] = {}  # chosen, not sent yet: when chosen, oldest first
         self._unreachable_until: dict[ReplicaID, float] = {}  # time.monotonic() until which it is ranked last
+        self._candidate_ids: tuple[list[RunningReplica], list[ReplicaID]] = ([], [])  # (_ids_of)
         self.decision_modes: Counter[str] = Counter()  # how rankings were made, for diagnostics and tests
 
     @property
@@ -71,6 +72,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.policy.sync_replicas(self.curr_replicas)
+        self._candidate_ids = ([], [])
         for replica_id in [r for r in self._in_transit if r not in self.curr_replicas]:
             del self._in_transit[replica_id]
         for replica in replicas:
@@ -101,19 +103,27 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         candidate_replicas, unreachable = self._split_unreachable(candidate_replicas)
-        by_id = {}
-        for replica in candidate_replicas:
-            by_id[replica.replica_id] = replica
-            self._apply_report(replica)
+        # (no reports applied here: Serve broadcasts new routing stats through update_replicas, and a pass over every
+        # candidate per request would cost a fleet of 512 replicas about as much as the decision itself)
         token_ids = prompt_token_ids(pending_request)
-        decision = self.policy.choose(list(by_id), token_ids, prompt_namespace(pending_request),
-                                      num_jobs=self._job_counts(by_id))
+        decision = self.policy.choose(self._ids_of(candidate_replicas), token_ids, prompt_namespace(pending_request),
+                                      num_jobs=self._job_counts)
         self.decision_modes[decision.mode.value if token_ids else "no_prompt"] += 1
         if pending_request is not None and decision.best is not None:
             self._expect(pending_request, decision, bool(token_ids))
         # One replica per rank, ties already broken by the policy's rng: Serve sends to rank 0 unless it is full,
         # so the replica this router expects is the one it gets.
-        return [[by_id[replica_id]] for rank in decision.ranking for replica_id in rank] + [[r] for r in unreachable]
+        return [[candidate_replicas[pos]] for pos in decision.order] + [[r] for r in unreachable]
+
+    def _ids_of(self, candidates: list[RunningReplica]) -> list[ReplicaID]:
+        """The candidates' replica ids, kept for the next call with the same candidates (Serve passes its replica
+        wrappers, reused from call to call, and reading each one's id is a Python property: at hundreds of replicas
+        a pass over them costs more than the decision)."""
+        cached, ids = self._candidate_ids
+        if len(cached) != len(candidates) or cached != candidates:
+            ids = [r.replica_id for r in candidates]
+            self._candidate_ids = (list(candidates), ids)
+        return ids
 
     def _split_unreachable(self, candidates: list[RunningReplica]
                            ) -> tuple[list[RunningReplica], list[RunningReplica]]:
@@ -158,14 +168,15 @@ class PrefixAwareRequestRouter(RequestRouter):
             self.policy.on_routed(best, decision)
         self._in_transit.setdefault(best, deque()).append(time.monotonic())
 
-    def _job_counts(self, by_id: dict[ReplicaID, RunningReplica]) -> dict[ReplicaID, int]:
-        """Requests on each replica: Serve's queue-length cache where it has a fresh entry (updated on every send,
-        completion and rejection, so fresher than a digest a period old) plus the requests chosen for it and not
-        sent yet. Replicas without an entry are left to the policy (last digest + what was routed since)."""
+    def _job_counts(self, replica_ids: list[ReplicaID]) -> dict[ReplicaID, int]:
+        """Requests on each of these replicas (the policy asks for the ones it scores): Serve's queue-length cache
+        where it has a fresh entry (updated on every send, completion and rejection, so fresher than a digest a
+        period old) plus the requests chosen for it and not sent yet. Replicas without an entry are left to the
+        policy (last digest + what was routed since)."""
         cache = self.replica_queue_len_cache
         horizon = time.monotonic() - IN_TRANSIT_TTL_S
         counts = {}
-        for replica_id in by_id:
+        for replica_id in replica_ids:
             queue_len = cache.get(replica_id)
             if queue_len is None:
                 continue

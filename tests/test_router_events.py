@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import types
 from collections import Counter
 
 import pytest
@@ -25,7 +26,14 @@ from fakes import FakePool
 
 from folio.cache import OutOfPages, PageEvent, PageEventKind, PagePool
 from folio.hashing import page_hashes
-from folio.router.digest import DIGEST_VERSION, SAMPLES_UNKNOWN, DigestError, build_digest, parse_digest
+from folio.router.digest import (
+    DIGEST_VERSION,
+    SAMPLES_UNKNOWN,
+    DigestError,
+    ReplicaDigest,
+    build_digest,
+    parse_digest,
+)
 from folio.router.events import CacheEvents, pack
 from folio.router.index import Match, PrefixIndex
 from folio.router.keys import page_key
@@ -880,8 +888,29 @@ def test_malformed_digests_are_rejected(change, message):
     stats = stats | change
     with pytest.raises(DigestError, match=message):
         parse_digest(stats)
+    if "batches" not in change:  # (decode_batches=False leaves the batches to the native index, unchecked)
+        with pytest.raises(DigestError, match=message):
+            parse_digest(stats, decode_batches=False)
     policy = PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE))
     assert not policy.report("r0", stats) and policy.num_rejected_reports == 1
+
+
+@pytest.mark.parametrize("samples", [True, False])
+def test_the_common_report_reads_as_the_full_decode_reads_it(samples):
+    """parse_digest(decode_batches=False) reads a report as build_digest writes it in one pass (folio.router.digest
+    _common_digest): the same numbers as the full decode, the batches left encoded; a report of an earlier version
+    (no sample counts) or a mapping that is not a dict takes the field-by-field path to the same result."""
+    stats = json.loads(json.dumps(valid_stats())) | {"snapshot": None}
+    if not samples:
+        for name in ("prefill_samples", "decode_samples", "finished_samples"):
+            del stats[name]
+    full = parse_digest(stats)
+    for given in (stats, types.MappingProxyType(stats)):
+        common = parse_digest(given, decode_batches=False)
+        assert common.encoded_batches == stats["batches"] and common.batches == () and common.snapshot is None
+        assert all(getattr(common, name) == getattr(full, name) and type(getattr(common, name)) is type(
+            getattr(full, name)) for name in ReplicaDigest.__slots__ if name not in ("batches", "encoded_batches"))
+    assert not samples or full.prefill_samples == stats["prefill_samples"]
 
 
 def test_a_digest_that_is_not_a_mapping_is_rejected():

@@ -371,7 +371,7 @@ def test_repeated_reports_are_not_decoded_again(fleet, monkeypatch):
     def fail(_):
         raise AssertionError("decoded a report it already had")
 
-    monkeypatch.setattr("folio.router.policy.parse_digest", fail)
+    monkeypatch.setattr("folio.router.index.parse_digest", fail)
     assert not policy.report("r0", stats)
 
 
@@ -904,9 +904,9 @@ def test_a_router_counts_the_routers_sharing_the_fleet_from_what_the_replicas_re
     clock.now += 1.0
     loads.set_report(0, _load_report(received=30))  # 10 of ours, 20 from two other routers
     assert loads.num_routers == pytest.approx(3.0)
-    before = loads.wait_s(np.array([0]))[0]
+    before = loads.waits(np.array([0]), 0)[0][0]
     loads.add_routed(0, 500)
-    assert loads.wait_s(np.array([0]))[0] - before == pytest.approx(3 * 500 / 1000.0 + 3 * 0.02 / 8)
+    assert loads.waits(np.array([0]), 0)[0][0] - before == pytest.approx(3 * 500 / 1000.0 + 3 * 0.02 / 8)
     for _ in range(10):  # alone from now on: the estimate follows within its window
         clock.now += 1.0
         for _ in range(10):
