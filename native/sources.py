@@ -23,6 +23,7 @@ CUDA_SOURCES = [
     "native/cuda/rotary_quant.cu",
     "native/cuda/attention.cu",
     "native/cuda/attention_mma.cu",
+    "native/cuda/attention_mma_quant.cu",
     "native/cuda/page_copy.cu",
     "native/cuda/sampling.cu",
     "native/cuda/gemv.cu",

@@ -1,4 +1,5 @@
-// Tensor-core paged attention for decode (attention_mma.cu), used by paged_attention() in attention.cu.
+// Tensor-core paged attention for decode (attention_mma.cu, attention_mma_quant.cu), used by paged_attention()
+// in attention.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,5 +20,11 @@ bool decode_attention_mma_applies(const PagedAttentionParams& p);
 // for the caller's combine kernel; with one split the result goes to p.out.
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
                                  float* partial_acc, float* partial_ml, const Launch& launch);
+
+// Quantized caches (attention_mma_quant.cu), reached through the two above: whether its copies fit the cache and
+// scale tensors' strides and alignment, and the kernel with the same contract.
+bool decode_attention_mma_quant_applies(const PagedAttentionParams& p);
+cudaError_t decode_attention_mma_quant(const PagedAttentionParams& p, int64_t num_rows, int num_splits,
+                                       int page_shift, float* partial_acc, float* partial_ml, const Launch& launch);
 
 }  // namespace folio::cuda
