@@ -171,14 +171,15 @@ class LoadTable:
         in expectation, so while this one sends a request to the replica, the others send as many."""
         self.ensure(slot)
         self.refresh()
-        self.routed_jobs[slot] += 1
-        self.routed_load[slot] += self._num_routers
-        now = self._clock()
-        self.busy_until[slot] = max(float(self.busy_until[slot]), now) + self._num_routers * num_prefill_tokens / float(
-            self.eff_prefill[slot])
-        jobs = float(self.jobs[slot] + self.routed_load[slot])
-        max_running = max(float(self.max_running[slot]), 1.0)
-        step, new = float(self.eff_step[slot]), float(self.eff_new[slot])
+        # (Python floats through .item(): numpy scalar arithmetic costs several times more, once per request)
+        routers = self._num_routers
+        self.routed_jobs[slot] = self.routed_jobs.item(slot) + 1.0
+        routed_load = self.routed_load[slot] = self.routed_load.item(slot) + routers
+        self.busy_until[slot] = max(self.busy_until.item(slot), self._clock()) + routers * num_prefill_tokens / (
+            self.eff_prefill.item(slot))
+        jobs = self.jobs.item(slot) + routed_load
+        max_running = max(self.max_running.item(slot), 1.0)
+        step, new = self.eff_step.item(slot), self.eff_new.item(slot)
         self.settled[slot] = max(jobs + 1.0 - max_running, 0.0) / max_running * new * step + jobs / max_running * step
 
     def refresh(self) -> None:

@@ -214,6 +214,9 @@ class PrefixIndex:
         if applied is None:
             return False
         first_seq, last_seq, num_batches, num_events, stored = applied
+        # Applied: the report's batch list is no longer needed here. Kept, it would keep the caller's batches alive
+        # until the next report, and freeing them (dozens of cold objects) would fall on that report's time.
+        digest.encoded_batches = None
         state.digest = digest
         if num_batches:
             if first_seq != state.seq + 1:
