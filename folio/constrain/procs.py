@@ -42,10 +42,11 @@ import numpy as np
 
 from folio.constrain.base import bitmask_words
 
-# Worker processes a vocabulary's pool starts: none on hosts of fewer than 8 CPUs (the step's own threads need them);
-# FOLIO_MASK_PROCESSES sets the count (0: masks always in process).
-PROCESSES = int(os.environ.get("FOLIO_MASK_PROCESSES", min(8, (os.cpu_count() or 1) - 4)
-                               if (os.cpu_count() or 1) >= 8 else 0))
+# Worker processes a vocabulary's pool starts: none where this process may run on fewer than 8 CPUs (the step's own
+# threads need them; the CPUs it may run on, not the host's: a replica pinned to a share of a large host counts its
+# share); FOLIO_MASK_PROCESSES sets the count (0: masks always in process).
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+PROCESSES = int(os.environ.get("FOLIO_MASK_PROCESSES", min(8, _CPUS - 4) if _CPUS >= 8 else 0))
 MIN_ROWS = 16  # grammar rows of one vocabulary in one fill before the processes are used (fewer: in process)
 MAX_ROWS = 512  # rows of the shared bitmask (a fill with more goes in process)
 START_TIMEOUT_S = 300.0
