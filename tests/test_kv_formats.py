@@ -313,10 +313,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("fmt", ["fp8", "q8", "q4"])  # q4h has no CUDA kernel (Cache refuses it on CUDA)
-@pytest.mark.parametrize("kernel", ["default", "quant-mma"])  # quant-mma: FOLIO_KV_QUANT_MMA=1, opt-in
-def test_native_quant_ops_match_the_reference(fmt: str, kernel: str, monkeypatch) -> None:
-    if kernel == "quant-mma":
-        monkeypatch.setenv("FOLIO_KV_QUANT_MMA", "1")
+def test_native_quant_ops_match_the_reference(fmt: str) -> None:
     native, device = ops.OpSet(backend="native"), torch.device("cuda")
     num_pages, page_size, hq, hkv, d, t = 8, 16, 8, 2, 128, 37
     gen = torch.Generator().manual_seed(5)

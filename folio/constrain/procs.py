@@ -44,9 +44,9 @@ from folio.constrain.base import bitmask_words
 
 # Worker processes a vocabulary's pool starts: none where this process may run on fewer than 8 CPUs (the step's own
 # threads need them; the CPUs it may run on, not the host's: a replica pinned to a share of a large host counts its
-# share); FOLIO_MASK_PROCESSES sets the count (0: masks always in process).
+# share).
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-PROCESSES = int(os.environ.get("FOLIO_MASK_PROCESSES", min(8, _CPUS - 4) if _CPUS >= 8 else 0))
+PROCESSES = min(8, _CPUS - 4) if _CPUS >= 8 else 0
 MIN_ROWS = 16  # grammar rows of one vocabulary in one fill before the processes are used (fewer: in process)
 MAX_ROWS = 512  # rows of the shared bitmask (a fill with more goes in process)
 START_TIMEOUT_S = 300.0
@@ -56,7 +56,9 @@ WORKER_GRAMMARS = 64  # compiled grammars a worker keeps
 logger = logging.getLogger(__name__)
 
 
-_WORKER = "import sys; from folio.constrain.procs import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+# (the parent's import path follows its two descriptors on the command line: the worker imports folio as it does)
+_WORKER = ("import sys; sys.path[:0] = sys.argv[3:]; from folio.constrain.procs import serve; "
+           "serve(int(sys.argv[1]), int(sys.argv[2]))")
 
 
 class MaskProcessError(RuntimeError):
@@ -88,12 +90,12 @@ class MaskProcesses:
     def start(self) -> None:
         """Start the workers and wait until each has built its tokenizer (raises MaskProcessError)."""
         try:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             for _ in range(self.num_workers):
                 ours, theirs = socket.socketpair()
                 fds = (theirs.fileno(), self._file.fileno())
-                self.procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *map(str, fds)], pass_fds=fds,
-                                                   env=env, stdin=subprocess.DEVNULL))
+                path = [p for p in sys.path if p]
+                self.procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *map(str, fds), *path],
+                                                   pass_fds=fds, stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
             for w in range(self.num_workers):

@@ -23,8 +23,6 @@
 //    tile ahead. When the tile has landed, the lane dequantizes its own pieces (fp32 code * scale, rounded to the
 //    16-bit type) into one swizzled K and V tile laid out as the unquantized kernel copies them, and the rest of
 //    the loop is the same code: it sees the dequantized cache in the model's dtype.
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "attention_mma.cuh"
@@ -450,18 +448,19 @@ cudaError_t launch_mma_format(const MmaArgs& a, int64_t num_rows, const Launch& 
 
 }  // namespace
 
-// FOLIO_KV_QUANT_MMA=1: quantized caches go to attention_mma_quant.cu's kernel, which feeds the codes to the mmas
-// without dequantizing tiles (measured faster on an H200, but its last revision has not run on a GPU yet: opt-in
-// until it has; bench/RESULTS.md). Read at each launch so that a test can switch it.
-bool use_quant_mma_kernel() {
-  const char* value = std::getenv("FOLIO_KV_QUANT_MMA");
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
+// Built with FOLIO_KV_QUANT_MMA=1 (setup.py): quantized caches go to attention_mma_quant.cu's kernel, which feeds
+// the codes to the mmas without dequantizing tiles (measured faster on an H200, but its last revision has not run
+// on a GPU yet: opt-in until it has; bench/RESULTS.md).
+#ifdef FOLIO_KV_QUANT_MMA
+constexpr bool kQuantMmaKernel = true;
+#else
+constexpr bool kQuantMmaKernel = false;
+#endif
 
 bool decode_attention_mma_applies(const PagedAttentionParams& p) {
   if (p.cu_seqlens_q != nullptr || p.dtype == ScalarType::kFloat32) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  if (p.quant.format != KvFormat::kNone && use_quant_mma_kernel()) {
+  if (p.quant.format != KvFormat::kNone && kQuantMmaKernel) {
     if (!decode_attention_mma_quant_applies(p)) return false;
   } else if (p.quant.format != KvFormat::kNone) {  // whole 16-byte pieces of codes, one scale each
     const int64_t group = p.quant.format == KvFormat::kFp8 ? p.head_dim : kQuantGroup;
@@ -475,7 +474,7 @@ bool decode_attention_mma_applies(const PagedAttentionParams& p) {
 
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
                                  float* partial_acc, float* partial_ml, const Launch& launch) {
-  if (p.quant.format != KvFormat::kNone && use_quant_mma_kernel()) {
+  if (p.quant.format != KvFormat::kNone && kQuantMmaKernel) {
     return decode_attention_mma_quant(p, num_rows, num_splits, page_shift, partial_acc, partial_ml, launch);
   }
   if (p.num_kv_heads > 65535 || num_splits > 65535) return cudaErrorInvalidValue;
