@@ -177,10 +177,7 @@ class LoadTable:
         routed_load = self.routed_load[slot] = self.routed_load.item(slot) + routers
         self.busy_until[slot] = max(self.busy_until.item(slot), self._clock()) + routers * num_prefill_tokens / (
             self.eff_prefill.item(slot))
-        jobs = self.jobs.item(slot) + routed_load
-        max_running = max(self.max_running.item(slot), 1.0)
-        step, new = self.eff_step.item(slot), self.eff_new.item(slot)
-        self.settled[slot] = max(jobs + 1.0 - max_running, 0.0) / max_running * new * step + jobs / max_running * step
+        self.settled[slot] = self._settled_one(slot, self.jobs.item(slot) + routed_load)
 
     def refresh(self) -> None:
         """Recompute the effective rates (the fleet's median where a replica measured none; the defaults where no
@@ -213,6 +210,13 @@ class LoadTable:
         self.one_job_s[:] = self.eff_new * self.eff_step
         self._stale = False
 
+    def _settled_one(self, slot: int, jobs: float) -> float:
+        """_settled for one slot, in Python floats (numpy scalar arithmetic costs several times more)."""
+        max_running = max(self.max_running.item(slot), 1.0)
+        step = self.eff_step.item(slot)
+        slot_wait = max(jobs + 1.0 - max_running, 0.0) / max_running * self.eff_new.item(slot) * step
+        return slot_wait + jobs / max_running * step
+
     def _settled(self, slots, jobs: np.ndarray) -> np.ndarray:
         max_running = np.maximum(self.max_running[slots], 1.0)
         step = self.eff_step[slots]
@@ -235,10 +239,7 @@ class LoadTable:
         """waits() of one slot with a current job count (e.g. Ray's queue-length cache) in place of the reports'
         plus what was routed since."""
         self.refresh()
-        max_running = max(self.max_running.item(slot), 1.0)
-        step = self.eff_step.item(slot)
-        slot_wait = max(jobs + 1.0 - max_running, 0.0) / max_running * self.eff_new.item(slot) * step
-        return max(self.busy_until.item(slot) - self._clock(), 0.0) + slot_wait + jobs / max_running * step
+        return max(self.busy_until.item(slot) - self._clock(), 0.0) + self._settled_one(slot, jobs)
 
     def terms(self, slot: int) -> tuple[float, float, float, float]:
         """The slot's (prefill tokens/s, seconds of prefill queued now, uncached tokens it has the pages for, one

@@ -23,6 +23,7 @@ first time a fill has MIN_ROWS grammar rows of one vocabulary; fills go in proce
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import mmap
@@ -196,10 +197,8 @@ class MaskProcesses:
     def close(self) -> None:
         """Stop the workers (those that do not stop within a second are killed)."""
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):  # a worker already gone: the wait below reaps it
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self.procs:
             try:
                 proc.wait(timeout=1.0)
