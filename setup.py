@@ -5,8 +5,6 @@
 Always builds folio._native_cpu; builds folio._native_cuda too when the installed torch has CUDA and nvcc is
 found (CUDA_HOME or PATH). Build-time settings (read here only, never inside folio/):
     FOLIO_CUDA_ARCHS   compute capabilities, e.g. "9.0" for a fast Hopper-only build (default: sources.py)
-    FOLIO_KV_QUANT_MMA 1: decode attention over quantized pages on the kernel that feeds the codes to the mmas
-                       (native/cuda/attention_mma_quant.cu; not the default until it has passed the GPU tests)
     FOLIO_BUILD_CUDA   "0" skips the CUDA module even where it could be built
     MAX_JOBS           parallel compile jobs (default: every core)
 """
@@ -55,8 +53,6 @@ def _extensions() -> tuple[list, dict]:
     if want_cuda and torch.version.cuda is not None and CUDA_HOME is not None:
         archs = os.environ.get("FOLIO_CUDA_ARCHS", SOURCES["DEFAULT_CUDA_ARCHS"])
         nvcc_flags = ["-O3", "-lineinfo", *_cuda_gencode_flags(archs)]
-        if os.environ.get("FOLIO_KV_QUANT_MMA") == "1":  # quantized-page decode on attention_mma_quant.cu's kernel
-            nvcc_flags.append("-DFOLIO_KV_QUANT_MMA=1")
         extensions.append(
             CUDAExtension(
                 SOURCES["CUDA_MODULE"],

@@ -5,8 +5,8 @@
   computed on the CPU; unwritten slots untouched.
 - paged_attention_decode_quant / paged_attention_quant: folio.reference_ops' ops of the same names (the unquantized
   reference attention over the dequantized cache, fp32, on the CPU) within twice the dtype's tolerance of
-  tests/test_native_ops.py: the kernels round each dequantized K/V element to the 16-bit type before the mma (one
-  rounding a 16-bit cache does not have; fp8 pages at 4k context measured up to 1.5e-2 in bf16 on an H200).
+  tests/test_native_ops.py: the kernels round to float16 what a 16-bit cache never rounds (q, and q8 / q4 codes
+  times their scales on the tensor-core kernel; each dequantized element to q's dtype on the CUDA-core one).
   Shapes cover head_dim 64/96/128, GQA 1/4/8/32 (the tensor-core kernel and the CUDA-core fallback), page sizes 16
   and 256, contexts crossing pages, windows (with the pages before them released: -1 in the block table),
   soft-capping, and long rows split over several blocks.
@@ -15,8 +15,6 @@ Every case but the CPU copy needs a GPU (marker `gpu`).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -173,16 +171,13 @@ def test_decode_matches_reference(_, name, context_lens, q_heads, kv_heads, head
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.skipif(os.environ.get("FOLIO_KV_QUANT_MMA") != "1",
-                    reason="the native module's quantized decode is the default kernel (build and run with "
-                           "FOLIO_KV_QUANT_MMA=1 for the other)")
-def test_quant_mma_kernel_as_accurate_as_16bit_kernel_on_dequantized_cache(_, name, dtype):
-    """The opt-in kernel (built with FOLIO_KV_QUANT_MMA=1, setup.py) against the fp32 reference is no less accurate
-    than the 16-bit op over the cache dequantized to q's dtype, give or take 2^-10 (an ulp of a float16 output at
-    its largest element: a rounding either may take). The 16-bit op rounds every K / V element to q's dtype; this
-    kernel keeps the codes exact and rounds q, P times V's scales and q8 / q4 codes times their scales to float16,
-    so with bfloat16 q it is the more accurate one (a numeric model of both on these caches: fp8 2.7e-3 against
-    2.0e-2, q8 1.8e-3 against 6.6e-3, q4 1.5e-3 against 1.6e-2)."""
+def test_decode_as_accurate_as_16bit_kernel_on_dequantized_cache(_, name, dtype):
+    """The tensor-core kernel over quantized pages (attention_mma_quant.cu) against the fp32 reference is no less
+    accurate than the 16-bit op over the cache dequantized to q's dtype, give or take 2^-10 (an ulp of a float16
+    output at its largest element: a rounding either may take). The 16-bit op rounds every K / V element to q's
+    dtype; this kernel keeps the codes exact and rounds q, P times V's scales and q8 / q4 codes times their scales
+    to float16, so with bfloat16 q it is the more accurate one (a numeric model of both on these caches: fp8 2.7e-3
+    against 2.0e-2, q8 1.8e-3 against 6.6e-3, q4 1.5e-3 against 1.6e-2)."""
     g = gen(11 + len(name))
     k_codes, v_codes, k_scales, v_scales, tables, lens = caches_for([3000, 40, 700], 16, 8, 128, name, g)
     q = randn(3, 32, 128, dtype=dtype, device="cuda", g=g)
@@ -193,24 +188,6 @@ def test_quant_mma_kernel_as_accurate_as_16bit_kernel_on_dequantized_cache(_, na
     v = kv_formats.dequantize(v_codes, v_scales, name, dtype)
     plain = NATIVE["cuda"].paged_attention_decode(q, k, v, tables, lens, 128**-0.5, 0, 0.0)
     assert rel_err(out, expected) <= rel_err(plain, expected) + 2**-10
-
-
-@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.skipif(os.environ.get("FOLIO_KV_QUANT_MMA") == "1",
-                    reason="the opt-in kernel rounds otherwise than the bf16 kernel (the test above)")
-def test_decode_equals_bf16_kernel_on_dequantized_cache(_, name):
-    """The tensor-core kernel dequantizes into the tile the bf16 kernel copies: on the cache dequantized to bf16,
-    the bf16 op gives the same result to within summation order (much tighter than the reference tolerance)."""
-    g = gen(11 + len(name))
-    k_codes, v_codes, k_scales, v_scales, tables, lens = caches_for([3000, 40, 700], 16, 8, 128, name, g)
-    q = randn(3, 32, 128, dtype=torch.bfloat16, device="cuda", g=g)
-    out = NATIVE["cuda"].paged_attention_decode_quant(q, k_codes, v_codes, k_scales, v_scales, tables, lens,
-                                                      128**-0.5, 0, 0.0, CODES[name])
-    k = kv_formats.dequantize(k_codes, k_scales, name, torch.bfloat16)
-    v = kv_formats.dequantize(v_codes, v_scales, name, torch.bfloat16)
-    plain = NATIVE["cuda"].paged_attention_decode(q, k, v, tables, lens, 128**-0.5, 0, 0.0)
-    assert rel_err(out, plain) <= 2e-3
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])

@@ -86,7 +86,7 @@ void run_attention(const PagedAttentionParams& p, const at::Tensor& q, int64_t n
   const char* unsupported = cuda::attention_unsupported_reason(p);
   FOLIO_CHECK_VALUE(unsupported == nullptr, unsupported, " (head_dim=", p.head_dim, ", page_size=", p.page_size,
                     ", dtype=", q.scalar_type(), ")");
-  const cuda::AttentionPlan plan = cuda::plan_paged_attention(p, num_rows, multiprocessor_count(q));
+  const cuda::AttentionPlan plan = cuda::plan_paged_attention(p, num_rows, multiprocessor_count(q), decode_mma);
   at::Tensor workspace;  // [workspace_floats] float32: per-split partial results
   if (plan.workspace_floats > 0) workspace = at::empty({plan.workspace_floats}, q.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::paged_attention(p, num_rows, plan, workspace.defined() ? workspace.data_ptr<float>() : nullptr,

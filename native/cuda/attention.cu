@@ -40,6 +40,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxGroupTile = 8;
 constexpr int kMinSplitKeys = 64;  // below this, a split's fixed costs outweigh the parallelism it adds
 constexpr int kMaxSplits = 64;
+constexpr int64_t kSplitFixedKeys = 128;  // a split block's fixed cost in keys' time (splits_in_whole_waves)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct KernelArgs {
@@ -455,16 +456,43 @@ const char* attention_unsupported_reason(const PagedAttentionParams& p) {
   return nullptr;
 }
 
-AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms) {
+// The split count with the least time when time is counted in whole waves of `slots` resident blocks, a block's
+// time as its keys (rounded up to a 16-key tile) plus a fixed cost the size of kSplitFixedKeys keys (q, the
+// merge, the partials). A partial last wave costs a whole one while the kernel is bound by its instruction rate:
+// 512 rows x kv heads of 4k keys on 396 slots take 3 waves in 2 splits (2.59 waves of work), 4 in 3 (3.88).
+int64_t splits_in_whole_waves(int64_t base_blocks, int64_t slots, int64_t max_keys, int64_t max_splits) {
+  auto cost = [&](int64_t s) {
+    const int64_t waves = (base_blocks * s + slots - 1) / slots;
+    const int64_t keys = ((max_keys + s - 1) / s + 15) / 16 * 16;
+    return waves * (keys + kSplitFixedKeys);
+  };
+  int64_t best = 1;
+  for (int64_t s = 2; s <= max_splits; ++s) {
+    if (cost(s) < cost(best)) best = s;
+  }
+  return best;
+}
+
+AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms, bool decode_mma) {
   const int group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int64_t head_chunks = (group + group_tile(group) - 1) / group_tile(group);
   const int64_t base_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads * head_chunks);
   // keys one row attends to at most: the block-table width, or the window
   const int64_t max_keys = p.window > 0 ? std::min(p.max_blocks * p.page_size, p.window) : p.max_blocks * p.page_size;
-  const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
   const int64_t by_length = (max_keys + kMinSplitKeys - 1) / kMinSplitKeys;
-  const int splits = static_cast<int>(std::max<int64_t>(1, std::min({wanted, by_length, int64_t{kMaxSplits}})));
-  AttentionPlan plan{splits, 0};
+  const int64_t max_splits = std::max<int64_t>(1, std::min(by_length, int64_t{kMaxSplits}));
+  // The tensor-core decode kernels (one block per row and kv head) are planned in whole waves of the blocks an SM
+  // holds; the CUDA-core kernel aims at about one full wave at 4 blocks an SM.
+  const int mma_per_sm = decode_mma && decode_attention_mma_applies(p) ? decode_attention_mma_blocks_per_sm(p) : 0;
+  int64_t splits = 0;
+  if (mma_per_sm > 0) {
+    const int64_t mma_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads);
+    splits = splits_in_whole_waves(mma_blocks, int64_t{mma_per_sm} * num_sms, max_keys, max_splits);
+  } else {
+    const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
+    splits = std::max<int64_t>(1, std::min(wanted, max_splits));
+  }
+  AttentionPlan plan{static_cast<int>(splits), 0};
   if (splits > 1) plan.workspace_floats = num_rows * p.num_q_heads * splits * (p.head_dim + 2);
   return plan;
 }

@@ -18,16 +18,11 @@
 //  * Same partial format as the CUDA-core kernel, so its combine kernel merges the splits.
 //  * Sliding window: the keys (and their splits) start at the window, so the pages before it are never read;
 //    soft-capping maps each fp32 score through softcap * tanh(score / softcap) before the softmax.
-//  * Quantized caches (FMT != kFmtNone, the *_quant ops): each lane copies 16-byte pieces of codes (one group's
-//    worth or less, so one scale each) into a staging double buffer, and loads their scales with plain loads one
-//    tile ahead. When the tile has landed, the lane dequantizes its own pieces (fp32 code * scale, rounded to the
-//    16-bit type) into one swizzled K and V tile laid out as the unquantized kernel copies them, and the rest of
-//    the loop is the same code: it sees the dequantized cache in the model's dtype.
+//  * Quantized caches go to attention_mma_quant.cu's kernel (same blocks, splits and partials).
 #include <type_traits>
 
 #include "attention_mma.cuh"
 #include "device_utils.cuh"
-#include "kv_quant.cuh"
 #include "launch.cuh"
 
 namespace folio::cuda {
@@ -48,24 +43,17 @@ struct MmaArgs {
   float* partial_ml;
 };
 
-template <int HEAD_DIM, int FMT = kFmtNone>
+template <int HEAD_DIM>
 struct Layout {
   static constexpr int kChunks = HEAD_DIM / 8;                          // 16-byte chunks per K or V row
   static constexpr int kTileBytes = kTileKeys * HEAD_DIM * 2;           // one tile of K (or V)
-  // one key's K (or V) row as the cache stores it, copied in 16-byte pieces
-  static constexpr int kRowBytes = FMT == kFmtNone ? HEAD_DIM * 2 : HEAD_DIM / kv_elems_per_byte<FMT>();
-  static constexpr int kPieces = kRowBytes / 16;
-  static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;         // K and V as copied
-  static constexpr int kDequantBytes = FMT == kFmtNone ? 0 : 2 * kTileBytes;  // the dequantized K and V tile
-  static constexpr int kWarpBytes = 2 * kStageBytes + kDequantBytes;    // double buffer (+ dequantized tile)
+  static constexpr int kStageBytes = 2 * kTileBytes;                    // K and V
+  static constexpr int kWarpBytes = 2 * kStageBytes;                    // double buffer
   static constexpr int kPipeBytes = kWarps * kWarpBytes;
   static constexpr int kMergeBytes = kWarps * kMaxGroup * (HEAD_DIM + 2) * 4;  // per warp: O rows, max, sum
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(kChunks >= 8, "the swizzle spreads 8 chunk columns");
   static_assert(kChunks % 2 == 0, "ldmatrix.x4 takes two chunks of a row");
-  static_assert(kPieces >= 2 && 32 % kPieces == 0, "a warp copies whole rows of a tile per pass");
-  // a piece's codes share one scale
-  static_assert(FMT == kFmtNone || kv_group_size<FMT, HEAD_DIM>() % (16 * kv_elems_per_byte<FMT>()) == 0);
 };
 
 // Byte offset of chunk c of key row `key` inside a tile.
@@ -123,10 +111,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // Lane (g = lane / 4, t = lane % 4) holds, in mma fragment terms: S and P rows g (r = 0) and g + 8 (r = 1) = query
 // heads head0 + g and head0 + g + 8; for the keys, columns 2t, 2t + 1 of each 8-key half; O columns 8n + 2t, +1.
-template <typename T, int HEAD_DIM, int FMT = kFmtNone>
+template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaArgs a) {
-  using L = Layout<HEAD_DIM, FMT>;
-  constexpr bool kQuant = FMT != kFmtNone;
+  using L = Layout<HEAD_DIM>;
   constexpr int kSteps = HEAD_DIM / 16;  // k16 steps of Q K^T
   constexpr int kDimTiles = HEAD_DIM / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -186,76 +173,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
 
   // Tile i's K and V rows into stage `stage`: lane l copies chunk l % kChunks of keys l / kChunks + j * (32 /
   // kChunks): a key's row is 16 (or 8) consecutive lanes, one coalesced 256 (128) byte read.
-  // Quantized caches: lane l copies piece l % kPieces of keys l / kPieces + j * (32 / kPieces); the scales of those
-  // (raw float16 bits; 0 past the end, where the codes are zero-filled) for the tile in flight.
-  constexpr int kQuantKeysPerPass = 32 / L::kPieces;
-  constexpr int kQuantPasses = kTileKeys / kQuantKeysPerPass;
-  const int piece = lane % L::kPieces;
-  uint16_t next_k_scale[kQuantPasses], next_v_scale[kQuantPasses];
-  auto prefetch_codes = [&](int tile, int stage) {
-    const int64_t tile_begin = key_begin + static_cast<int64_t>(tile) * kTileKeys;
-    const uint32_t k_dst = warp_smem + stage * L::kStageBytes, v_dst = k_dst + kTileKeys * L::kRowBytes;
-    const unsigned char* k_codes = static_cast<const unsigned char*>(p.k_cache) + kv_head * p.cache_stride_head;
-    const unsigned char* v_codes = static_cast<const unsigned char*>(p.v_cache) + kv_head * p.cache_stride_head;
-    const int64_t group = piece * 16 * kv_elems_per_byte<FMT>() / kv_group_size<FMT, HEAD_DIM>();
-    const uint16_t* k_scales =
-        static_cast<const uint16_t*>(p.quant.k_scale) + kv_head * p.quant.scale_stride_head + group;
-    const uint16_t* v_scales =
-        static_cast<const uint16_t*>(p.quant.v_scale) + kv_head * p.quant.scale_stride_head + group;
-#pragma unroll
-    for (int j = 0; j < kQuantPasses; ++j) {
-      const int key = lane / L::kPieces + j * kQuantKeysPerPass;
-      const int64_t pos = tile_begin + key;
-      const bool valid = pos < key_end;
-      int64_t offset = 0;  // invalid: any readable address, zero bytes are read from it
-      next_k_scale[j] = next_v_scale[j] = 0;
-      if (valid) {
-        const int64_t page = block_table[pos >> a.page_shift], slot = pos & slot_mask;
-        offset = page * p.cache_stride_page + slot * p.cache_stride_slot + piece * 16;
-        const int64_t scale_offset = page * p.quant.scale_stride_page + slot * p.quant.scale_stride_slot;
-        next_k_scale[j] = k_scales[scale_offset];
-        next_v_scale[j] = v_scales[scale_offset];
-      }
-      const uint32_t at = key * L::kRowBytes + piece * 16;
-      cp_async16(k_dst + at, k_codes + offset, valid);
-      cp_async16(v_dst + at, v_codes + offset, valid);
-    }
-  };
-  // This lane's pieces of the landed stage -> the dequantized tile (swizzled as prefetch() below places rows).
-  auto dequantize = [&](int stage, const float (&k_scale)[kQuantPasses], const float (&v_scale)[kQuantPasses]) {
-    const unsigned char* src = smem + warp * L::kWarpBytes + stage * L::kStageBytes;
-    unsigned char* dst = smem + warp * L::kWarpBytes + 2 * L::kStageBytes;
-    constexpr int kChunksPerPiece = 2 * kv_elems_per_byte<FMT>();  // 8-element output chunks per 16-byte piece
-#pragma unroll
-    for (int j = 0; j < kQuantPasses; ++j) {
-      const int key = lane / L::kPieces + j * kQuantKeysPerPass;
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * kTileKeys * L::kRowBytes + key * L::kRowBytes +
-                                                          piece * 16);
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-        const float scale = kv == 0 ? k_scale[j] : v_scale[j];
-#pragma unroll
-        for (int c = 0; c < kChunksPerPiece; ++c) {
-          float f[8];
-          if constexpr (FMT == kFmtQ4) {
-            dequant8<FMT>(words[c], 0u, scale, f);
-          } else {
-            dequant8<FMT>(words[2 * c], words[2 * c + 1], scale, f);
-          }
-          Vec8<T>::store(reinterpret_cast<T*>(dst + kv * L::kTileBytes +
-                                              swizzled<HEAD_DIM>(key, piece * kChunksPerPiece + c)),
-                         f);
-        }
-      }
-    }
-  };
-
   auto prefetch = [&](int tile, int stage) {
-    if constexpr (kQuant) {
-      prefetch_codes(tile, stage);
-      return;
-    }
     const int64_t tile_begin = key_begin + static_cast<int64_t>(tile) * kTileKeys;
     const uint32_t k_dst = warp_smem + stage * L::kStageBytes, v_dst = k_dst + L::kTileBytes;
     constexpr int kKeysPerPass = 32 / L::kChunks;
@@ -280,24 +198,12 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   cp_async_commit();
   int stage = 0;
   for (int tile = warp; tile < num_tiles; tile += kWarps, stage ^= 1) {
-    float k_scale[kQuantPasses] = {}, v_scale[kQuantPasses] = {};  // this tile's, before the prefetch replaces them
-    if constexpr (kQuant) {
-#pragma unroll
-      for (int j = 0; j < kQuantPasses; ++j) {
-        k_scale[j] = half_bits_to_float(next_k_scale[j]);
-        v_scale[j] = half_bits_to_float(next_v_scale[j]);
-      }
-    }
     if (tile + kWarps < num_tiles) prefetch(tile + kWarps, stage ^ 1);
     cp_async_commit();  // possibly empty: "one pending" then always means "this tile has landed"
     cp_async_wait<1>();
     __syncwarp();  // every lane's copies of this tile are visible to the whole warp
-    if constexpr (kQuant) {
-      dequantize(stage, k_scale, v_scale);
-      __syncwarp();  // the dequantized tile is visible to the whole warp
-    }
 
-    const uint32_t k_tile = warp_smem + (kQuant ? 2 * L::kStageBytes : stage * L::kStageBytes);
+    const uint32_t k_tile = warp_smem + stage * L::kStageBytes;
     const uint32_t v_tile = k_tile + L::kTileBytes;
     // S = Q K^T for keys 8h .. 8h + 7 (h = 0, 1). ldmatrix lane l addresses row l % 8 of matrix l / 8; matrices
     // = chunks 2s .. 2s + 3 of those keys, i.e. b0, b1 of k-steps s and s + 1.
@@ -414,9 +320,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   }
 }
 
-template <typename T, int HEAD_DIM, int FMT = kFmtNone>
+template <typename T, int HEAD_DIM>
 cudaError_t launch_mma(const MmaArgs& a, int64_t num_rows, const Launch& launch) {
-  constexpr int kBytes = Layout<HEAD_DIM, FMT>::kSmemBytes;
+  constexpr int kBytes = Layout<HEAD_DIM>::kSmemBytes;
   // More than 48 KB of dynamic shared memory must be allowed per kernel and device, once (benign race: every
   // writer sets the same value).
   constexpr int kMaxDevices = 64;
@@ -425,56 +331,35 @@ cudaError_t launch_mma(const MmaArgs& a, int64_t num_rows, const Launch& launch)
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
   if (device < 0 || device >= kMaxDevices || !allowed[device]) {
-    status = cudaFuncSetAttribute(decode_attention_mma_kernel<T, HEAD_DIM, FMT>,
+    status = cudaFuncSetAttribute(decode_attention_mma_kernel<T, HEAD_DIM>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     if (status != cudaSuccess) return status;
     if (device >= 0 && device < kMaxDevices) allowed[device] = true;
   }
   const dim3 grid(static_cast<unsigned>(num_rows), static_cast<unsigned>(a.p.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
-  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM, FMT>, grid, dim3(kThreads), kBytes, launch, a);
+  return launch_kernel(decode_attention_mma_kernel<T, HEAD_DIM>, grid, dim3(kThreads), kBytes, launch, a);
 }
 
 template <typename T, int HEAD_DIM>
-cudaError_t launch_mma_format(const MmaArgs& a, int64_t num_rows, const Launch& launch) {
-  switch (a.p.quant.format) {
-    case KvFormat::kNone: return launch_mma<T, HEAD_DIM>(a, num_rows, launch);
-    case KvFormat::kFp8: return launch_mma<T, HEAD_DIM, kFmtFp8>(a, num_rows, launch);
-    case KvFormat::kQ8: return launch_mma<T, HEAD_DIM, kFmtQ8>(a, num_rows, launch);
-    case KvFormat::kQ4: return launch_mma<T, HEAD_DIM, kFmtQ4>(a, num_rows, launch);
-  }
-  return cudaErrorInvalidValue;
+int mma_blocks_per_sm() {
+  static const int blocks =
+      resident_blocks_per_sm(decode_attention_mma_kernel<T, HEAD_DIM>, kThreads, Layout<HEAD_DIM>::kSmemBytes);
+  return blocks;
 }
 
 }  // namespace
 
-// Built with FOLIO_KV_QUANT_MMA=1 (setup.py): quantized caches go to attention_mma_quant.cu's kernel, which feeds
-// the codes to the mmas without dequantizing tiles (measured faster on an H200, but its last revision has not run
-// on a GPU yet: opt-in until it has; bench/RESULTS.md).
-#ifdef FOLIO_KV_QUANT_MMA
-constexpr bool kQuantMmaKernel = true;
-#else
-constexpr bool kQuantMmaKernel = false;
-#endif
-
 bool decode_attention_mma_applies(const PagedAttentionParams& p) {
   if (p.cu_seqlens_q != nullptr || p.dtype == ScalarType::kFloat32) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  if (p.quant.format != KvFormat::kNone && kQuantMmaKernel) {
-    if (!decode_attention_mma_quant_applies(p)) return false;
-  } else if (p.quant.format != KvFormat::kNone) {  // whole 16-byte pieces of codes, one scale each
-    const int64_t group = p.quant.format == KvFormat::kFp8 ? p.head_dim : kQuantGroup;
-    if (p.quant.group_size != group || p.cache_stride_page % 16 || p.cache_stride_slot % 16 ||
-        p.cache_stride_head % 16) {
-      return false;
-    }
-  }
+  if (p.quant.format != KvFormat::kNone && !decode_attention_mma_quant_applies(p)) return false;
   return p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 && p.num_q_heads / p.num_kv_heads <= kMaxGroup;
 }
 
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
                                  float* partial_acc, float* partial_ml, const Launch& launch) {
-  if (p.quant.format != KvFormat::kNone && kQuantMmaKernel) {
+  if (p.quant.format != KvFormat::kNone) {
     return decode_attention_mma_quant(p, num_rows, num_splits, page_shift, partial_acc, partial_ml, launch);
   }
   if (p.num_kv_heads > 65535 || num_splits > 65535) return cudaErrorInvalidValue;
@@ -491,12 +376,24 @@ cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows
     if constexpr (std::is_same_v<T, float>) {
       status = cudaErrorInvalidValue;  // decode_attention_mma_applies() refuses float32
     } else if (p.head_dim == 64) {
-      status = launch_mma_format<T, 64>(a, num_rows, launch);
+      status = launch_mma<T, 64>(a, num_rows, launch);
     } else {
-      status = launch_mma_format<T, 128>(a, num_rows, launch);
+      status = launch_mma<T, 128>(a, num_rows, launch);
     }
   });
   return status;
+}
+
+int decode_attention_mma_blocks_per_sm(const PagedAttentionParams& p) {
+  if (p.quant.format != KvFormat::kNone) return decode_attention_mma_quant_blocks_per_sm(p);
+  int blocks = 0;
+  dispatch_scalar(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      blocks = p.head_dim == 64 ? mma_blocks_per_sm<T, 64>() : mma_blocks_per_sm<T, 128>();
+    }
+  });
+  return blocks;
 }
 
 }  // namespace folio::cuda

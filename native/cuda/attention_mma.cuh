@@ -21,10 +21,15 @@ bool decode_attention_mma_applies(const PagedAttentionParams& p);
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
                                  float* partial_acc, float* partial_ml, const Launch& launch);
 
+// Blocks of the kernel decode_attention_mma() runs for p that one multiprocessor holds at once (0: unknown), for
+// planning the splits in whole waves. Asked of the runtime once per kernel (the devices of a process are alike).
+int decode_attention_mma_blocks_per_sm(const PagedAttentionParams& p);
+
 // Quantized caches (attention_mma_quant.cu), reached through the two above: whether its copies fit the cache and
 // scale tensors' strides and alignment, and the kernel with the same contract.
 bool decode_attention_mma_quant_applies(const PagedAttentionParams& p);
 cudaError_t decode_attention_mma_quant(const PagedAttentionParams& p, int64_t num_rows, int num_splits,
                                        int page_shift, float* partial_acc, float* partial_ml, const Launch& launch);
+int decode_attention_mma_quant_blocks_per_sm(const PagedAttentionParams& p);
 
 }  // namespace folio::cuda

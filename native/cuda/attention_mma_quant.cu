@@ -22,14 +22,18 @@
 //    K and its run of V lie in one group each. Scales enter float16 operands relative to a power of two per
 //    tile (K) or a running one (V: o holds O in its units), times a fixed headroom, so that the products stay
 //    in float16's normal range.
-//  * Scales travel with their codes: cp.async into the same ring stage, 3 (q4: 5) tiles in flight per warp, so
-//    no plain global load of the loop waits a memory round trip.
+//  * Scales travel with their codes: cp.async into the same ring stage, 3 (q4: 5) tiles in flight per warp.
+//  * The loop is bound by its instruction issue, not by memory, so the copies are kept cheap: a tile that lies
+//    whole in one page (every tile unless a window shifts them) takes one block-table read, made one iteration
+//    ahead, and 32-bit row offsets from one base; per-key look-ups and 64-bit address arithmetic remain for a
+//    split's last tile only. The softmax uses ex2.approx directly and masks keys past the end in that tile only.
 #include <type_traits>
 
 #include "attention_mma.cuh"
 #include "device_utils.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
+#include "quant_mma_fragments.cuh"
 
 namespace folio::cuda {
 namespace {
@@ -39,7 +43,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;  // keys per warp iteration: the k of the P V mma
 constexpr int kMaxGroup = 16;  // query heads per block: the m of the mmas
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr uint32_t kFullMask = 0xffffffffu;
 // Headroom of the float16 mma operands that carry scales relative to a power-of-two unit (ratios <= 1): fp8's
 // P * v_scale / unit times 2^15 (<= 32768), q8 / q4 codes * scale / unit times 2^8 (<= 127 * 256). Small ratios
 // (a token whose scale is far below its tile's largest) then stay normal floats instead of losing bits as
@@ -83,137 +86,6 @@ struct QuantLayout {
                 "a K slice and a V run lie in one scale group");
   static_assert(kStageBytes % 16 == 0, "stages keep 16-byte alignment");
 };
-
-// Position of 16-byte piece `piece` of key row `key` inside a tile: XOR-swizzled by key so that the K slice and V
-// run loads below (lanes reading the same piece of keys 2 or 4 apart) spread over the banks.
-template <int PIECES>
-__device__ __forceinline__ int swizzled_piece(int key, int piece) {
-  return piece ^ ((key >> 1) & (PIECES - 1));
-}
-
-// WORDS 32-bit words of key row `key` from byte `offset` on (a multiple of min(16, 4 WORDS)), from a tile.
-template <int WORDS, int PIECES, int ROW_BYTES>
-__device__ __forceinline__ void load_row_words(const unsigned char* tile, int key, int offset,
-                                               uint32_t (&w)[WORDS]) {
-  const unsigned char* row = tile + key * ROW_BYTES;
-  if constexpr (WORDS >= 4) {
-#pragma unroll
-    for (int c = 0; c < WORDS / 4; ++c) {
-      const uint4 v = *reinterpret_cast<const uint4*>(row + swizzled_piece<PIECES>(key, offset / 16 + c) * 16);
-      w[4 * c] = v.x;
-      w[4 * c + 1] = v.y;
-      w[4 * c + 2] = v.z;
-      w[4 * c + 3] = v.w;
-    }
-  } else {
-    const unsigned char* at = row + swizzled_piece<PIECES>(key, offset / 16) * 16 + offset % 16;
-    if constexpr (WORDS == 2) {
-      const uint2 v = *reinterpret_cast<const uint2*>(at);
-      w[0] = v.x;
-      w[1] = v.y;
-    } else {
-      w[0] = *reinterpret_cast<const uint32_t*>(at);
-    }
-  }
-}
-
-// cp.async of BYTES (4, 8 or 16) from global to shared, or zeros without reading when !valid.
-template <int BYTES>
-__device__ __forceinline__ void cp_async_bytes(uint32_t dst_shared, const void* src, bool valid) {
-  if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-  } else {  // .cg takes 16 bytes only
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_shared), "l"(src), "n"(BYTES),
-                 "r"(valid ? BYTES : 0)
-                 : "memory");
-  }
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ __half2 as_half2(uint32_t w) {
-  __half2 h;
-  memcpy(&h, &w, 4);
-  return h;
-}
-__device__ __forceinline__ uint32_t as_word(__half2 h) {
-  uint32_t w;
-  memcpy(&w, &h, 4);
-  return w;
-}
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return as_word(__floats2half2_rn(lo, hi)); }
-
-// Two fp8 e4m3 codes (low byte first) -> float16x2, exact.
-__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t bits16) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits16 & 0xFFFFu), __NV_E4M3);
-  uint32_t w;
-  memcpy(&w, &raw, 4);
-  return w;
-}
-
-// Two int8 codes (bytes of w ^ 0x80808080 chosen by `select`, with 0x64 above each) -> float16x2: 1024 + c + 128
-// is exact, so subtracting 1152 gives c.
-__device__ __forceinline__ __half2 int8x2_to_half2(uint32_t biased, uint32_t select) {
-  return __hsub2(as_half2(__byte_perm(biased, 0x64646464u, select)), as_half2(0x64806480u));  // 1152
-}
-
-// Two int4 codes at bits 0..3 and 16..19 (low nibbles) or 4..7 and 20..23 (high) of w -> float16x2 of code - 8:
-// under the exponent of 1024 they read 1024 + n (low) or 1024 + 16n (high), both exact.
-__device__ __forceinline__ __half2 int4x2_low_to_half2(uint32_t w) {
-  return __hsub2(as_half2((w & 0x000F000Fu) | 0x64006400u), as_half2(0x64086408u));  // - 1032
-}
-__device__ __forceinline__ __half2 int4x2_high_to_half2(uint32_t w) {
-  return __hfma2(as_half2((w & 0x00F000F0u) | 0x64006400u), as_half2(0x2C002C00u), as_half2(0xD480D480u));  // /16 - 72
-}
-
-// The dim (within a lane's K slice) of element i of k-step s: i = 0, 1 are B rows 2t, 2t + 1 (b0), i = 2, 3 rows
-// 2t + 8, 2t + 9 (b1). fp8 / q8: bytes in order; q4: the nibbles each word's decoding pairs up (k_fragment()).
-template <int FMT>
-__device__ __forceinline__ constexpr int k_dim(int s, int i) {
-  if constexpr (FMT == kFmtQ4) {
-    return 8 * (s / 2) + 2 * (s % 2) + (i >> 1) + 4 * (i & 1);
-  } else {
-    return 4 * s + i;
-  }
-}
-
-// The B fragment (b0, b1) of k-step s from a lane's K slice words, as float16 codes times `ratio` (q8 / q4).
-template <int FMT, int WORDS>
-__device__ __forceinline__ void k_fragment(const uint32_t (&w)[WORDS], int s, __half2 ratio, uint32_t& b0,
-                                           uint32_t& b1) {
-  if constexpr (FMT == kFmtFp8) {
-    b0 = e4m3x2_to_half2(w[s]);
-    b1 = e4m3x2_to_half2(w[s] >> 16);
-  } else if constexpr (FMT == kFmtQ8) {
-    const uint32_t biased = w[s] ^ 0x80808080u;
-    b0 = as_word(__hmul2(int8x2_to_half2(biased, 0x4140u), ratio));  // bytes 0, 1
-    b1 = as_word(__hmul2(int8x2_to_half2(biased, 0x4342u), ratio));  // bytes 2, 3
-  } else {
-    const uint32_t nibbles = w[s / 2] >> (8 * (s % 2));
-    b0 = as_word(__hmul2(int4x2_low_to_half2(nibbles), ratio));   // nibbles 0, 4 (s odd: 2, 6)
-    b1 = as_word(__hmul2(int4x2_high_to_half2(nibbles), ratio));  // nibbles 1, 5 (s odd: 3, 7)
-  }
-}
-
-// The smallest power of two >= x (x > 0, normal), and the inverse of a power of two; both exact.
-__device__ __forceinline__ float pow2_ceil(float x) {
-  return __int_as_float((__float_as_int(x) + 0x007FFFFF) & 0x7F800000);
-}
-__device__ __forceinline__ float pow2_inverse(float x) { return __int_as_float((254 << 23) - __float_as_int(x)); }
-
-template <int LANES>  // the max over groups of LANES consecutive lanes (xor 1 .. LANES / 2)
-__device__ __forceinline__ float lanes_max(float x) {
-#pragma unroll
-  for (int offset = 1; offset < LANES; offset <<= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
-  return x;
-}
 
 // Lane (g = lane / 4, t = lane % 4) holds S and P rows g (r = 0) and g + 8 (r = 1) = query heads head0 + g, +8;
 // S columns 2t, 2t + 1 of key half h = keys 4t + h, 4t + 2 + h; O dim tile n columns 2t, 2t + 1 = dims
@@ -300,38 +172,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
   const uint16_t* k_scales = static_cast<const uint16_t*>(p.quant.k_scale) + kv_head * p.quant.scale_stride_head;
   const uint16_t* v_scales = static_cast<const uint16_t*>(p.quant.v_scale) + kv_head * p.quant.scale_stride_head;
 
-  // Tile `tile`'s codes and scales into stage `stage`. Codes: lane l copies piece l % kPieces of keys
-  // l / kPieces + j * (32 / kPieces) (a key's row is consecutive lanes: one coalesced read). Scales: lane l those
-  // of key l % 16 of K (l < 16) or V. Keys past the end are zero-filled (scale 0: they add nothing).
-  auto prefetch = [&](int tile, int stage) {
-    const int64_t tile_begin = key_begin + static_cast<int64_t>(tile) * kTileKeys;
-    const uint32_t k_dst = warp_smem + stage * L::kStageBytes, v_dst = k_dst + L::kCodeBytes;
-    constexpr int kKeysPerPass = 32 / L::kPieces;
-    const int piece = lane % L::kPieces;
-#pragma unroll
-    for (int j = 0; j < kTileKeys / kKeysPerPass; ++j) {
-      const int key = lane / L::kPieces + j * kKeysPerPass;
-      const int64_t pos = tile_begin + key;
-      const bool valid = pos < key_end;
-      int64_t offset = 0;  // invalid: any readable address, zero bytes are read from it
-      if (valid) {
-        offset = block_table[pos >> a.page_shift] * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot +
-                 piece * 16;
-      }
-      const uint32_t at = key * L::kRowBytes + swizzled_piece<L::kPieces>(key, piece) * 16;
-      cp_async_bytes<16>(k_dst + at, k_codes + offset, valid);
-      cp_async_bytes<16>(v_dst + at, v_codes + offset, valid);
-    }
-    const int key = lane % kTileKeys, kv = lane / kTileKeys;
-    const int64_t pos = tile_begin + key;
-    const bool valid = pos < key_end;
-    int64_t offset = 0;
-    if (valid) {
-      offset = block_table[pos >> a.page_shift] * p.quant.scale_stride_page +
-               (pos & slot_mask) * p.quant.scale_stride_slot;
-    }
-    const uint16_t* src = (kv == 0 ? k_scales : v_scales) + offset;
-    const uint32_t dst = v_dst + L::kCodeBytes + (kv * kTileKeys + key) * L::kScaleSlot;
+  // One key's scales (of K or V) into its slot of a stage, or zeros when !valid.
+  auto copy_scales = [&](uint32_t dst, const uint16_t* src, bool valid) {
     if constexpr (FMT == kFmtFp8) {
       // One float16; cp.async moves aligned words of 4 bytes at least. The aligned word holding the scale goes to
       // the slot's first word when the scale is its low half, else to the second, and the other word is
@@ -346,15 +188,83 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
       cp_async_bytes<L::kScaleSlot>(dst, src, valid);
     }
   };
+  const int32_t slot_bytes = static_cast<int32_t>(p.cache_stride_slot);  // < 2^24: decode_attention_mma_quant_applies()
+
+  // The block-table entry of a tile whose keys all exist and lie in one page (the common case: pages hold whole
+  // tiles when no window shifts them), else -1: such a tile is copied key by key. Loaded one iteration before its
+  // copies are issued, so that their addresses never wait for this load.
+  auto whole_tile_page = [&](int tile) -> int32_t {
+    const int64_t tile_begin = key_begin + static_cast<int64_t>(tile) * kTileKeys;
+    const bool whole = tile_begin + kTileKeys <= key_end &&
+                       (tile_begin >> a.page_shift) == ((tile_begin + kTileKeys - 1) >> a.page_shift);
+    return whole ? block_table[tile_begin >> a.page_shift] : -1;
+  };
+
+  // Tile `tile`'s codes and scales into stage `stage`. Codes: lane l copies piece l % kPieces of keys
+  // l / kPieces + j * (32 / kPieces) (a key's row is consecutive lanes: one coalesced read). Scales: lane l those
+  // of key l % 16 of K (l < 16) or V. Keys past the end are zero-filled (scale 0: they add nothing).
+  auto prefetch = [&](int tile, int stage, int32_t page) {
+    const int64_t tile_begin = key_begin + static_cast<int64_t>(tile) * kTileKeys;
+    const uint32_t k_dst = warp_smem + stage * L::kStageBytes, v_dst = k_dst + L::kCodeBytes;
+    constexpr int kKeysPerPass = 32 / L::kPieces;
+    const int piece = lane % L::kPieces;
+    const int key = lane % kTileKeys, kv = lane / kTileKeys;  // whose scales this lane copies
+    const uint32_t scale_dst = v_dst + L::kCodeBytes + (kv * kTileKeys + key) * L::kScaleSlot;
+    const uint16_t* scales = kv == 0 ? k_scales : v_scales;
+    if (page >= 0) {  // whole tile in one page: one base address, 32-bit offsets (slot strides are small)
+      const int64_t slot0 = tile_begin & slot_mask;
+      const int64_t tile_offset = page * p.cache_stride_page + slot0 * p.cache_stride_slot + piece * 16;
+      const unsigned char* k_src = k_codes + tile_offset;
+      const unsigned char* v_src = v_codes + tile_offset;
+#pragma unroll
+      for (int j = 0; j < kTileKeys / kKeysPerPass; ++j) {
+        const int tile_key = lane / L::kPieces + j * kKeysPerPass;
+        const int32_t offset = tile_key * slot_bytes;
+        const uint32_t at = tile_key * L::kRowBytes + swizzled_piece<L::kPieces>(tile_key, piece) * 16;
+        cp_async_bytes<16>(k_dst + at, k_src + offset, true);
+        cp_async_bytes<16>(v_dst + at, v_src + offset, true);
+      }
+      copy_scales(scale_dst, scales + (page * p.quant.scale_stride_page + (slot0 + key) * p.quant.scale_stride_slot),
+                  true);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < kTileKeys / kKeysPerPass; ++j) {
+      const int tile_key = lane / L::kPieces + j * kKeysPerPass;
+      const int64_t pos = tile_begin + tile_key;
+      const bool valid = pos < key_end;
+      int64_t offset = 0;  // invalid: any readable address, zero bytes are read from it
+      if (valid) {
+        offset = block_table[pos >> a.page_shift] * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot +
+                 piece * 16;
+      }
+      const uint32_t at = tile_key * L::kRowBytes + swizzled_piece<L::kPieces>(tile_key, piece) * 16;
+      cp_async_bytes<16>(k_dst + at, k_codes + offset, valid);
+      cp_async_bytes<16>(v_dst + at, v_codes + offset, valid);
+    }
+    const int64_t pos = tile_begin + key;
+    const bool valid = pos < key_end;
+    int64_t offset = 0;
+    if (valid) {
+      offset = block_table[pos >> a.page_shift] * p.quant.scale_stride_page +
+               (pos & slot_mask) * p.quant.scale_stride_slot;
+    }
+    copy_scales(scale_dst, scales + offset, valid);
+  };
 
   const int my_tiles = warp < num_tiles ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < my_tiles) prefetch(warp + i * kWarps, i);
+    if (i < my_tiles) prefetch(warp + i * kWarps, i, whole_tile_page(warp + i * kWarps));
     cp_async_commit();  // possibly empty: "kStages - 1 pending" then always means "the oldest tile has landed"
   }
+  int32_t next_page = kStages - 1 < my_tiles ? whole_tile_page(warp + (kStages - 1) * kWarps) : -1;
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kStages - 1 < my_tiles) prefetch(warp + (i + kStages - 1) * kWarps, (i + kStages - 1) % kStages);
+    if (i + kStages - 1 < my_tiles) {
+      const int32_t page = next_page;
+      if (i + kStages < my_tiles) next_page = whole_tile_page(warp + (i + kStages) * kWarps);
+      prefetch(warp + (i + kStages - 1) * kWarps, (i + kStages - 1) % kStages, page);
+    }
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();  // every lane's copies of this tile are visible to the whole warp
@@ -447,12 +357,22 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 2 * (e & 1) + h;
-        const bool valid = tile_begin + 4 * t + c < key_end;
-        float score = sc[h][e] * (score_mult[c] * row_scale[e >> 1]);
-        if (p.softcap > 0.0f) score = softcap2 * tanhf(score * inv_softcap2);
-        sc[h][e] = valid ? score : -INFINITY;
+      for (int e = 0; e < 4; ++e) sc[h][e] *= score_mult[2 * (e & 1) + h] * row_scale[e >> 1];
+    }
+    if (p.softcap > 0.0f) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[h][e] = softcap2 * tanhf(sc[h][e] * inv_softcap2);
+      }
+    }
+    if (tile_begin + kTileKeys > key_end) {  // only a split's last tile has keys past the end
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (tile_begin + 4 * t + 2 * (e & 1) + h >= key_end) sc[h][e] = -INFINITY;
+        }
       }
     }
     uint32_t pa[4];  // P as the A operand of O += P V: k-slots 2t, 2t + 1, 2t + 8, 2t + 9 = keys 4t, +2, +1, +3
@@ -463,13 +383,13 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
       mx = lanes_max<4>(mx);
       const float m_new = fmaxf(m[r], mx);
       const float base = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = exp2f(m[r] - base);
+      const float alpha = exp2_approx(m[r] - base);
       m[r] = m_new;
       float p_vals[2][2];  // [h][j]: key 4t + 2j + h
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        p_vals[h][0] = exp2f(sc[h][2 * r] - base);
-        p_vals[h][1] = exp2f(sc[h][2 * r + 1] - base);
+        p_vals[h][0] = exp2_approx(sc[h][2 * r] - base);
+        p_vals[h][1] = exp2_approx(sc[h][2 * r + 1] - base);
       }
       l[r] = l[r] * alpha + (p_vals[0][0] + p_vals[0][1]) + (p_vals[1][0] + p_vals[1][1]);
       correction[r] = alpha * unit_change;
@@ -621,6 +541,24 @@ cudaError_t launch_quant(const QuantMmaArgs& a, int64_t num_rows, const Launch& 
   return launch_kernel(decode_attention_mma_quant_kernel<T, HEAD_DIM, FMT>, grid, dim3(kThreads), kBytes, launch, a);
 }
 
+template <typename T, int HEAD_DIM, int FMT>
+int quant_blocks_per_sm() {
+  static const int blocks = resident_blocks_per_sm(decode_attention_mma_quant_kernel<T, HEAD_DIM, FMT>, kThreads,
+                                                   QuantLayout<HEAD_DIM, FMT>::kSmemBytes);
+  return blocks;
+}
+
+template <typename T, int HEAD_DIM>
+int quant_format_blocks_per_sm(KvFormat format) {
+  switch (format) {
+    case KvFormat::kFp8: return quant_blocks_per_sm<T, HEAD_DIM, kFmtFp8>();
+    case KvFormat::kQ8: return quant_blocks_per_sm<T, HEAD_DIM, kFmtQ8>();
+    case KvFormat::kQ4: return quant_blocks_per_sm<T, HEAD_DIM, kFmtQ4>();
+    case KvFormat::kNone: break;
+  }
+  return 0;
+}
+
 template <typename T, int HEAD_DIM>
 cudaError_t launch_quant_format(const QuantMmaArgs& a, int64_t num_rows, const Launch& launch) {
   switch (a.p.quant.format) {
@@ -641,6 +579,7 @@ bool decode_attention_mma_quant_applies(const PagedAttentionParams& p) {
   // whole 16-byte pieces of codes
   if (p.cache_stride_page % 16 || p.cache_stride_slot % 16 || p.cache_stride_head % 16) return false;
   if (!aligned16(p.k_cache) || !aligned16(p.v_cache)) return false;
+  if (p.cache_stride_slot >= (int64_t{1} << 24)) return false;  // 32-bit offsets of a tile's rows
   if (p.quant.format == KvFormat::kFp8) {  // one scale a key, copied as the aligned word holding it
     return p.quant.group_size == p.head_dim && aligned_to(p.quant.k_scale, 4) && aligned_to(p.quant.v_scale, 4);
   }
@@ -673,6 +612,18 @@ cudaError_t decode_attention_mma_quant(const PagedAttentionParams& p, int64_t nu
     }
   });
   return status;
+}
+
+int decode_attention_mma_quant_blocks_per_sm(const PagedAttentionParams& p) {
+  int blocks = 0;
+  dispatch_scalar(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      blocks = p.head_dim == 64 ? quant_format_blocks_per_sm<T, 64>(p.quant.format)
+                                : quant_format_blocks_per_sm<T, 128>(p.quant.format);
+    }
+  });
+  return blocks;
 }
 
 }  // namespace folio::cuda

@@ -57,6 +57,19 @@ inline bool programmatic_launch_supported() {
   return major_by_device[device] >= 9;
 }
 
+// Blocks of `kernel` one multiprocessor of the current device holds at once with `threads` threads and
+// `shared_bytes` of dynamic shared memory each (allowing more than 48 KB first), or 0 when the runtime cannot say.
+template <typename... Params>
+int resident_blocks_per_sm(void (*kernel)(Params...), int threads, int shared_bytes) {
+  if (shared_bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess) {
+    return 0;
+  }
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared_bytes) != cudaSuccess) return 0;
+  return blocks;
+}
+
 // kernel<<<grid, block, shared_bytes, launch.stream>>>(args...), with the PDL attribute where launch.pdl asks for it
 // and the device supports it. Returns the launch status.
 template <typename... Params, typename... Args>
