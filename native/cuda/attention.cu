@@ -481,9 +481,11 @@ AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_ro
   const int64_t max_keys = p.window > 0 ? std::min(p.max_blocks * p.page_size, p.window) : p.max_blocks * p.page_size;
   const int64_t by_length = (max_keys + kMinSplitKeys - 1) / kMinSplitKeys;
   const int64_t max_splits = std::max<int64_t>(1, std::min(by_length, int64_t{kMaxSplits}));
-  // The tensor-core decode kernels (one block per row and kv head) are planned in whole waves of the blocks an SM
-  // holds; the CUDA-core kernel aims at about one full wave at 4 blocks an SM.
-  const int mma_per_sm = decode_mma && decode_attention_mma_applies(p) ? decode_attention_mma_blocks_per_sm(p) : 0;
+  // The 16-bit tensor-core decode kernel (one block per row and kv head) is planned in whole waves of the blocks an
+  // SM holds. The other kernels aim at about one full wave at 4 blocks an SM: the quantized-page kernel fills a
+  // deeper copy ring at each block's start, and more splits made it slower (bench/RESULTS.md).
+  const bool mma16 = decode_mma && p.quant.format == KvFormat::kNone && decode_attention_mma_applies(p);
+  const int mma_per_sm = mma16 ? decode_attention_mma_blocks_per_sm(p) : 0;
   int64_t splits = 0;
   if (mma_per_sm > 0) {
     const int64_t mma_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads);

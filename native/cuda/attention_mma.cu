@@ -385,7 +385,7 @@ cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows
 }
 
 int decode_attention_mma_blocks_per_sm(const PagedAttentionParams& p) {
-  if (p.quant.format != KvFormat::kNone) return decode_attention_mma_quant_blocks_per_sm(p);
+  if (p.quant.format != KvFormat::kNone) return 0;  // planned as the CUDA-core kernel (plan_paged_attention)
   int blocks = 0;
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -21,8 +21,9 @@ bool decode_attention_mma_applies(const PagedAttentionParams& p);
 cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
                                  float* partial_acc, float* partial_ml, const Launch& launch);
 
-// Blocks of the kernel decode_attention_mma() runs for p that one multiprocessor holds at once (0: unknown), for
-// planning the splits in whole waves. Asked of the runtime once per kernel (the devices of a process are alike).
+// Blocks of the 16-bit kernel decode_attention_mma() runs for p that one multiprocessor holds at once (0: unknown or
+// quantized pages), for planning the splits in whole waves. Asked of the runtime once per kernel (the devices of a
+// process are alike).
 int decode_attention_mma_blocks_per_sm(const PagedAttentionParams& p);
 
 // Quantized caches (attention_mma_quant.cu), reached through the two above: whether its copies fit the cache and
@@ -30,6 +31,5 @@ int decode_attention_mma_blocks_per_sm(const PagedAttentionParams& p);
 bool decode_attention_mma_quant_applies(const PagedAttentionParams& p);
 cudaError_t decode_attention_mma_quant(const PagedAttentionParams& p, int64_t num_rows, int num_splits,
                                        int page_shift, float* partial_acc, float* partial_ml, const Launch& launch);
-int decode_attention_mma_quant_blocks_per_sm(const PagedAttentionParams& p);
 
 }  // namespace folio::cuda

@@ -188,7 +188,12 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
       cp_async_bytes<L::kScaleSlot>(dst, src, valid);
     }
   };
-  const int32_t slot_bytes = static_cast<int32_t>(p.cache_stride_slot);  // < 2^24: decode_attention_mma_quant_applies()
+  // A page's strides and the offsets inside one page fit 32 bits (decode_attention_mma_quant_applies()): the page
+  // index times its stride is one widening multiply.
+  const int32_t page_bytes = static_cast<int32_t>(p.cache_stride_page);
+  const int32_t slot_bytes = static_cast<int32_t>(p.cache_stride_slot);
+  const int32_t scale_page_elems = static_cast<int32_t>(p.quant.scale_stride_page);
+  const int32_t scale_slot_elems = static_cast<int32_t>(p.quant.scale_stride_slot);
 
   // The block-table entry of a tile whose keys all exist and lie in one page (the common case: pages hold whole
   // tiles when no window shifts them), else -1: such a tile is copied key by key. Loaded one iteration before its
@@ -212,8 +217,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
     const uint32_t scale_dst = v_dst + L::kCodeBytes + (kv * kTileKeys + key) * L::kScaleSlot;
     const uint16_t* scales = kv == 0 ? k_scales : v_scales;
     if (page >= 0) {  // whole tile in one page: one base address, 32-bit offsets (slot strides are small)
-      const int64_t slot0 = tile_begin & slot_mask;
-      const int64_t tile_offset = page * p.cache_stride_page + slot0 * p.cache_stride_slot + piece * 16;
+      const int32_t slot0 = static_cast<int32_t>(tile_begin & slot_mask);
+      const int64_t tile_offset = static_cast<int64_t>(page) * page_bytes + (slot0 * slot_bytes + piece * 16);
       const unsigned char* k_src = k_codes + tile_offset;
       const unsigned char* v_src = v_codes + tile_offset;
 #pragma unroll
@@ -224,8 +229,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_quant_kernel
         cp_async_bytes<16>(k_dst + at, k_src + offset, true);
         cp_async_bytes<16>(v_dst + at, v_src + offset, true);
       }
-      copy_scales(scale_dst, scales + (page * p.quant.scale_stride_page + (slot0 + key) * p.quant.scale_stride_slot),
-                  true);
+      const int64_t scale_offset = static_cast<int64_t>(page) * scale_page_elems + (slot0 + key) * scale_slot_elems;
+      copy_scales(scale_dst, scales + scale_offset, true);
       return;
     }
 #pragma unroll
@@ -541,24 +546,6 @@ cudaError_t launch_quant(const QuantMmaArgs& a, int64_t num_rows, const Launch& 
   return launch_kernel(decode_attention_mma_quant_kernel<T, HEAD_DIM, FMT>, grid, dim3(kThreads), kBytes, launch, a);
 }
 
-template <typename T, int HEAD_DIM, int FMT>
-int quant_blocks_per_sm() {
-  static const int blocks = resident_blocks_per_sm(decode_attention_mma_quant_kernel<T, HEAD_DIM, FMT>, kThreads,
-                                                   QuantLayout<HEAD_DIM, FMT>::kSmemBytes);
-  return blocks;
-}
-
-template <typename T, int HEAD_DIM>
-int quant_format_blocks_per_sm(KvFormat format) {
-  switch (format) {
-    case KvFormat::kFp8: return quant_blocks_per_sm<T, HEAD_DIM, kFmtFp8>();
-    case KvFormat::kQ8: return quant_blocks_per_sm<T, HEAD_DIM, kFmtQ8>();
-    case KvFormat::kQ4: return quant_blocks_per_sm<T, HEAD_DIM, kFmtQ4>();
-    case KvFormat::kNone: break;
-  }
-  return 0;
-}
-
 template <typename T, int HEAD_DIM>
 cudaError_t launch_quant_format(const QuantMmaArgs& a, int64_t num_rows, const Launch& launch) {
   switch (a.p.quant.format) {
@@ -579,7 +566,10 @@ bool decode_attention_mma_quant_applies(const PagedAttentionParams& p) {
   // whole 16-byte pieces of codes
   if (p.cache_stride_page % 16 || p.cache_stride_slot % 16 || p.cache_stride_head % 16) return false;
   if (!aligned16(p.k_cache) || !aligned16(p.v_cache)) return false;
-  if (p.cache_stride_slot >= (int64_t{1} << 24)) return false;  // 32-bit offsets of a tile's rows
+  // 32-bit page strides and offsets of slots inside a page (a whole tile's copies)
+  constexpr int64_t k32 = int64_t{1} << 31;
+  if (p.cache_stride_page >= k32 || p.cache_stride_slot * p.page_size >= k32) return false;
+  if (p.quant.scale_stride_page >= k32 || p.quant.scale_stride_slot * p.page_size >= k32) return false;
   if (p.quant.format == KvFormat::kFp8) {  // one scale a key, copied as the aligned word holding it
     return p.quant.group_size == p.head_dim && aligned_to(p.quant.k_scale, 4) && aligned_to(p.quant.v_scale, 4);
   }
@@ -612,18 +602,6 @@ cudaError_t decode_attention_mma_quant(const PagedAttentionParams& p, int64_t nu
     }
   });
   return status;
-}
-
-int decode_attention_mma_quant_blocks_per_sm(const PagedAttentionParams& p) {
-  int blocks = 0;
-  dispatch_scalar(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (!std::is_same_v<T, float>) {
-      blocks = p.head_dim == 64 ? quant_format_blocks_per_sm<T, 64>(p.quant.format)
-                                : quant_format_blocks_per_sm<T, 128>(p.quant.format);
-    }
-  });
-  return blocks;
 }
 
 }  // namespace folio::cuda

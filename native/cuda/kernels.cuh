@@ -42,7 +42,7 @@ struct AttentionPlan {
 };
 // Head-dim / alignment support of the CUDA kernels; returns nullptr when supported, else the reason.
 const char* attention_unsupported_reason(const PagedAttentionParams& p);
-// decode_mma: as paged_attention's (the tensor-core kernels are planned by their own occupancy).
+// decode_mma: as paged_attention's (the 16-bit tensor-core kernel is planned by its own occupancy).
 AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_rows, int num_sms, bool decode_mma);
 cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
                             float* workspace, bool decode_mma, const Launch& launch);
