@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,17 +69,22 @@ _SAMPLE_FIELDS = ("prefill_samples", "decode_samples", "finished_samples")
 SAMPLES_UNKNOWN = 1 << 30
 _POSITIVE = operator.itemgetter(*(_NUMBER_FIELDS.index(name)
                                   for name in ("page_size", "block_tokens", "dense_key_tokens", "seq")))
-# The common report, what build_digest writes (every field, the numbers of the types it writes), read in one C call:
-# v, instance_id, the numbers in ReplicaDigest's order, the sample counts, the snapshot (None) and the batches (a
-# list): most reports a router decodes are this; anything else takes the checks field by field.
-_COMMON = operator.itemgetter("v", "instance_id", *_NUMBER_FIELDS, *_SAMPLE_FIELDS, "snapshot", "batches")
-_COMMON_TYPES = (int, str, *_REPORTED_TYPES, int, int, int, type(None), list)
-_COMMON_FIELDS = operator.itemgetter(slice(1, 2 + len(_NUMBER_FIELDS)))  # instance_id and the numbers
-_COMMON_COUNTS = operator.itemgetter(slice(2, 2 + len(_NUMBER_FIELDS) + len(_SAMPLE_FIELDS)))
-_COMMON_SAMPLES = operator.itemgetter(slice(2 + len(_NUMBER_FIELDS), 2 + len(_NUMBER_FIELDS) + len(_SAMPLE_FIELDS)))
-_COMMON_RATES = operator.itemgetter(*(2 + _NUMBER_FIELDS.index(name) for name in _FLOAT_FIELDS))
-_COMMON_POSITIVE = operator.itemgetter(*(2 + _NUMBER_FIELDS.index(name)
-                                         for name in ("page_size", "block_tokens", "dense_key_tokens")))
+# ReplicaDigest.numbers(): every number of a report, in ReplicaDigest's order, as float64s
+NUMBER_FIELDS = (*_NUMBER_FIELDS, *_SAMPLE_FIELDS)
+_DIGEST_NUMBERS = operator.attrgetter(*NUMBER_FIELDS)
+_PACK_NUMBERS = struct.Struct(f"={len(NUMBER_FIELDS)}d").pack
+# The common report, what build_digest writes (every field, the numbers of the types it writes, no snapshot), as the
+# native key index reads it and applies its batches in one call (KeyIndex.apply_report, from folio.router.index,
+# which checks the version, the instance and the epoch first): ReplicaDigest's fields up to finished_samples in its
+# order, then the snapshot and the batches, each with its kind (exact types): s str, i int >= 0, p int > 0, q int >= 0
+# and the newest seq of a batch, f float in [0, inf), n None, b the batch list (each [seq, stored, evicted(, moved)],
+# keys base64 of little-endian uint64). It returns those fields, then their numbers packed as numbers() packs them.
+# Most reports a router reads are this; anything else takes parse_digest.
+_KINDS = {"instance_id": "s", "page_size": "p", "block_tokens": "p", "dense_key_tokens": "p", "seq": "q",
+          "snapshot": "n", "batches": "b", **dict.fromkeys(_FLOAT_FIELDS, "f")}
+COMMON_REPORT_FIELDS = ("instance_id", *NUMBER_FIELDS, "snapshot", "batches")
+COMMON_REPORT_KINDS = "".join(_KINDS.get(name, "i") for name in COMMON_REPORT_FIELDS)
+
 
 class DigestError(ValueError):
     """A routing-stats dict that is not a valid report."""
@@ -131,18 +137,26 @@ class ReplicaDigest:
     dense_tokens: int
     dense_key_tokens: int
     seq: int
-    batches: tuple[Batch, ...]
-    snapshot: Snapshot | None
-    # parse_digest(decode_batches=False): the report's batch list as it came, for a native index to decode and
-    # apply in one call (batches is then empty); None once decoded
-    encoded_batches: list | None = None
     prefill_samples: int = SAMPLES_UNKNOWN
     decode_samples: int = SAMPLES_UNKNOWN
     finished_samples: int = SAMPLES_UNKNOWN
+    # numbers(), once packed (the native index packs them as it reads a report)
+    packed_numbers: bytes | None = field(default=None, repr=False, compare=False)
+    # the batches after the reader's applied seq, decoded (empty where the native index applied them as it read the
+    # report: folio.router.index)
+    batches: tuple[Batch, ...] = ()
+    snapshot: Snapshot | None = None
 
     @property
     def num_jobs(self) -> int:
         return self.num_running + self.num_queued
+
+    def numbers(self) -> bytes:
+        """Its numbers (NUMBER_FIELDS: epoch .. finished_samples) as float64s in native byte order, packed: the
+        form in which folio.router.cost reads every replica's report at once."""
+        if self.packed_numbers is None:
+            self.packed_numbers = _PACK_NUMBERS(*_DIGEST_NUMBERS(self))
+        return self.packed_numbers
 
 
 def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int, epoch: int, *,
@@ -170,17 +184,11 @@ def build_digest(pool: PoolLike, events: CacheEvents, running: int, queued: int,
     }
 
 
-def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batches: bool = True) -> ReplicaDigest:
+def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0) -> ReplicaDigest:
     """Decode a dict from build_digest. Raises DigestError if it is not one (wrong version, missing or mistyped
     field, malformed keys). applied_seq: the reader already applied this instance's batches up to that seq; those
     are left out (not checked either): a report repeats its last batches, and decoding them again at every report
-    would cost more than applying the new one. decode_batches=False: a report without a snapshot keeps its batch
-    list undecoded and unchecked in `encoded_batches` (the native index's apply_encoded decodes and checks it; the
-    caller parses again with decode_batches=True where that refuses)."""
-    if not decode_batches and type(stats) is dict:
-        common = _common_digest(stats)
-        if common is not None:
-            return common
+    would cost more than applying the new one."""
     if type(stats) is not dict and not isinstance(stats, Mapping):
         raise DigestError(f"a digest is a mapping, got {type(stats).__name__}")
     if stats.get("v") != DIGEST_VERSION:
@@ -212,9 +220,6 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
         for name, value in zip(_SAMPLE_FIELDS, samples):
             if type(value) is not int or value < 0:
                 raise DigestError(f"digest field {name!r} must be a non-negative int, got {value!r}")
-    if not decode_batches and stats.get("snapshot") is None:
-        return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], (), None,
-                             stats.get("batches"), *samples)
     try:
         batches = tuple(_batch(b) for b in _new_batches(_list(stats.get("batches"), "batches"), applied_seq))
         snapshot = _snapshot(stats.get("snapshot"))
@@ -222,25 +227,8 @@ def parse_digest(stats: Mapping[str, Any], applied_seq: int = 0, *, decode_batch
         raise DigestError(str(e)) from None
     if any(b.seq > seq for b in batches) or (snapshot is not None and snapshot.seq > seq):
         raise DigestError("a batch or the snapshot is newer than the report's seq")
-    return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], batches, snapshot,
-                         None, *samples)
-
-
-def _common_digest(stats: dict) -> ReplicaDigest | None:
-    """parse_digest(decode_batches=False) of the common report (see _COMMON), or None where it is not one: the
-    caller's checks, field by field, then accept it or name what is wrong."""
-    try:
-        values = _COMMON(stats)
-    except KeyError:
-        return None
-    if tuple(map(type, values)) != _COMMON_TYPES or values[0] != DIGEST_VERSION or 0 in _COMMON_POSITIVE(values):
-        return None
-    prefill_rate, decode_step, new_tokens = _COMMON_RATES(values)
-    # (a NaN fails its comparison; with one among the numbers, min() may miss a negative, but the rates' test fails)
-    if not (prefill_rate < math.inf and decode_step < math.inf and new_tokens < math.inf
-            and min(_COMMON_COUNTS(values)) >= 0):
-        return None
-    return ReplicaDigest(*_COMMON_FIELDS(values), (), None, values[-1], *_COMMON_SAMPLES(values))
+    return ReplicaDigest(instance_id, *numbers[:_NUM_COUNTS], *floats, *numbers[_NUM_COUNTS + 3:], *samples,
+                         batches=batches, snapshot=snapshot)
 
 
 def _check_numbers(numbers: tuple) -> None:

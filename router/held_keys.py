@@ -3,8 +3,10 @@ evicted keys, replacing its keys with a snapshot, and finding, for a prompt's ke
 
 Two implementations with one interface (HeldKeys):
   - folio._native_cpu.KeyIndex (native/cpu/key_index.cpp, used as it is): one open-addressing table from key to the
-    slots holding it (inline for up to two), a count per slot; batches and snapshots are buffers of uint64
-    (array('Q')). Listing or clearing one slot's keys scans the table (a replica restart, a snapshot resync).
+    slots holding it (inline for up to four; slots below 65,534), a count per slot; batches and snapshots are
+    buffers of uint64 (array('Q')). Listing or clearing one slot's keys scans the table (a replica restart, a
+    snapshot resync). It also reads most reports whole (apply_report: the report's dict checked, its new batches
+    decoded and applied, in one call; folio.router.index), which the Python twin leaves to folio.router.digest.
   - PyHeldKeys: the same in Python (a dict from key to a bitmask of slots, a set per slot), where the native module
     was not built. Tests run both against the same oracles.
 A router applies every replica's events every report period. Both wait on memory with hundreds of thousands of keys

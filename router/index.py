@@ -25,7 +25,14 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from folio.router.digest import Batch, ReplicaDigest, parse_digest
+from folio.router.digest import (
+    COMMON_REPORT_FIELDS,
+    COMMON_REPORT_KINDS,
+    DIGEST_VERSION,
+    Batch,
+    ReplicaDigest,
+    parse_digest,
+)
 from folio.router.held_keys import HeldKeys, deepest_in_masks, make_held_keys
 
 ReplicaId = Hashable
@@ -74,7 +81,7 @@ class PrefixIndex:
         self._ids: list[ReplicaId | None] = []  # slot -> replica id
         self._free_slots: list[int] = []
         self._held = held if held is not None else make_held_keys()
-        self._decodes_batches = hasattr(self._held, "apply_encoded")
+        self._reads_reports = hasattr(self._held, "apply_report")
         self._routed: dict[int, int] = {}  # key -> bitmask of slots it was routed to
         self.stats = IndexStats()
 
@@ -150,11 +157,9 @@ class PrefixIndex:
 
     # ---- reports --------------------------------------------------------------------------------------------
 
-    def report(self, replica_id: ReplicaId, digest: ReplicaDigest) -> bool | None:
+    def report(self, replica_id: ReplicaId, digest: ReplicaDigest) -> bool:
         """Apply a replica's report; False (nothing changed) if it is not newer than the last one applied. A report
-        from a new instance (the replica restarted) first forgets what the old one held. None (nothing changed) for
-        a digest with encoded batches (decodes_batches) that the native path does not take: decode it in full and
-        report it again."""
+        from a new instance (the replica restarted) first forgets what the old one held."""
         return self._report(self._replicas.get(replica_id) or self._add(replica_id), digest)
 
     def report_stats(self, replica_id: ReplicaId, stats: Mapping[str, Any]) -> tuple[int, ReplicaDigest] | None:
@@ -170,54 +175,42 @@ class PrefixIndex:
             epoch = stats.get("epoch")
             if type(epoch) is int and epoch <= previous.epoch:
                 return None  # the same report again (routers see each one many times): skip decoding it
+            if state.synced and self._reads_reports and stats.get("v") == DIGEST_VERSION:
+                # Most reports: the next one of an instance in sync, read and its batches applied by the native index
+                # in one call (folio.router.digest COMMON_REPORT_FIELDS: no snapshot, every field of its type,
+                # well-formed batches). Anything else it leaves untouched, for the full decode below, which names
+                # what is wrong.
+                applied = self._held.apply_report(state.slot, stats, COMMON_REPORT_FIELDS, COMMON_REPORT_KINDS,
+                                                  state.seq, bool(state.routed))
+                if applied is not None:
+                    return state.slot, self._applied(state, applied)
             applied_seq = state.seq
-        # the native index decodes and applies the batches itself where it can (most reports)
-        digest = parse_digest(stats, applied_seq, decode_batches=not self._decodes_batches)
+        digest = parse_digest(stats, applied_seq)
         if state is None:
             state = self._add(replica_id)  # (not before: a dict that is no report adds no replica)
-        changed = self._report(state, digest)
-        if changed is None:
-            digest = parse_digest(stats, applied_seq)
-            changed = self._report(state, digest)
-        return (state.slot, digest) if changed else None
+        return (state.slot, digest) if self._report(state, digest) else None
 
-    def _report(self, state: _Replica, digest: ReplicaDigest) -> bool | None:
+    def _report(self, state: _Replica, digest: ReplicaDigest) -> bool:
         previous = state.digest
         if previous is not None and previous.instance_id == digest.instance_id and digest.epoch <= previous.epoch:
             return False
-        if digest.encoded_batches is not None:
-            if not self._apply_encoded(state, digest):
-                return None
-        else:
-            if previous is not None and previous.instance_id != digest.instance_id:
-                self._forget(state)
-            state.digest = digest
-            self._apply_events(state, digest)
+        if previous is not None and previous.instance_id != digest.instance_id:
+            self._forget(state)
+        state.digest = digest
+        self._apply_events(state, digest)
         if state.routed:
             self._expire_routed(state, self._clock())
         return True
 
     @property
-    def decodes_batches(self) -> bool:
-        """Whether report() takes digests whose batches are still encoded (parse_digest(decode_batches=False))."""
-        return self._decodes_batches
+    def reads_reports(self) -> bool:
+        """Whether the held-key store reads and applies most reports in one native call (KeyIndex.apply_report)."""
+        return self._reads_reports
 
-    def _apply_encoded(self, state: _Replica, digest: ReplicaDigest) -> bool:
-        """The common report, its batches decoded and applied by the native index in one call: same instance, in
-        sync, no snapshot. False, with nothing changed, where it is not that or its batches are malformed: report()
-        then answers None, and the caller decodes the report in full."""
-        previous = state.digest
-        if previous is None or previous.instance_id != digest.instance_id or not state.synced:
-            return False
-        applied = self._held.apply_encoded(state.slot, digest.encoded_batches, state.seq, digest.seq,
-                                           bool(state.routed))
-        if applied is None:
-            return False
-        first_seq, last_seq, num_batches, num_events, stored = applied
-        # Applied: the report's batch list is no longer needed here. Kept, it would keep the caller's batches alive
-        # until the next report, and freeing them (dozens of cold objects) would fall on that report's time.
-        digest.encoded_batches = None
-        state.digest = digest
+    def _applied(self, state: _Replica, applied: tuple) -> ReplicaDigest:
+        """The bookkeeping of a report that KeyIndex.apply_report read and whose new batches it applied."""
+        fields, first_seq, last_seq, num_batches, num_events, stored = applied
+        digest = state.digest = ReplicaDigest(*fields)  # (its fields in order, up to packed_numbers)
         if num_batches:
             if first_seq != state.seq + 1:
                 self.stats.num_gaps += 1
@@ -227,7 +220,9 @@ class PrefixIndex:
             self.stats.num_events += num_events
             if stored:
                 self._confirm_routed(state, set(stored).intersection(state.routed))
-        return True
+        if state.routed:
+            self._expire_routed(state, self._clock())
+        return digest
 
     def _forget(self, state: _Replica) -> None:
         """Everything known about the replica's cache (it restarted); it keeps its slot."""

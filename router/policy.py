@@ -173,10 +173,7 @@ class PrefixRouterPolicy:
         it changed anything; an invalid dict is counted and ignored (a replica of another version must not break
         routing)."""
         if isinstance(stats, ReplicaDigest):
-            changed = self.index.report(replica_id, stats)
-            if changed is None:
-                raise ValueError("report() takes digests with encoded batches only as dicts (it decodes them again)")
-            if not changed:
+            if not self.index.report(replica_id, stats):
                 return False
             slot = self.index.slot_of(replica_id)
         else:

@@ -452,13 +452,22 @@ def test_lost_reports_keep_the_index_exact_until_a_gap_then_a_snapshot_restores_
     assert num_inexact > 0, "some gap should leave the index inexact until its snapshot"
 
 
+def numbers_of(digest: ReplicaDigest | None) -> list | None:
+    """A digest's fields but its decoded batches and snapshot, with their types (a bool is not a count), and its
+    numbers as folio.router.cost reads them (packed by the native index as it reads a report, else by the digest)."""
+    if digest is None:
+        return None
+    return [(name, getattr(digest, name), type(getattr(digest, name))) for name in ReplicaDigest.__slots__
+            if name not in ("batches", "snapshot", "packed_numbers")] + [digest.numbers()]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_native_decode_of_reports_applies_what_the_full_decode_does(seed, held_keys_implementation):
-    """PrefixRouterPolicy.report with the native index decodes and applies a report's batches in one call
-    (KeyIndex.apply_encoded); fed the same lossy stream, with some batches corrupted and routed prompts between
-    reports, it must hold the keys, sync state, counts and routed records of an index fed fully decoded digests
-    (the Python twin), and refuse the same reports. With the Python twin the policy decodes every report in full:
-    the same holds."""
+    """PrefixRouterPolicy.report with the native index reads a report and applies its batches in one call
+    (KeyIndex.apply_report); fed the same lossy stream, with some batches corrupted and routed prompts between
+    reports, it must hold the keys, sync state, counts, routed records and digests of an index fed fully decoded
+    digests (the Python twin), and refuse the same reports. With the Python twin the policy decodes every report in
+    full: the same holds."""
     from folio.router.held_keys import PyHeldKeys
 
     native = held_keys_implementation == "native"
@@ -467,11 +476,10 @@ def test_the_native_decode_of_reports_applies_what_the_full_decode_does(seed, he
     rng = random.Random(2000 + seed)
     clock = Clock()
     policy = PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE), clock=clock)
-    assert policy.index.decodes_batches == native
+    assert policy.index.reads_reports == native
     native_applied = []
-    apply_encoded = policy.index._apply_encoded
-    policy.index._apply_encoded = lambda state, digest: native_applied.append(apply_encoded(state, digest)) or \
-        native_applied[-1]
+    applied = policy.index._applied
+    policy.index._applied = lambda state, read: native_applied.append(applied(state, read)) or native_applied[-1]
     reference = PrefixIndex(clock=clock, held=PyHeldKeys())
     position, num_corrupted = 0, 0
     while position < len(reports):
@@ -489,6 +497,7 @@ def test_the_native_decode_of_reports_applies_what_the_full_decode_does(seed, he
         assert policy.index.is_synced("r") == reference.is_synced("r")
         assert policy.index.applied_seq("r", "a") == reference.applied_seq("r", "a")
         assert policy.index.stats == reference.stats
+        assert numbers_of(policy.index.digest("r")) == numbers_of(reference.digest("r"))
         keys = [rng.getrandbits(64) for _ in range(3)] + rng.sample(sorted(reference.held_keys("r")) or [0], 1)
         policy.index.record_routed("r", keys)
         reference.record_routed("r", keys)
@@ -497,9 +506,79 @@ def test_the_native_decode_of_reports_applies_what_the_full_decode_does(seed, he
     assert policy.num_rejected_reports == num_corrupted >= 3
     # (the others came after a gap, when only a snapshot resyncs, or carried one, or were corrupted)
     if native:
-        assert native_applied.count(True) >= 15, "the native path should have applied the in-sync reports"
+        assert len(native_applied) >= 15, "the native path should have applied the in-sync reports"
     else:
         assert not native_applied
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_policies_on_the_native_index_and_its_python_twin_decide_alike(seed, held_keys_implementation, monkeypatch):
+    """Two policies, one on the native index (which reads most reports in one call) and one on the Python twin (which
+    decodes every report in full), fed the same reports of six replicas sharing prompt stems (arriving out of turn,
+    some lost, some repeated, some corrupted) and the same prompts: every decision (costs, cached tokens, the
+    shortlist's order up to exact ties) and every replica's held keys are the same. (Exact ties keep the order in
+    which match() lists holders: the order they came to hold a key natively, slot order in the twin.)"""
+    if held_keys_implementation == "python":
+        pytest.skip("compares the two implementations: once")
+    from folio.router import index
+    from folio.router.held_keys import PyHeldKeys
+
+    rng = random.Random(3000 + seed)
+    clock = Clock()
+    policies = []
+    for held in (index.make_held_keys, PyHeldKeys):
+        monkeypatch.setattr(index, "make_held_keys", held)
+        policies.append(PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE, seed=seed), clock=clock))
+    native, python = policies
+    assert native.index.reads_reports and not python.index.reads_reports
+    read = []
+    applied = native.index._applied
+    native.index._applied = lambda state, native_read: read.append(state) or applied(state, native_read)
+    num_hits = 0
+    replicas = [f"r{n}" for n in range(6)]
+    stems = PoolDriver(random.Random(seed)).stems
+    drivers, streams = {}, {}
+    for n, replica_id in enumerate(replicas):
+        drivers[replica_id] = PoolDriver(random.Random(100 * seed + n))
+        drivers[replica_id].stems = stems
+        streams[replica_id] = CacheEvents(PAGE_SIZE, 8, dense_tokens=0, history=3, snapshot_every=7,
+                                          dense_key_tokens=DENSE_KEY_TOKENS)
+    epochs = dict.fromkeys(replicas, 0)
+    last = {}
+    for step in range(400):
+        clock.now += 0.05
+        replica_id = rng.choice(replicas)
+        driver = drivers[replica_id]
+        for _ in range(rng.randrange(1, 4)):
+            driver.step()
+        streams[replica_id].add(driver.drain())
+        epochs[replica_id] += 1
+        stats = report(driver, streams[replica_id], epochs[replica_id], instance_id=replica_id)
+        if rng.random() < 0.15:
+            continue  # lost
+        if rng.random() < 0.1 and replica_id in last:
+            stats = last[replica_id]  # an old one again
+        elif stats["batches"] and rng.random() < 0.05:
+            stats["batches"][-1][1] = "not base64!"
+        last[replica_id] = stats
+        assert native.report(replica_id, json.loads(json.dumps(stats))) == python.report(replica_id, stats)
+        if step % 3 == 0:
+            tokens = drivers[rng.choice(replicas)].prompt()
+            decisions = [policy.choose(replicas, tokens) for policy in policies]
+            a, b = decisions
+            assert (a.mode, a.costs, a.num_cached_tokens, a.keys) == (b.mode, b.costs, b.num_cached_tokens, b.keys)
+            assert [a.costs[r] for r in a.shortlist] == [b.costs[r] for r in b.shortlist]
+            assert sorted(a.order) == sorted(b.order)
+            num_hits += any(a.num_cached_tokens.values())
+            for policy, decision in zip(policies, decisions):
+                policy.on_routed(a.best, decision)
+    for replica_id in replicas:
+        assert native.index.held_keys(replica_id) == python.index.held_keys(replica_id)
+        assert native.index.is_synced(replica_id) == python.index.is_synced(replica_id)
+        assert numbers_of(native.index.digest(replica_id)) == numbers_of(python.index.digest(replica_id))
+    assert native.num_rejected_reports == python.num_rejected_reports > 0
+    assert native.index.stats == python.index.stats
+    assert len(read) > 150 and num_hits > 40, (len(read), num_hits)  # mostly the native path, mostly prompts it holds
 
 
 def test_stale_and_repeated_reports_are_ignored():
@@ -888,28 +967,42 @@ def test_malformed_digests_are_rejected(change, message):
     stats = stats | change
     with pytest.raises(DigestError, match=message):
         parse_digest(stats)
-    if "batches" not in change:  # (decode_batches=False leaves the batches to the native index, unchecked)
-        with pytest.raises(DigestError, match=message):
-            parse_digest(stats, decode_batches=False)
     policy = PrefixRouterPolicy(PolicyConfig(default_page_size=PAGE_SIZE))
     assert not policy.report("r0", stats) and policy.num_rejected_reports == 1
+    # As the next report of an instance in sync (what the native index reads in one call): refused alike, with
+    # nothing changed. (Its batches at or before the applied seq are not read: those changes leave it valid.)
+    if "batches" not in change and "epoch" not in change:
+        index = PrefixIndex(clock=Clock())
+        assert index.report_stats("r0", valid_stats()) and index.is_synced("r0")
+        before = (numbers_of(index.digest("r0")), index.held_keys("r0"), index.applied_seq("r0", ""))
+        with pytest.raises(DigestError, match=message):
+            index.report_stats("r0", stats | {"epoch": 4})
+        assert (numbers_of(index.digest("r0")), index.held_keys("r0"), index.applied_seq("r0", "")) == before
 
 
 @pytest.mark.parametrize("samples", [True, False])
 def test_the_common_report_reads_as_the_full_decode_reads_it(samples):
-    """parse_digest(decode_batches=False) reads a report as build_digest writes it in one pass (folio.router.digest
-    _common_digest): the same numbers as the full decode, the batches left encoded; a report of an earlier version
-    (no sample counts) or a mapping that is not a dict takes the field-by-field path to the same result."""
-    stats = json.loads(json.dumps(valid_stats())) | {"snapshot": None}
+    """The next report of an instance in sync, as build_digest writes it, is read and applied in one call where the
+    index is native (KeyIndex.apply_report, folio.router.digest COMMON_REPORT_FIELDS): the same numbers, of the same
+    types, as the full decode, and the same keys held; a report of an earlier version (no sample counts) or a
+    mapping that is not a dict takes the full decode to the same result."""
+    first = json.loads(json.dumps(valid_stats()))  # holds the key of bytes(range(16)), a snapshot at seq 2
+    stats = first | {"epoch": 4, "seq": 3, "snapshot": None,
+                     "batches": first["batches"] + [[3, pack([5, 6]), first["batches"][0][1]]]}
     if not samples:
         for name in ("prefill_samples", "decode_samples", "finished_samples"):
             del stats[name]
-    full = parse_digest(stats)
+    full = parse_digest(stats, applied_seq=2)
     for given in (stats, types.MappingProxyType(stats)):
-        common = parse_digest(given, decode_batches=False)
-        assert common.encoded_batches == stats["batches"] and common.batches == () and common.snapshot is None
-        assert all(getattr(common, name) == getattr(full, name) and type(getattr(common, name)) is type(
-            getattr(full, name)) for name in ReplicaDigest.__slots__ if name not in ("batches", "encoded_batches"))
+        index = PrefixIndex(clock=Clock())
+        assert index.report_stats("r", first) and index.is_synced("r")
+        read = []
+        applied = index._applied
+        index._applied = lambda state, native_read: read.append(applied(state, native_read)) or read[-1]
+        slot, digest = index.report_stats("r", given)
+        assert numbers_of(digest) == numbers_of(full) and index.digest("r") is digest
+        assert index.held_keys("r") == {5, 6} and index.applied_seq("r", "") == 3
+        assert read == ([digest] if index.reads_reports and samples and given is stats else [])
     assert not samples or full.prefill_samples == stats["prefill_samples"]
 
 

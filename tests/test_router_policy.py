@@ -29,7 +29,6 @@ import itertools
 import math
 import random
 from collections import Counter, defaultdict
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -38,7 +37,7 @@ from fakes import FakePool
 from folio.cache import PageEvent, PageEventKind
 from folio.hashing import page_hashes
 from folio.router.cost import RATE_PRIOR_SAMPLES, LoadTable
-from folio.router.digest import build_digest
+from folio.router.digest import ReplicaDigest, build_digest
 from folio.router.events import CacheEvents
 from folio.router.keys import KeyGeometry, page_key
 from folio.router.policy import Mode, PolicyConfig, PrefixRouterPolicy
@@ -698,6 +697,18 @@ def test_a_first_slow_measurement_does_not_send_a_prompt_from_its_prefix(clock):
     assert decision.best == "holder", decision.costs
 
 
+def test_the_fleet_median_is_numpys():
+    """folio.router.cost._median, where refresh takes the fleet's rates from, gives np.median's value: odd and even
+    counts, ties, one value."""
+    from folio.router.cost import _median
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 4, 7, 64, 511, 512):
+        for values in (rng.random(n) * 10.0 ** rng.integers(-3, 5), rng.choice([0.5, 1.0, 2.0], n),
+                       np.round(rng.random(n) * 10)):
+            assert _median(values) == float(np.median(values))
+
+
 def test_unmeasured_rates_use_the_fleet_median_and_the_defaults_only_when_nothing_is_measured(clock):
     tokens = prompt(6, num_pages=6)  # 101 tokens, cached nowhere
     reported = {"a": (1000.0, 0.01, 40.0), "b": (0.0, 0.05, 50.0), "c": (4000.0, 0.0, 300.0), "d": (1500.0, 0.02, 0.0)}
@@ -886,10 +897,12 @@ def test_key_geometry_comes_from_the_reports(clock):
 # ---- several routers sharing a fleet ----------------------------------------------------------------------------
 
 
-def _load_report(received: int, backlog: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(num_jobs=0, num_received=received, max_running=8, prefill_tokens_per_s=1000.0,
-                           decode_step_s=0.02, mean_new_tokens=50.0, num_allocatable_pages=100, page_size=16,
-                           num_prefill_tokens=backlog, prefill_samples=100, decode_samples=100, finished_samples=100)
+def _load_report(received: int, backlog: int = 0) -> ReplicaDigest:
+    return ReplicaDigest(instance_id="", epoch=1, num_running=0, num_queued=0, max_running=8,
+                         num_prefill_tokens=backlog, num_received=received, page_size=16, num_pages=100,
+                         num_free_pages=0, num_allocatable_pages=100, prefill_tokens_per_s=1000.0, decode_step_s=0.02,
+                         mean_new_tokens=50.0, block_tokens=64, dense_tokens=0, dense_key_tokens=64, seq=1,
+                         prefill_samples=100, decode_samples=100, finished_samples=100)
 
 
 def test_a_router_counts_the_routers_sharing_the_fleet_from_what_the_replicas_received():

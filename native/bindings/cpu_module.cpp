@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -218,24 +220,16 @@ struct DecodedBatch {
 };
 
 int64_t exact_int_or(PyObject* value, int64_t otherwise) {
-  if (!PyLong_CheckExact(value)) return otherwise;
-  const long long number = PyLong_AsLongLong(value);
-  if (number == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    return otherwise;
-  }
-  return number;
+  int overflow = 0;  // (an exact int sets it rather than raising)
+  const long long number = PyLong_CheckExact(value) ? PyLong_AsLongLongAndOverflow(value, &overflow) : otherwise;
+  return overflow ? otherwise : number;
 }
 
 bool decode_str(PyObject* value, std::vector<uint64_t>& out) {
-  if (!PyUnicode_CheckExact(value)) return false;
   Py_ssize_t length = 0;
-  const char* text = PyUnicode_AsUTF8AndSize(value, &length);
-  if (text == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  return cpu::decode_base64_keys(text, static_cast<size_t>(length), out);
+  const char* text = PyUnicode_CheckExact(value) ? PyUnicode_AsUTF8AndSize(value, &length) : nullptr;
+  if (text == nullptr) PyErr_Clear();  // (not a str, or one with no UTF-8 form)
+  return text != nullptr && cpu::decode_base64_keys(text, static_cast<size_t>(length), out);
 }
 
 // The batches of `batches` (a report's list, oldest first) after after_seq, decoded; false where any of them is
@@ -265,6 +259,74 @@ bool decode_new_batches(PyObject* batches, int64_t after_seq, int64_t max_seq, s
     out.push_back(std::move(decoded));
   }
   return true;
+}
+
+// A report as apply_report reads it: its s/i/p/q/f fields (a tuple, then their numbers packed) and its batches
+// after the applied ones, decoded.
+struct ReadReport {
+  pybind11::tuple values;
+  std::vector<DecodedBatch> batches;
+};
+
+// Reads report[names[i]] by kinds[i] (folio.router.digest COMMON_REPORT_KINDS) and decodes its batches after
+// after_seq; false where the report is not a dict, a field is missing or not of its kind (exact types: a bool is
+// not a count), or a batch is malformed.
+bool read_report(PyObject* report, const pybind11::tuple& names, const std::string& kinds, int64_t after_seq,
+                 ReadReport& out) {
+  if (kinds.size() != names.size()) throw std::invalid_argument("apply_report: one kind per field name");
+  if (!PyDict_CheckExact(report)) return false;
+  // Its objects are scattered and cold: touch them all at once, so that the look-ups wait on one round of misses.
+  Py_ssize_t position = 0;
+  PyObject *key = nullptr, *value = nullptr, *batches = nullptr;
+  while (PyDict_Next(report, &position, &key, &value)) {
+    __builtin_prefetch(key);
+    __builtin_prefetch(value);
+  }
+  const auto returned = [](char kind) { return kind != 'n' && kind != 'b'; };
+  out.values = pybind11::tuple(1 + std::count_if(kinds.begin(), kinds.end(), returned));
+  std::vector<double> numbers;  // the i/p/q/f fields as doubles (as Python's float() of each)
+  int64_t max_seq = -1;
+  Py_ssize_t next = 0;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    value = PyDict_GetItemWithError(report, PyTuple_GET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i)));  // borrowed
+    if (value == nullptr) {
+      if (PyErr_Occurred()) throw pybind11::error_already_set();  // an unhashable name: the spec is wrong
+      return false;
+    }
+    const char kind = kinds[i];
+    if (kind == 'b') batches = value;
+    if (kind == 'n' || kind == 'b') {
+      if (kind == 'n' && value != Py_None) return false;
+      continue;
+    }
+    if (kind == 'f') {
+      const double number = PyFloat_CheckExact(value) ? PyFloat_AS_DOUBLE(value) : -1.0;
+      if (!(number >= 0.0 && number < std::numeric_limits<double>::infinity())) return false;  // (NaN fails too)
+      numbers.push_back(number);
+    } else if (kind == 'i' || kind == 'p' || kind == 'q') {
+      int overflow = 0;
+      const long long number = PyLong_CheckExact(value) ? PyLong_AsLongLongAndOverflow(value, &overflow) : -1;
+      if (overflow < 0 || (overflow == 0 && number < (kind == 'p' ? 1 : 0))) return false;
+      if (kind == 'q') max_seq = overflow > 0 ? std::numeric_limits<int64_t>::max() : number;
+      numbers.push_back(overflow > 0 ? PyLong_AsDouble(value) : static_cast<double>(number));
+      if (numbers.back() == -1.0 && PyErr_Occurred()) {  // beyond a double: the full decode's business
+        PyErr_Clear();
+        return false;
+      }
+    } else if (kind != 's') {
+      throw std::invalid_argument(std::string("apply_report: unknown field kind '") + kind + "'");
+    } else if (!PyUnicode_CheckExact(value)) {
+      return false;
+    }
+    Py_INCREF(value);
+    PyTuple_SET_ITEM(out.values.ptr(), next++, value);
+  }
+  if (batches == nullptr || max_seq < 0) throw std::invalid_argument("apply_report: no b or q field");
+  PyObject* packed = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(numbers.data()),
+                                               static_cast<Py_ssize_t>(numbers.size() * sizeof(double)));
+  if (packed == nullptr) throw pybind11::error_already_set();
+  PyTuple_SET_ITEM(out.values.ptr(), next, packed);  // (the tuple takes the reference)
+  return decode_new_batches(batches, after_seq, max_seq, out.batches);
 }
 
 }  // namespace
@@ -297,32 +359,32 @@ PYBIND11_MODULE(_native_cpu, m) {
           },
           py::arg("slot"), py::arg("keys"))
       .def(
-          "apply_encoded",
-          [](KeyIndex& self, int32_t slot, const py::object& batches, int64_t after_seq, int64_t max_seq,
-             bool want_stored) -> py::object {
-            // A report's batches as they came (JSON-able lists of base64 str), decoded and applied in one call: a
-            // router applies every replica's report each period. All are decoded before any is applied.
-            std::vector<DecodedBatch> decoded;
-            if (!decode_new_batches(batches.ptr(), after_seq, max_seq, decoded)) return py::none();
+          "apply_report",
+          [](KeyIndex& self, int32_t slot, const py::handle& report, const py::tuple& names, const std::string& kinds,
+             int64_t after_seq, bool want_stored) -> py::object {
+            // A replica's report as it came (a JSON-able dict), read and its new batches applied in one call: a
+            // router applies every replica's report each period. All batches are decoded before any is applied.
+            ReadReport read;
+            if (!read_report(report.ptr(), names, kinds, after_seq, read)) return py::none();
+            const std::vector<DecodedBatch>& decoded = read.batches;
             int64_t num_events = 0;
-            py::list stored_keys;
+            py::object stored_keys = want_stored ? py::object(py::list()) : py::object(py::none());  // (most: not)
             for (const DecodedBatch& batch : decoded) {
               self.apply(slot, batch.stored.data(), static_cast<int64_t>(batch.stored.size()), batch.evicted.data(),
                          static_cast<int64_t>(batch.evicted.size()));
               num_events += static_cast<int64_t>(batch.stored.size() + batch.evicted.size());
-              if (want_stored) {
-                for (uint64_t key : batch.stored) stored_keys.append(py::int_(key));
-              }
+              if (want_stored) stored_keys.attr("extend")(batch.stored);
             }
             const int64_t first_seq = decoded.empty() ? 0 : decoded.front().seq;
             const int64_t last_seq = decoded.empty() ? 0 : decoded.back().seq;
-            return py::make_tuple(first_seq, last_seq, static_cast<int64_t>(decoded.size()), num_events,
-                                  want_stored ? py::object(stored_keys) : py::object(py::none()));
+            return py::make_tuple(std::move(read.values), first_seq, last_seq, static_cast<int64_t>(decoded.size()),
+                                  num_events, stored_keys);
           },
-          py::arg("slot"), py::arg("batches"), py::arg("after_seq"), py::arg("max_seq"), py::arg("want_stored"),
-          "Decode a report's batches after after_seq (each [seq, stored, evicted(, moved)], keys base64 of "
-          "little-endian uint64) and apply them in order; None, with nothing applied, where any is malformed or the "
-          "seqs do not increase up to max_seq. Else (first seq, last seq, batches, events, stored keys or None).")
+          py::arg("slot"), py::arg("report"), py::arg("names"), py::arg("kinds"), py::arg("after_seq"),
+          py::arg("want_stored"),
+          "Read report[names[i]] by kinds[i] (folio.router.digest COMMON_REPORT_KINDS), apply its batches after "
+          "after_seq. None, with nothing applied, where the report is not that; else ((the s/i/p/q/f fields, then "
+          "the i/p/q/f ones as float64s, packed), first seq, last seq, batches applied, events, stored or None).")
       .def("clear", &KeyIndex::clear, py::arg("slot"))
       .def("holds", &KeyIndex::holds, py::arg("slot"), py::arg("key"))
       .def("keys_of", &KeyIndex::keys_of, py::arg("slot"))

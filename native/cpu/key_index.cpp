@@ -2,22 +2,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
 namespace folio::cpu {
 namespace {
-
-// Calls visit(slot) for every slot holding the entry's key, in the order they came to hold it.
-template <class Entry, class Overflow, class Visit>
-void for_each_holder(const Entry& entry, const std::vector<Overflow>& overflow, Visit&& visit) {
-  if (entry.first >= 0) {
-    visit(entry.first);
-    if (entry.second >= 0) visit(entry.second);
-  } else {
-    for (int32_t slot : overflow[-2 - entry.first].holders) visit(slot);
-  }
-}
 
 // Linear probing stays short below 5/8 full: about 1.8 entries per hit and 4 per miss, within a cache line or two.
 bool over_max_load(int64_t num_used, size_t capacity) { return static_cast<size_t>(num_used) * 8 > capacity * 5; }
@@ -37,29 +27,65 @@ bool decode_base64_keys(const char* text, size_t length, std::vector<uint64_t>& 
   while (padding < 2 && padding < length && text[length - 1 - padding] == '=') ++padding;
   const size_t num_bytes = length / 4 * 3 - padding;
   if (num_bytes % 8 != 0) return false;
-  std::vector<uint8_t> bytes(num_bytes);
-  size_t written = 0;
-  for (size_t i = 0; i < length; i += 4) {
-    uint32_t group = 0;
-    for (size_t j = 0; j < 4; ++j) {
-      const bool pad = i + j >= length - padding;
-      const int8_t value = pad ? 0 : kValues[static_cast<uint8_t>(text[i + j])];
-      if (value < 0) return false;  // not in the alphabet (an '=' before the end among them)
-      group = (group << 6) | static_cast<uint32_t>(value);
-    }
-    for (int shift = 16; shift >= 0 && written < num_bytes; shift -= 8) bytes[written++] = (group >> shift) & 0xFF;
-  }
+  // The bytes go straight into the keys' storage (a report's batches are decoded on every report of every replica).
   const size_t first = out.size();
   out.resize(first + num_bytes / 8);
-  for (size_t k = 0; k < num_bytes / 8; ++k) {
-    uint64_t key = 0;
-    for (int b = 7; b >= 0; --b) key = (key << 8) | bytes[k * 8 + static_cast<size_t>(b)];
-    out[first + k] = key;
+  auto* bytes = reinterpret_cast<uint8_t*>(out.data() + first);
+  size_t written = 0;
+  const auto value_at = [&](size_t i) -> int32_t { return kValues[static_cast<uint8_t>(text[i])]; };
+  // Every group but a padded last one: four characters, three bytes. (A character outside the alphabet, an '='
+  // before the end among them, reads as -1.)
+  const size_t unpadded = padding ? length - 4 : length;
+  for (size_t i = 0; i < unpadded; i += 4) {
+    const int32_t a = value_at(i), b = value_at(i + 1), c = value_at(i + 2), d = value_at(i + 3);
+    if ((a | b | c | d) < 0) {
+      out.resize(first);
+      return false;
+    }
+    const uint32_t group = static_cast<uint32_t>(a) << 18 | static_cast<uint32_t>(b) << 12 |
+                           static_cast<uint32_t>(c) << 6 | static_cast<uint32_t>(d);
+    bytes[written] = static_cast<uint8_t>(group >> 16);
+    bytes[written + 1] = static_cast<uint8_t>(group >> 8);
+    bytes[written + 2] = static_cast<uint8_t>(group);
+    written += 3;
   }
+  if (padding) {
+    const size_t i = length - 4;
+    const int32_t a = value_at(i), b = value_at(i + 1), c = padding == 2 ? 0 : value_at(i + 2);
+    if ((a | b | c) < 0) {
+      out.resize(first);
+      return false;
+    }
+    const uint32_t group =
+        static_cast<uint32_t>(a) << 18 | static_cast<uint32_t>(b) << 12 | static_cast<uint32_t>(c) << 6;
+    bytes[written] = static_cast<uint8_t>(group >> 16);
+    if (padding == 1) bytes[written + 1] = static_cast<uint8_t>(group >> 8);
+  }
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  for (size_t k = first; k < out.size(); ++k) out[k] = __builtin_bswap64(out[k]);
+#endif
   return true;
 }
 
 KeyIndex::KeyIndex() { rehash(kMinCapacity); }
+
+void KeyIndex::set_free(Entry& entry) { std::fill(entry.holders, entry.holders + kInline, kNone); }
+
+void KeyIndex::set_spilled(Entry& entry, uint32_t list) {
+  entry.holders[0] = kSpilled;
+  entry.holders[1] = static_cast<uint16_t>(list);
+  entry.holders[2] = static_cast<uint16_t>(list >> 16);
+  entry.holders[3] = kNone;
+}
+
+template <class Visit>
+void KeyIndex::for_each_holder(const Entry& entry, Visit&& visit) const {
+  if (is_spilled(entry)) {
+    for (int32_t slot : overflow_[spilled_list(entry)].holders) visit(slot);
+    return;
+  }
+  for (int i = 0; i < kInline && entry.holders[i] != kNone; ++i) visit(static_cast<int32_t>(entry.holders[i]));
+}
 
 size_t KeyIndex::capacity_for(int64_t num_keys) {
   size_t capacity = kMinCapacity;
@@ -68,14 +94,16 @@ size_t KeyIndex::capacity_for(int64_t num_keys) {
 }
 
 void KeyIndex::rehash(size_t capacity) {
-  std::vector<Entry> old(capacity, Entry{0, kFree, kFree});
+  Entry unused{0, {}};
+  set_free(unused);
+  std::vector<Entry> old(capacity, unused);
   old.swap(table_);
   mask_ = capacity - 1;
   shift_ = 64 - __builtin_ctzll(capacity);
   for (const Entry& entry : old) {
-    if (entry.first == kFree) continue;
+    if (is_free(entry)) continue;
     size_t idx = home(entry.key);
-    while (table_[idx].first != kFree) idx = (idx + 1) & mask_;
+    while (!is_free(table_[idx])) idx = (idx + 1) & mask_;
     table_[idx] = entry;
   }
 }
@@ -90,7 +118,7 @@ void KeyIndex::shrink_if_sparse() {
 size_t KeyIndex::find(uint64_t key) const {
   for (size_t idx = home(key);; idx = (idx + 1) & mask_) {
     const Entry& entry = table_[idx];
-    if (entry.first == kFree) return kNotFound;
+    if (is_free(entry)) return kNotFound;
     if (entry.key == key) return idx;
   }
 }
@@ -99,76 +127,76 @@ void KeyIndex::erase_at(size_t idx) {
   // Backward shift: each later entry of the run moves into the hole when its home is not between the hole and it,
   // so every remaining key stays reachable from its home without tombstones.
   size_t hole = idx;
-  for (size_t next = (idx + 1) & mask_; table_[next].first != kFree; next = (next + 1) & mask_) {
+  for (size_t next = (idx + 1) & mask_; !is_free(table_[next]); next = (next + 1) & mask_) {
     const size_t next_home = home(table_[next].key);
     if (((next - next_home) & mask_) >= ((next - hole) & mask_)) {
       table_[hole] = table_[next];
       hole = next;
     }
   }
-  table_[hole].first = table_[hole].second = kFree;
+  set_free(table_[hole]);
   --num_used_;
 }
 
-int32_t KeyIndex::new_overflow(uint64_t key) {
+uint32_t KeyIndex::new_overflow(uint64_t key) {
   if (!free_overflow_.empty()) {
-    const int32_t list = free_overflow_.back();
+    const uint32_t list = free_overflow_.back();
     free_overflow_.pop_back();
     overflow_[list].key = key;
     return list;
   }
-  if (overflow_.size() >= static_cast<size_t>(std::numeric_limits<int32_t>::max() - 2)) {
-    throw std::length_error("KeyIndex: too many keys held by three slots or more");
+  if (overflow_.size() >= std::numeric_limits<uint32_t>::max()) {
+    throw std::length_error("KeyIndex: too many keys held by five slots or more");
   }
   overflow_.push_back(Overflow{key, {}});
-  return static_cast<int32_t>(overflow_.size() - 1);
+  return static_cast<uint32_t>(overflow_.size() - 1);
 }
 
 bool KeyIndex::entry_holds(const Entry& entry, int32_t slot) const {
-  if (entry.first >= 0) return entry.first == slot || entry.second == slot;
-  const auto& holders = overflow_[-2 - entry.first].holders;
-  return std::find(holders.begin(), holders.end(), slot) != holders.end();
+  if (is_spilled(entry)) {
+    const auto& holders = overflow_[spilled_list(entry)].holders;
+    return std::find(holders.begin(), holders.end(), slot) != holders.end();
+  }
+  return std::find(entry.holders, entry.holders + kInline, static_cast<uint16_t>(slot)) != entry.holders + kInline;
 }
 
 bool KeyIndex::add_holder(Entry& entry, int32_t slot) {
-  if (entry.first >= 0) {
-    if (entry.first == slot || entry.second == slot) return false;
-    if (entry.second == kFree) {
-      entry.second = slot;
-      return true;
+  if (!is_spilled(entry)) {
+    for (int i = 0; i < kInline; ++i) {
+      if (entry.holders[i] == slot) return false;
+      if (entry.holders[i] == kNone) {
+        entry.holders[i] = static_cast<uint16_t>(slot);
+        return true;
+      }
     }
-    const int32_t list = new_overflow(entry.key);
-    overflow_[list].holders.assign({entry.first, entry.second, slot});
-    entry.first = -2 - list;
-    entry.second = kFree;
+    const uint32_t list = new_overflow(entry.key);
+    overflow_[list].holders.assign(entry.holders, entry.holders + kInline);
+    overflow_[list].holders.push_back(slot);
+    set_spilled(entry, list);
     return true;
   }
-  auto& holders = overflow_[-2 - entry.first].holders;
+  auto& holders = overflow_[spilled_list(entry)].holders;
   if (std::find(holders.begin(), holders.end(), slot) != holders.end()) return false;
   holders.push_back(slot);
   return true;
 }
 
 bool KeyIndex::remove_holder(Entry& entry, int32_t slot) {
-  if (entry.first >= 0) {
-    if (entry.second == slot) {
-      entry.second = kFree;
-    } else if (entry.first == slot) {
-      entry.first = entry.second;  // kFree when it was the only holder: the caller erases the entry
-      entry.second = kFree;
-    } else {
-      return false;
-    }
+  if (!is_spilled(entry)) {
+    int i = 0;
+    while (i < kInline && entry.holders[i] != slot) ++i;
+    if (i == kInline) return false;
+    for (; i + 1 < kInline; ++i) entry.holders[i] = entry.holders[i + 1];  // the later holders keep their order
+    entry.holders[kInline - 1] = kNone;  // (and holders[0] is kNone where it held the key alone)
     return true;
   }
-  const int32_t list = -2 - entry.first;
+  const uint32_t list = spilled_list(entry);
   auto& holders = overflow_[list].holders;
   const auto found = std::find(holders.begin(), holders.end(), slot);
   if (found == holders.end()) return false;
   holders.erase(found);
-  if (holders.size() == 2) {  // back inline: an overflow list always has three holders or more
-    entry.first = holders[0];
-    entry.second = holders[1];
+  if (holders.size() == static_cast<size_t>(kInline)) {  // back inline: a side list always has more holders than fit in the entry
+    std::copy(holders.begin(), holders.end(), entry.holders);
     holders.clear();
     free_overflow_.push_back(list);
   }
@@ -176,7 +204,7 @@ bool KeyIndex::remove_holder(Entry& entry, int32_t slot) {
 }
 
 void KeyIndex::ensure_slot(int32_t slot) {
-  if (slot < 0) throw std::invalid_argument("slot must be >= 0");
+  if (slot < 0 || slot >= kMaxSlots) throw std::invalid_argument("slot must be in [0, 65534)");
   if (static_cast<size_t>(slot) >= num_keys_.size()) num_keys_.resize(static_cast<size_t>(slot) + 1, 0);
 }
 
@@ -184,7 +212,7 @@ void KeyIndex::add(int32_t slot, uint64_t key) {
   size_t idx = home(key);
   for (;; idx = (idx + 1) & mask_) {
     Entry& entry = table_[idx];
-    if (entry.first == kFree) break;
+    if (is_free(entry)) break;
     if (entry.key == key) {
       num_keys_[slot] += add_holder(entry, slot);
       return;
@@ -192,9 +220,12 @@ void KeyIndex::add(int32_t slot, uint64_t key) {
   }
   if (over_max_load(num_used_ + 1, table_.size())) {
     rehash(table_.size() * 2);
-    for (idx = home(key); table_[idx].first != kFree;) idx = (idx + 1) & mask_;
+    for (idx = home(key); !is_free(table_[idx]);) idx = (idx + 1) & mask_;
   }
-  table_[idx] = Entry{key, slot, kFree};
+  Entry& entry = table_[idx];
+  entry.key = key;
+  set_free(entry);
+  entry.holders[0] = static_cast<uint16_t>(slot);
   ++num_used_;
   ++num_keys_[slot];
 }
@@ -205,7 +236,7 @@ void KeyIndex::remove(int32_t slot, uint64_t key) {
   Entry& entry = table_[idx];
   if (!remove_holder(entry, slot)) return;
   --num_keys_[slot];
-  if (entry.first == kFree) erase_at(idx);
+  if (is_free(entry)) erase_at(idx);
 }
 
 void KeyIndex::apply(int32_t slot, const uint64_t* stored, int64_t num_stored, const uint64_t* evicted,
@@ -256,10 +287,17 @@ std::vector<uint64_t> KeyIndex::keys_of(int32_t slot) const {
   std::vector<uint64_t> keys;
   if (count == 0) return keys;
   keys.reserve(static_cast<size_t>(count));
-  // Without a branch per entry (used or not is a coin flip): the table scan runs at memory speed. Overflow entries
-  // (first <= -2, second == kFree) never match here; their lists are scanned next.
+  // Without a branch per entry (used or not is a coin flip): the table scan runs at memory speed. The four holders
+  // are tested at once, as the lanes of one word: a lane equal to the slot is a zero lane of their xor. A spilled
+  // entry (its list's index in the middle lanes) never matches here; the lists are scanned next.
+  constexpr uint64_t kLanes = 0x0001000100010001ull, kHighBits = 0x8000800080008000ull;
+  const uint64_t wanted = kLanes * static_cast<uint16_t>(slot);
   for (const Entry& entry : table_) {
-    if ((entry.first == slot) | (entry.second == slot)) keys.push_back(entry.key);
+    uint64_t lanes;
+    std::memcpy(&lanes, entry.holders, sizeof(lanes));
+    const uint64_t diff = lanes ^ wanted;
+    const bool has_slot = ((diff - kLanes) & ~diff & kHighBits) != 0;
+    if (has_slot & (entry.holders[0] != kSpilled)) keys.push_back(entry.key);
   }
   for (const Overflow& list : overflow_) {
     if (std::find(list.holders.begin(), list.holders.end(), slot) != list.holders.end()) keys.push_back(list.key);
@@ -280,7 +318,7 @@ std::vector<std::pair<int32_t, int32_t>> KeyIndex::match(const uint64_t* keys, i
     if (depth - 1 - kPrefetchAhead >= 0) prefetch_home(keys[depth - 1 - kPrefetchAhead]);
     const size_t idx = find(keys[depth - 1]);
     if (idx == kNotFound) continue;
-    for_each_holder(table_[idx], overflow_, [&](int32_t slot) {
+    for_each_holder(table_[idx], [&](int32_t slot) {
       uint64_t& word = seen[static_cast<size_t>(slot) >> 6];
       const uint64_t bit = uint64_t{1} << (slot & 63);
       if (word & bit) return;
