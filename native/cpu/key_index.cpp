@@ -195,7 +195,8 @@ bool KeyIndex::remove_holder(Entry& entry, int32_t slot) {
   const auto found = std::find(holders.begin(), holders.end(), slot);
   if (found == holders.end()) return false;
   holders.erase(found);
-  if (holders.size() == static_cast<size_t>(kInline)) {  // back inline: a side list always has more holders than fit in the entry
+  // back inline: a side list always has more holders than fit in the entry
+  if (holders.size() == static_cast<size_t>(kInline)) {
     std::copy(holders.begin(), holders.end(), entry.holders);
     holders.clear();
     free_overflow_.push_back(list);
