@@ -26,11 +26,12 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from folio.serve.ports import free_loopback_port
 
 INGRESS_MODES = ("direct", "proxy")
 
@@ -67,11 +68,11 @@ class LocalHAProxy:
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(self.directory, "admin.sock"),
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": self.directory,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(self.directory, "server-state"),
-                "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-                "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+                "RAY_SERVE_HAPROXY_STATS_PORT": str(free_loopback_port()),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_loopback_port()),
                 # Serve's fallback proxy (requests for applications with no replica yet): 8500 and 9500 otherwise
-                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
-                "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port())}
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_loopback_port()),
+                "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_loopback_port())}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Kill what is left of this cluster's HAProxy processes and remove its files."""
@@ -108,12 +109,6 @@ def local_environment(mode: str, haproxy: LocalHAProxy | None = None) -> Iterato
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _processes_with_argument_under(directory: str) -> list[int]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 import time
+
+from folio.serve.ports import free_loopback_port
 
 PAGE_SIZE = 16
 
@@ -24,29 +23,10 @@ class FakePool:
         return iter(tuple(self.hashes))
 
 
-# Ray's own processes bind ports while a test's cluster starts: workers from 10002-19999 (ray's default worker
-# range) and everything else from the kernel's ephemeral range (32768 and up on Linux). A port picked from either
-# can be taken between the pick and Serve's proxy binding it, so tests pick from the gap between them.
-_TEST_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()
-
-
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now, outside the ranges Ray's processes bind from, and not one
-    this process handed out before."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(1000):
-        port = rng.choice(_TEST_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free loopback port in {_TEST_PORTS}")
+    """A loopback TCP port nobody listens on now, outside the ranges Ray's processes bind from, and not one this
+    process handed out before."""
+    return free_loopback_port()
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
