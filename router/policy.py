@@ -54,10 +54,10 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """shortlist_size / sampled: besides the replicas holding part of the prompt, `sampled` replicas drawn at random
-        from the `shortlist_size` that wait least (times the routers sharing the fleet, folio.router.cost) are
-        scored. Drawn, not the least waiting: several ingress routers share a view of the fleet a report period old,
-        and all would send their next requests to the same replica.
+    """shortlist_size / sampled: besides the replicas holding part of the prompt, `sampled` replicas from the
+        `shortlist_size` that wait least (times the routers sharing the fleet, folio.router.cost) are scored: the
+        least waiting of them where this router routes alone, a random draw where several do (ingress routers share
+        a view of the fleet a report period old, and all would send their next requests to the same replica).
     routed_ttl_s / max_routed_keys: the index's record of prompts routed but not reported yet.
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
@@ -246,10 +246,19 @@ class PrefixRouterPolicy:
             if slot < len(position_of) and position_of[slot] >= 0:
                 shortlist[int(position_of[slot])] = match
         mode = Mode.AFFINITY if shortlist else Mode.LOAD
-        # Several routers choosing at once from the same view spread over as many times the candidates.
-        k = min(len(slots), round(self.config.shortlist_size * loads.num_routers))
+        # Several routers choosing at once from the same view spread over as many times the candidates, each scoring
+        # a random draw of them. A router alone knows every request sent since the reports (its own) and scores the
+        # least waiting: a draw would leave a replica idle while it sends to busier ones (on a few replicas, a new
+        # prefix's home), as power-of-two choices does.
+        routers = loads.num_routers
+        k = min(len(slots), round(self.config.shortlist_size * routers))
         least = (np.argpartition(unshared, k)[:k] if len(slots) > k else np.arange(len(slots))).tolist()
-        for pos in self._rng.sample(least, min(self.config.sampled, len(least))):
+        sampled = min(self.config.sampled, len(least))
+        if routers < 1.5:
+            picks = sorted(least, key=unshared.item)[:sampled]
+        else:
+            picks = self._rng.sample(least, sampled)
+        for pos in picks:
             shortlist.setdefault(pos, None)
         fresh = (num_jobs([candidate_ids[pos] for pos in shortlist]) if callable(num_jobs) else num_jobs) or {}
         scored = []

@@ -105,6 +105,7 @@ class FakeReplica:
         self.events = CacheEvents(PAGE_SIZE, BLOCK_TOKENS, dense_tokens=DENSE_TOKENS, dense_key_tokens=DENSE_KEY_TOKENS)
         self.cached: dict[bytes, int] = {}
         self.running = self.queued = self.backlog = 0
+        self.received = 0  # requests received from every router
         self.max_running = max_running
         self.rates = ReplicaRates()
         self.epoch = 0
@@ -127,7 +128,7 @@ class FakeReplica:
         self.epoch += 1
         return build_digest(self.pool, self.events, self.running, self.queued, self.epoch,
                             instance_id=self.instance_id, max_running=self.max_running,
-                            num_prefill_tokens=self.backlog, rates=self.rates)
+                            num_prefill_tokens=self.backlog, num_received=self.received, rates=self.rates)
 
     def report(self, policy: PrefixRouterPolicy) -> bool:
         return policy.report(self.replica_id, self.stats())
@@ -489,22 +490,51 @@ def test_a_recompute_weight_must_be_finite_and_non_negative(w):
         PolicyConfig(recompute_weight=w)
 
 
-def test_sampled_replicas_are_drawn_from_those_that_wait_least(clock):
-    """By default 2 of the 8 replicas that wait least are scored (besides holders), drawn afresh for each request:
-    over many requests every one of the 8 is drawn, never another."""
+def test_a_router_alone_scores_the_replicas_that_wait_least(clock):
+    """By default 2 of the replicas that wait least are scored besides holders. A router alone knows every request
+    sent since the reports, so it takes the two that wait least, and as it routes there they wait longer and others
+    take their place."""
     policy = PrefixRouterPolicy(PolicyConfig(**GEOMETRY), clock=clock)
     assert (policy.config.shortlist_size, policy.config.sampled) == (8, 2)
     replicas = [FakeReplica(f"r{i}") for i in range(20)]
     for i, replica in enumerate(replicas):
-        replica.backlog = 100 * i  # r0..r7 wait least
+        replica.backlog = 100 * i  # r0, r1, r2, ... wait least
         replica.report(policy)
-    drawn = Counter()
-    for group in range(200):
+    assert policy.loads.num_routers == 1.0
+    for group in range(5):
         decision = policy.choose([r.replica_id for r in replicas], prompt(group, num_pages=2))
+        assert decision.mode == Mode.LOAD and set(decision.shortlist) == {"r0", "r1"}
+    chosen = Counter()
+    for group in range(40):
+        decision = policy.choose([r.replica_id for r in replicas], prompt(100 + group, num_pages=2))
+        assert len(decision.shortlist) == 2
+        policy.on_routed(decision.best, decision)
+        chosen[decision.best] += 1
+    assert len(chosen) > 2 and "r19" not in chosen  # spread over the least waiting as they fill
+    assert chosen["r0"] >= chosen["r3"]
+
+
+def test_several_routers_draw_the_scored_replicas_from_those_that_wait_least(clock):
+    """Routers sharing a fleet see the same reports and would all send to the same least-waiting replicas: each
+    draws the 2 it scores at random from the 8 x routers that wait least, afresh for each request."""
+    policy = PrefixRouterPolicy(PolicyConfig(**GEOMETRY), clock=clock)
+    replicas = [FakeReplica(f"r{i}") for i in range(40)]
+    for i, replica in enumerate(replicas):
+        replica.backlog = 100 * i
+        replica.report(policy)
+    busiest = replicas[-1]
+    for group in range(10):  # this router sends 10 requests, and the replica receives 30: two other routers
+        policy.on_routed(busiest.replica_id, policy.choose([r.replica_id for r in replicas], prompt(group, 2)))
+    busiest.received = 30
+    busiest.report(policy)
+    assert policy.loads.num_routers == pytest.approx(3.0)
+    drawn = Counter()
+    for group in range(300):
+        decision = policy.choose([r.replica_id for r in replicas], prompt(100 + group, num_pages=2))
         assert decision.mode == Mode.LOAD and len(decision.shortlist) == 2
         drawn.update(decision.shortlist)
-    assert set(drawn) == {f"r{i}" for i in range(8)}
-    assert min(drawn.values()) > 20
+    assert set(drawn) == {f"r{i}" for i in range(24)}  # every one of the 24 that wait least, never another
+    assert min(drawn.values()) > 5
 
 
 def test_the_shortlist_finds_a_replica_with_room_past_those_that_lack_pages(clock):
