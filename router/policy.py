@@ -3,9 +3,10 @@
 For one request: its prompt's routing keys (folio.router.keys: page hashes every block of tokens, computed once),
 the replicas holding its longest prefixes (folio.router.index, exact from the replicas' cache events), and each
 replica's predicted time to first token (folio.router.cost, in seconds from measured rates). Only a shortlist is
-scored: the replicas holding some of the prompt plus two drawn from the `shortlist_size` that wait least;
-everything else is a vector operation over all replicas. Lowest predicted time first; the draws and exact ties
-come from a seeded rng, so runs replay exactly.
+scored: the replicas holding some of the prompt plus two of the `shortlist_size` that wait least (the two least
+waiting, or a random draw where several routers share the fleet: PolicyConfig); everything else is a vector
+operation over all replicas. Lowest predicted time first; the draws and exact ties come from a seeded rng, so runs
+replay exactly.
 
 `PrefixRouterPolicy` is what a Ray Serve RequestRouter (folio.router.ray_router) or a simulation drives:
 
