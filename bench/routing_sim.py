@@ -63,7 +63,9 @@ Decision time (`--decision-time`): no simulation; routing_sim_ours.build_decisio
 page_size, rng) builds our router's state for `--replicas` replicas holding `--decision-prefixes` cached prefixes,
 time_decisions(state, prompts or a count) times `--decision-samples` decisions, time_event_apply(state, seconds or
 events per replica) the applying of one report period of cache events (`--decision-events` per replica: by default
-a busy replica's, 2 x prefill rate x period / page size); p50/p99 in microseconds, apply time in ms.
+a busy replica's, 2 x prefill rate x period / page size); p50/p99 in microseconds, apply time in ms. With
+`--decision-shared-holders N`, one more prefix (a common system prompt) is held by N replicas, and as many decisions
+for prompts extending it are timed too.
 """
 
 from __future__ import annotations
@@ -663,9 +665,12 @@ def decision_time(args: argparse.Namespace) -> dict:
             page_size, args.prefill_rate * args.report_period, (args.min_prefix + args.max_prefix) // 2)
         started = time.perf_counter()
         try:
-            state = routing_sim_ours.build_decision_state(args.replicas, args.decision_prefixes, page_size, rng)
+            state = routing_sim_ours.build_decision_state(args.replicas, args.decision_prefixes, page_size, rng,
+                                                          args.decision_shared_holders)
             built_s = time.perf_counter() - started
             seconds = [s * 1e6 for s in routing_sim_ours.time_decisions(state, args.decision_samples)]
+            shared = [s * 1e6 for s in routing_sim_ours.time_decisions(state, args.decision_samples, shared=True)] \
+                if args.decision_shared_holders else []
             # Reports carry a replica's last batches: time the rounds once that history is full.
             rounds = [routing_sim_ours.time_event_apply(state, events) for _ in range(20)]
             apply_ms = statistics.median(rounds[-4:]) * 1e3
@@ -682,6 +687,11 @@ def decision_time(args: argparse.Namespace) -> dict:
               f"prefixes: p50 {row['decision_p50_us']:.0f} us, p99 {row['decision_p99_us']:.0f} us "
               f"({len(seconds)} decisions); applying one report period of events ({events} per replica): "
               f"{apply_ms:.1f} ms (state built in {built_s:.1f} s)")
+        if shared:
+            row["shared_p50_us"], row["shared_p99_us"] = percentile(shared, 50), percentile(shared, 99)
+            print(f"decision time @ page {page_size}, prompts extending one prefix held by "
+                  f"{args.decision_shared_holders} replicas: p50 {row['shared_p50_us']:.0f} us, "
+                  f"p99 {row['shared_p99_us']:.0f} us ({len(shared)} decisions)")
     return results
 
 
@@ -736,6 +746,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--chars-per-token", type=float, default=4.0, help="ray models: characters per token of text")
     add("--decision-time", action="store_true", help="measure our router's decision time instead of simulating")
     add("--decision-prefixes", type=int, default=100_000, help="--decision-time: cached prefixes in all")
+    add("--decision-shared-holders", type=int, default=0,
+        help="--decision-time: also time prompts extending one prefix held by this many replicas (a system prompt)")
     add("--decision-samples", type=int, default=2_000, help="--decision-time: decisions timed")
     add("--decision-events", type=int, default=None, help="--decision-time: cache events per replica in one "
         "report period (default: a busy replica's, 2 x prefill rate x period / page size)")

@@ -118,6 +118,7 @@ class DecisionState:
         self.policy, self.ids, self.prefixes, self.block_tokens, self.rng = policy, ids, prefixes, block_tokens, rng
         self.epoch = 1
         self.history: dict[int, list] = {}  # replica -> its last batches, as reports carry them
+        self.shared_prefix: list[int] = []  # a prefix on many replicas (build_decision_state's shared_holders)
 
 
 def _digest(replica: int, epoch: int, keys: array, batches: tuple, page_size: int, rng: random.Random,
@@ -130,9 +131,12 @@ def _digest(replica: int, epoch: int, keys: array, batches: tuple, page_size: in
         batches=batches, snapshot=Snapshot(epoch, keys) if snapshot else None)
 
 
-def build_decision_state(num_replicas: int, num_prefixes: int, page_size: int, rng: random.Random) -> DecisionState:
+def build_decision_state(num_replicas: int, num_prefixes: int, page_size: int, rng: random.Random,
+                         shared_holders: int = 0) -> DecisionState:
     """A router whose index holds num_prefixes cached prefixes (chains of 1-16 routing keys, random 64-bit keys as
-    BLAKE2b-derived keys are) spread over num_replicas replicas, each prefix on one to three of them."""
+    BLAKE2b-derived keys are) spread over num_replicas replicas, each prefix on one to three of them; and, with
+    shared_holders, one more prefix of 8 keys (a common system prompt) on that many replicas
+    (DecisionState.shared_prefix)."""
     policy = PrefixRouterPolicy(PolicyConfig(default_page_size=256, default_dense_tokens=0, seed=0))
     ids = list(range(num_replicas))
     policy.sync_replicas(ids)
@@ -143,18 +147,24 @@ def build_decision_state(num_replicas: int, num_prefixes: int, page_size: int, r
         prefixes.append(chain)
         for replica in rng.sample(ids, rng.randint(1, 3)):
             held[replica].extend(chain)
+    shared = [rng.getrandbits(64) for _ in range(8)] if shared_holders else []
+    for replica in rng.sample(ids, min(shared_holders, len(ids))):
+        held[replica].extend(shared)
     for replica in ids:
         policy.report(replica, _digest(replica, 1, array("Q", held[replica]), (), page_size, rng, True))
-    return DecisionState(policy, ids, prefixes, 256, rng)
+    state = DecisionState(policy, ids, prefixes, 256, rng)
+    state.shared_prefix = shared
+    return state
 
 
-def time_decisions(state: DecisionState, num_decisions: int) -> list[float]:
+def time_decisions(state: DecisionState, num_decisions: int, shared: bool = False) -> list[float]:
     """Seconds per decision (choose + on_routed) for prompts that extend a cached prefix (most) or share nothing,
-    with their routing keys computed beforehand (the ingress hashes a prompt once)."""
+    or with `shared`, that all extend state.shared_prefix; their routing keys computed beforehand (the ingress
+    hashes a prompt once)."""
     rng, policy = state.rng, state.policy
     prompts = []
     for i in range(num_decisions):
-        base = rng.choice(state.prefixes) if i % 4 else []
+        base = state.shared_prefix if shared else rng.choice(state.prefixes) if i % 4 else []
         keys = base + [rng.getrandbits(64) for _ in range(rng.randint(1, 8))]
         prompts.append((keys, len(keys) * state.block_tokens + rng.randint(1, 255)))
     times = []

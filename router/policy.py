@@ -36,7 +36,7 @@ import numpy as np
 from folio.hashing import page_hashes
 from folio.router.cost import CostDefaults, LoadTable
 from folio.router.digest import DigestError, ReplicaDigest
-from folio.router.index import DEFAULT_MAX_ROUTED_KEYS, DEFAULT_ROUTED_TTL_S, PrefixIndex, ReplicaId
+from folio.router.index import DEFAULT_MAX_ROUTED_KEYS, DEFAULT_ROUTED_TTL_S, Match, PrefixIndex, ReplicaId
 from folio.router.keys import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_DENSE_KEY_TOKENS,
@@ -59,6 +59,9 @@ class PolicyConfig:
         `shortlist_size` that wait least (times the routers sharing the fleet, folio.router.cost) are scored: the
         least waiting of them where this router routes alone, a random draw where several do (ingress routers share
         a view of the fleet a report period old, and all would send their next requests to the same replica).
+    holders_per_depth: of the replicas holding the same number of the prompt's blocks, the `holders_per_depth`
+        that wait least are scored, the others not: they differ from those only by their waits, and a prefix held
+        across a large fleet (a common system prompt) would otherwise make every decision score hundreds.
     routed_ttl_s / max_routed_keys: the index's record of prompts routed but not reported yet.
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
@@ -76,6 +79,7 @@ class PolicyConfig:
 
     shortlist_size: int = 8
     sampled: int = 2
+    holders_per_depth: int = 8
     routed_ttl_s: float = DEFAULT_ROUTED_TTL_S
     max_routed_keys: int = DEFAULT_MAX_ROUTED_KEYS
     default_page_size: int = 256
@@ -91,6 +95,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.sampled <= self.shortlist_size:
             raise ValueError(f"need 1 <= sampled <= shortlist_size, got {self.sampled} and {self.shortlist_size}")
+        if self.holders_per_depth < 1:
+            raise ValueError(f"holders_per_depth must be >= 1, got {self.holders_per_depth}")
         if not 0 <= self.recompute_weight < math.inf:
             raise ValueError(f"recompute_weight must be a finite number >= 0, got {self.recompute_weight}")
         if self.routed_ttl_s < 0 or self.max_routed_keys < 0:
@@ -142,8 +148,8 @@ class PrefixRouterPolicy:
         self._rng = random.Random(config.seed)
         self._num_rejected_reports = 0
         # The last candidate list, its slots, and each slot's position in it (-1: not a candidate).
-        self._candidates: tuple[list, np.ndarray, np.ndarray, np.ndarray | slice] = (
-            [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), slice(0, 0))
+        self._candidates: tuple[list, np.ndarray, list[int], np.ndarray | slice] = (
+            [], np.zeros(0, dtype=np.int64), [], slice(0, 0))
         self._geometry: KeyGeometry | None = None  # the one most replicas reported
 
     @property
@@ -160,7 +166,7 @@ class PrefixRouterPolicy:
 
     def _forget_candidates(self) -> None:
         """After replicas came or went: the candidates' slots, and the geometry most of them reported."""
-        self._candidates = ([], self._candidates[1][:0], self._candidates[2][:0], slice(0, 0))
+        self._candidates = ([], self._candidates[1][:0], [], slice(0, 0))
         self._geometry = None
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
@@ -245,8 +251,14 @@ class PrefixRouterPolicy:
         shortlist = {}
         for slot, match in matches.items():
             if slot < len(position_of) and position_of[slot] >= 0:
-                shortlist[int(position_of[slot])] = match
+                shortlist[position_of[slot]] = match
         mode = Mode.AFFINITY if shortlist else Mode.LOAD
+        holders = shortlist
+        num_copies = 0  # the candidates holding the most of the prompt, all of them (not only those scored)
+        if len(shortlist) > self.config.holders_per_depth:
+            deepest = max(match.num_blocks for match in shortlist.values())
+            num_copies = sum(match.num_blocks == deepest for match in shortlist.values())
+            shortlist = self._least_waiting_per_depth(shortlist, wait)
         # Several routers choosing at once from the same view spread over as many times the candidates, each scoring
         # a random draw of them. A router alone knows every request sent since the reports (its own) and scores the
         # least waiting: a draw would leave a replica idle while it sends to busier ones (on a few replicas, a new
@@ -260,7 +272,8 @@ class PrefixRouterPolicy:
         else:
             picks = self._rng.sample(least, sampled)
         for pos in picks:
-            shortlist.setdefault(pos, None)
+            if pos not in shortlist:
+                shortlist[pos] = holders.get(pos)  # (a holder not scored for its wait may still be among these)
         fresh = (num_jobs([candidate_ids[pos] for pos in shortlist]) if callable(num_jobs) else num_jobs) or {}
         scored = []
         # A replica that would compute again what another holds also costs the fleet that prefill time: the requests
@@ -269,7 +282,8 @@ class PrefixRouterPolicy:
                      for pos, match in shortlist.items()}
         most_cached = max(cached_of.values(), default=0)
         # ... shared among the replicas holding that much of it (see PolicyConfig.recompute_weight)
-        recompute_weight = self.config.recompute_weight / max(sum(c == most_cached for c in cached_of.values()), 1)
+        recompute_weight = self.config.recompute_weight / max(
+            num_copies or sum(c == most_cached for c in cached_of.values()), 1)
         for pos, match in shortlist.items():
             slot = int(slots[pos])
             cached = cached_of[pos]
@@ -301,8 +315,25 @@ class PrefixRouterPolicy:
                         {candidate_ids[pos]: cached for _, _, pos, cached in scored}, prompt_len, list(keys), order,
                         candidate_ids)
 
-    def _slots(self, candidate_ids: Sequence[ReplicaId]) -> tuple[np.ndarray, np.ndarray, np.ndarray | slice]:
-        """The candidates' slots, every slot's position among the candidates (-1: not one), and what selects the
+    def _least_waiting_per_depth(self, holders: dict[int, Match], wait: np.ndarray) -> dict[int, Match]:
+        """Of the holders (candidate position -> match) holding the same number of blocks, the
+        holders_per_depth that wait least (ties: the first found)."""
+        limit = self.config.holders_per_depth
+        by_depth: dict[int, list[int]] = {}
+        for pos, match in holders.items():
+            by_depth.setdefault(match.num_blocks, []).append(pos)
+        kept = {}
+        for positions in by_depth.values():
+            if len(positions) > limit:
+                least = np.argpartition(wait[positions], limit - 1)[:limit]
+                positions = [positions[i] for i in least.tolist()]
+            for pos in positions:
+                kept[pos] = holders[pos]
+        return kept
+
+    def _slots(self, candidate_ids: Sequence[ReplicaId]) -> tuple[np.ndarray, list[int], np.ndarray | slice]:
+        """The candidates' slots, every slot's position among the candidates (-1: not one; a list, read per holder
+        of the prompt, where numpy's scalar indexing costs several times more), and what selects the
         candidates' rows of the load table (a slice where the candidates are the first slots in order, as all of a
         fleet's replicas usually are: a view instead of a gather); kept for the next call with the same candidates
         (a router's candidates rarely change)."""
@@ -316,8 +347,9 @@ class PrefixRouterPolicy:
             return slots, position_of, rows
         slots = np.array([self.index.slot_of(r) for r in candidate_ids], dtype=np.int64)
         self.loads.ensure(int(slots.max()))
-        position_of = np.full(self.index.num_slots, -1, dtype=np.int64)
-        position_of[slots] = np.arange(len(slots))
+        positions = np.full(self.index.num_slots, -1, dtype=np.int64)
+        positions[slots] = np.arange(len(slots))
+        position_of = positions.tolist()
         rows = slice(0, len(slots)) if np.array_equal(slots, np.arange(len(slots))) else slots
         self._candidates = (list(candidate_ids), slots, position_of, rows)
         return slots, position_of, rows

@@ -537,6 +537,40 @@ def test_several_routers_draw_the_scored_replicas_from_those_that_wait_least(clo
     assert min(drawn.values()) > 5
 
 
+def test_of_many_holders_of_one_depth_the_least_waiting_are_scored(clock):
+    """A prefix held by 30 replicas in full and by 12 in part: of each group the 8 that wait least are scored (and 2
+    least waiting of the fleet), and the choice is the one scoring every holder makes."""
+    tokens = prompt(3, num_pages=8)
+    replicas = [FakeReplica(f"r{i}") for i in range(50)]
+    rng = random.Random(0)
+    for i, replica in enumerate(replicas):
+        if i < 30:
+            replica.store(tokens)
+        elif i < 42:
+            replica.store(tokens, 4)
+        replica.backlog = rng.randrange(0, 5000)
+    pruned = PrefixRouterPolicy(PolicyConfig(**GEOMETRY), clock=clock)
+    every = PrefixRouterPolicy(PolicyConfig(holders_per_depth=1000, **GEOMETRY), clock=clock)
+    for replica in replicas:
+        stats = replica.stats()
+        pruned.report(replica.replica_id, stats)
+        every.report(replica.replica_id, stats)
+    ids = [r.replica_id for r in replicas]
+    decision, brute = pruned.choose(ids, tokens), every.choose(ids, tokens)
+    assert len(brute.shortlist) >= 42 and len(decision.shortlist) <= 8 + 8 + 2
+    full = sorted(range(30), key=lambda i: replicas[i].backlog)
+    part = sorted(range(30, 42), key=lambda i: replicas[i].backlog)
+    scored = {int(r[1:]) for r in decision.shortlist}
+    assert set(full[:8]) <= scored and not scored & set(full[8:])
+    assert set(part[:8]) <= scored and not scored & set(part[8:])
+    assert decision.best == brute.best and decision.costs[decision.best] == brute.costs[brute.best]
+
+
+def test_holders_per_depth_must_be_positive():
+    with pytest.raises(ValueError, match="holders_per_depth"):
+        PolicyConfig(holders_per_depth=0)
+
+
 def test_the_shortlist_finds_a_replica_with_room_past_those_that_lack_pages(clock):
     policy = PrefixRouterPolicy(PolicyConfig(**EXACT), clock=clock)
     replicas = [FakeReplica(f"r{i}", num_pages=100) for i in range(9)]
