@@ -60,8 +60,9 @@ class PolicyConfig:
         least waiting of them where this router routes alone, a random draw where several do (ingress routers share
         a view of the fleet a report period old, and all would send their next requests to the same replica).
     holders_per_depth: of the replicas holding the same number of the prompt's blocks, the `holders_per_depth`
-        that wait least are scored, the others not: they differ from those only by their waits, and a prefix held
-        across a large fleet (a common system prompt) would otherwise make every decision score hundreds.
+        that wait least are scored, the others not: they differ from those mostly by their waits (their measured
+        rates aside), and a prefix held across a large fleet (a common system prompt) would otherwise make every
+        decision score hundreds.
     routed_ttl_s / max_routed_keys: the index's record of prompts routed but not reported yet.
     default_page_size / default_*_tokens: where routing keys fall (folio.router.keys)
         before any replica has reported its own.
@@ -317,7 +318,7 @@ class PrefixRouterPolicy:
 
     def _least_waiting_per_depth(self, holders: dict[int, Match], wait: np.ndarray) -> dict[int, Match]:
         """Of the holders (candidate position -> match) holding the same number of blocks, the
-        holders_per_depth that wait least (ties: the first found)."""
+        holders_per_depth that wait least."""
         limit = self.config.holders_per_depth
         by_depth: dict[int, list[int]] = {}
         for pos, match in holders.items():
