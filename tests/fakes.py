@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from folio.serve.ports import free_loopback_port
+# A loopback port nobody listens on, outside the ranges Ray's processes bind from (folio.serve.ports).
+from folio.serve.ports import free_loopback_port as free_port  # noqa: F401 (the tests' name for it)
 
 PAGE_SIZE = 16
 
@@ -21,12 +22,6 @@ class FakePool:
 
     def cached_hashes(self):
         return iter(tuple(self.hashes))
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now, outside the ranges Ray's processes bind from, and not one this
-    process handed out before."""
-    return free_loopback_port()
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
