@@ -3,6 +3,7 @@ tier (DynamicGenerator(host_cache_bytes=...)), in one invocation.
 
     python bench/host_tier.py [--shape 8B] [--groups 32] [--per-group 8] [--prefix 2048] [--question 128]
                               [--new-tokens 32] [--batch 8] [--host-gib 16] [--trace /path/trace.json]
+                              [--modes write-through,write-back]
     python bench/host_tier.py --device cpu --tiny        (small sizes, the tiny random model: checks the script)
 
 Workload: `groups` distinct prefixes of `prefix` tokens, `per-group` requests each (prefix + its own question of
@@ -10,11 +11,13 @@ Workload: `groups` distinct prefixes of `prefix` tokens, `per-group` requests ea
 (so a prefix comes back only after every other group's). The GPU cache holds a quarter of the distinct prefixes'
 tokens (at least `batch` whole requests): without the host tier nearly every request computes its prefix again;
 with it, prefixes evicted from the GPU come back from host memory. Targets (GPU): prefill tokens with the tier
-<= 0.35x without, throughput >= 1.5x.
+<= 0.35x without, throughput >= 1.5x. Each of --modes runs the tier once: write-through (each page copied to the
+host once computed, beside the steps that follow; the default) and write-back (pages copied as they are evicted,
+before the step that reuses them).
 
 Random bf16 weights of real shapes on CUDA (bench/engine.py's build_pair). --trace writes a torch.profiler chrome
-trace of a short extra run with the tier (the copy stream beside the compute stream). Prints one table; writes
-$OUT/host_tier.json when OUT is set.
+trace of a short extra run with the tier in each mode (PATH with the mode before its suffix) and prints how much of
+the copies' time a kernel ran on the compute stream. Prints one table; writes $OUT/host_tier.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ def cache_tokens(args) -> int:
     return -(-max(quarter, running) // args.page_size) * args.page_size
 
 
-def run(pair, args, prompts: list[list[int]], host_bytes: int, profiler=None) -> dict:
+def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bool = True, profiler=None) -> dict:
     cache = Cache(pair.model, num_tokens=cache_tokens(args), page_size=args.page_size)
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=args.batch,
                            max_seq_len=args.prefix + args.question + args.new_tokens,
-                           max_queued_jobs=len(prompts) + 1, host_cache_bytes=host_bytes)
+                           max_queued_jobs=len(prompts) + 1, host_cache_bytes=host_bytes,
+                           host_write_through=write_through)
     gen.warmup()
     jobs = [DynamicJob(input_ids=p, max_new_tokens=args.new_tokens, stop_conditions=[],
                        gen_settings=SamplerSettings.greedy(), seed=i) for i, p in enumerate(prompts)]
@@ -79,6 +83,7 @@ def run(pair, args, prompts: list[list[int]], host_bytes: int, profiler=None) ->
            "prefill_tokens": prompt_tokens, "generated_tokens": sum(j.new_tokens for j in jobs),
            "hit_tokens": prefix.num_hit_tokens, "host_hit_pages": prefix.num_host_hit_pages,
            "pages_to_host": prefix.num_pages_to_host, "pages_from_host": prefix.num_pages_from_host,
+           "copies_to_host": prefix.num_copies_to_host,
            "outputs": [list(j.generated_ids) for j in jobs]}
     out["tokens_per_s"] = out["generated_tokens"] / wall
     del gen, cache
@@ -131,7 +136,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--host-gib", type=float, default=None, help="host tier size (default: room for every "
                         "distinct prefix, plus a quarter)")
-    parser.add_argument("--trace", default="", help="write a chrome trace of a short run with the tier here")
+    parser.add_argument("--trace", default="", help="write a chrome trace of a short run with the tier in each "
+                        "mode (PATH.MODE.json)")
+    parser.add_argument("--modes", default="write-through,write-back", help="host tier modes to run, in order")
     args = parser.parse_args()
     small = dict(groups=8, per_group=4, prefix=64, question=8, new_tokens=4, batch=4, page_size=16)
     large = dict(groups=32, per_group=8, prefix=2048, question=128, new_tokens=32, batch=8, page_size=256)
@@ -152,40 +159,55 @@ def main() -> None:
     log(f"{len(prompts)} requests: {args.groups} prefixes of {args.prefix} tokens x {args.per_group}, question "
         f"{args.question}, {args.new_tokens} new tokens; GPU cache {cache_tokens(args)} tokens "
         f"(distinct prefixes: {args.groups * args.prefix}); host tier {host_bytes / 2**30:.2f} GiB")
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("write-through", "write-back") for m in modes):
+        raise SystemExit(f"--modes: a list of write-through and write-back, got {args.modes!r}")
     without = run(pair, args, prompts, 0)
     log(f"  without host tier: {without['wall_s']:.2f} s, prefill {without['prefill_tokens']} tokens")
-    with_host = run(pair, args, prompts, host_bytes)
-    log(f"  with host tier:    {with_host['wall_s']:.2f} s, prefill {with_host['prefill_tokens']} tokens")
-    same = with_host.pop("outputs") == without.pop("outputs")
-    prefill_ratio = with_host["prefill_tokens"] / max(without["prefill_tokens"], 1)
-    speedup = with_host["tokens_per_s"] / without["tokens_per_s"]
+    runs = {}
+    for mode in modes:
+        runs[mode] = run(pair, args, prompts, host_bytes, write_through=mode == "write-through")
+        log(f"  host tier, {mode}: {runs[mode]['wall_s']:.2f} s, prefill {runs[mode]['prefill_tokens']} tokens")
+    reference = without.pop("outputs")
+    summary = {}
+    for mode, r in runs.items():
+        summary[mode] = {"outputs_equal": r.pop("outputs") == reference,
+                         "prefill_ratio": r["prefill_tokens"] / max(without["prefill_tokens"], 1),
+                         "speedup": r["tokens_per_s"] / without["tokens_per_s"]}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{name}, {'tiny' if args.tiny else args.shape}, {len(prompts)} requests")
-    print("| host tier | prefill tokens | generated tok/s | wall s | host hit pages | pages to / from host |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for label, r in (("off", without), (f"{with_host['host_gib'] * 1024:.1f} MiB ({with_host['host_pages']} pages)",
-                                        with_host)):
+    print("| host tier | prefill tokens | generated tok/s | wall s | host hit pages | pages to / from host | "
+          "GPU -> host copies |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = [("off", without)] + [(f"{mode}, {r['host_gib'] * 1024:.1f} MiB ({r['host_pages']} pages)", r)
+                                 for mode, r in runs.items()]
+    for label, r in rows:
         print(f"| {label} | {r['prefill_tokens']} | {r['tokens_per_s']:.1f} | {r['wall_s']:.2f} | "
-              f"{r['host_hit_pages']} | {r['pages_to_host']} / {r['pages_from_host']} |")
-    print(f"\nprefill tokens with / without: {prefill_ratio:.3f} (target <= 0.35); throughput: {speedup:.2f}x "
-          f"(target >= 1.5); greedy outputs equal: {same}")
+              f"{r['host_hit_pages']} | {r['pages_to_host']} / {r['pages_from_host']} | {r['copies_to_host']} |")
+    for mode, m in summary.items():
+        print(f"\n{mode}: prefill tokens with / without: {m['prefill_ratio']:.3f} (target <= 0.35); throughput: "
+              f"{m['speedup']:.2f}x (target >= 1.5); greedy outputs equal: {m['outputs_equal']}")
     if args.trace:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            run(pair, args, prompts[:2 * args.groups], host_bytes)
-        prof.export_chrome_trace(args.trace)
-        overlap = copy_overlap(args.trace)
-        log(f"trace: {args.trace}")
-        print(f"\nhost-tier copies in the trace: {overlap['copies']} host<->device copies, {overlap['copy_ms']:.2f} ms "
-              f"on streams {overlap['copy_streams']}; {overlap['overlapped_ms']:.2f} ms of it "
-              f"({overlap['fraction']:.0%}) while a kernel ran on the compute stream {overlap['compute_stream']}")
+        for mode in modes:
+            trace = Path(args.trace)
+            trace = str(trace.with_name(f"{trace.stem}.{mode}{trace.suffix}"))
+            with torch.profiler.profile(activities=activities) as prof:
+                run(pair, args, prompts[:2 * args.groups], host_bytes, write_through=mode == "write-through")
+            prof.export_chrome_trace(trace)
+            overlap = copy_overlap(trace)
+            summary[mode]["trace"] = overlap
+            log(f"trace: {trace}")
+            print(f"\nhost-tier copies in the trace ({mode}): {overlap['copies']} host<->device copies, "
+                  f"{overlap['copy_ms']:.2f} ms on streams {overlap['copy_streams']}; {overlap['overlapped_ms']:.2f} "
+                  f"ms of it ({overlap['fraction']:.0%}) while a kernel ran on the compute stream "
+                  f"{overlap['compute_stream']}")
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "host_tier.json").write_text(json.dumps(
-            {"device": name, "args": vars(args), "without": without, "with": with_host,
-             "prefill_ratio": prefill_ratio, "speedup": speedup, "outputs_equal": same}, indent=1))
+            {"device": name, "args": vars(args), "without": without, "with": runs, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ class DynamicGenerator:
     max_loras, max_lora_rank: most LoRA adapters loaded at once and their largest rank (folio.lora.slots).
     host_cache_bytes: host memory keeping pages evicted from the cache, brought back on a prefix hit
         (folio.host_pages; pinned on CUDA). None: on CUDA a share of RAM (DEFAULT_HOST_RAM_FRACTION), 0 on the CPU.
+    host_write_through: copy every page to the host tier once computed, beside the steps that follow, so that
+        evicting it costs no copy later (False: pages are copied as they are evicted, before the step reusing them).
 
     Speculative decoding (folio.speculative): draft_model (a smaller model with the target's vocabulary; its cache,
     draft_cache, is made to match `cache` when not given) or use_ngram_draft (n-grams and prompt lookup over each
@@ -86,7 +88,7 @@ class DynamicGenerator:
                  draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
                  max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256,
                  max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-                 host_cache_bytes: int | None = None):
+                 host_cache_bytes: int | None = None, host_write_through: bool = True):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         if options is not None and options != model.options:
             raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "
@@ -107,7 +109,8 @@ class DynamicGenerator:
         host_pages_for = build_host_pages if cache.mirror is None else cache.mirror.build_host_pages
         self.host_pages = host_pages_for(cache, host_cache_bytes if prefix_cache else 0)
         self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window,
-                                            num_host_pages=self.host_pages.num_host_pages if self.host_pages else 0)
+                                            num_host_pages=self.host_pages.num_host_pages if self.host_pages else 0,
+                                            host_write_through=bool(host_write_through))
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
         if cuda_graphs is None and self.options.ops_backend == "reference":
             cuda_graphs = False  # the reference ops synchronize: they cannot be captured

@@ -1,12 +1,15 @@
-"""HostPages: the device side of the host tier (folio.cache.host_tier): host buffers holding evicted KV pages, and
-the copies between them and the cache, run on their own CUDA stream.
+"""HostPages: the device side of the host tier (folio.cache.host_tier): host buffers holding pages' K/V, and the
+copies between them and the cache, run on their own CUDA stream.
 
-A plan's transfers run as the bookkeeping requires (see folio.cache.host_tier): `write_back` (GPU -> host: the
-pages evicted while planning) before the plan's slot copies, `fetch` (host -> GPU: the pages its prefix lookups
-found on the host) after them, and the forward after both. Each waits on the device, never on the host: the copy
-stream first waits for the compute stream (the pages' last writers and readers are done), and the compute stream
-then waits for the copy stream (nothing writes an evicted page before it is read, nothing reads a fetched page
-before it is written). Steps without transfers add no wait at all. On the CPU the copies are plain, in order.
+A plan's transfers run as the bookkeeping requires (see folio.cache.host_tier): `write_back` (GPU -> host: mirror
+copies of pages filled by forwards already launched, then the pages evicted without a mirror) before the plan's
+slot copies, `fetch` (host -> GPU: the pages its prefix lookups found on the host) after them, and the forward
+after both. Each waits on the device, never on the host. The copy stream first waits for the compute stream (the
+forwards that filled the pages, and the last readers of pages being overwritten). Then the compute stream waits
+for the copies that it must not overtake: write-backs and fetches (nothing writes an evicted page before it is
+read, nothing reads a fetched page before it is written), and a mirror copy only when the plan evicts its page
+(`HostTransfers.wait_ticket`). Mirror copies otherwise run beside the forwards that follow: that is what
+write-through buys. On the CPU the copies are plain, in order.
 
 Host buffers: one per per-page tensor of the cache ([L, P, ...] on the device), [num_host_pages, L, ...] on the
 host so a page is one contiguous block there (one DMA per page and tensor); pinned on CUDA so that the copies are
@@ -112,15 +115,32 @@ class HostPages:
         self.buffers = [torch.zeros((num_host_pages, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=on_cuda)
                         for t in self.tensors]
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._marks: dict[int, torch.cuda.Event] = {}  # plan ticket -> reached when its GPU -> host copies are done
 
     @property
     def bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def write_back(self, transfers: HostTransfers) -> None:
-        """GPU -> host copies of the pages evicted while planning; whatever the plan writes afterwards on the
-        current stream waits for them."""
-        self._run([(self._host(slot), self._gpu(page)) for page, slot in transfers.to_host])
+        """GPU -> host: the mirror copies, then the pages evicted without a mirror. What the plan writes afterwards
+        on the current stream waits for the latter, and for the mirror copies named by `transfers.wait_ticket`."""
+        copies = [(self._host(slot), self._gpu(page)) for page, slot in transfers.mirror + transfers.to_host]
+        if self.stream is None:
+            self._run(copies)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if copies:
+            self.stream.wait_stream(compute)
+            self._copy(copies)
+            mark = torch.cuda.Event()
+            mark.record(self.stream)
+            self._marks[transfers.ticket] = mark
+        if transfers.to_host:
+            compute.wait_stream(self.stream)
+        elif transfers.wait_ticket in self._marks:  # (a mark no longer kept was reached)
+            compute.wait_event(self._marks[transfers.wait_ticket])
+        while self._marks and next(iter(self._marks.values())).query():  # (the stream runs its copies in order)
+            del self._marks[next(iter(self._marks))]
 
     def fetch(self, transfers: HostTransfers) -> None:
         """Host -> GPU copies of the pages found on the host; the forward (on the current stream) waits for them."""
@@ -133,6 +153,7 @@ class HostPages:
         return [b[slot] for b in self.buffers]
 
     def _run(self, copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """Run copies that the compute stream waits for entirely, after everything queued on it."""
         if not copies:
             return
         if self.stream is None:
@@ -142,11 +163,14 @@ class HostPages:
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
+        self._copy(copies)
+        compute.wait_stream(self.stream)
+
+    def _copy(self, copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
         with torch.cuda.stream(self.stream):
             for dst, src in copies:
                 for d, s in zip(dst, src):
                     d.copy_(s, non_blocking=True)
-        compute.wait_stream(self.stream)
 
 
 def build_host_pages(cache: Cache, host_cache_bytes: int | None) -> HostPages | None:

@@ -202,14 +202,15 @@ class Driver:
 
 
 class MirroredHostPages(HostPages):
-    """Rank 0's host buffers: each copy is sent to the other ranks (which copy their shards' pages) before it runs."""
+    """Rank 0's host buffers: each copy is sent to the other ranks (which copy their shards' pages) before it runs.
+    The other ranks run mirror copies as write-backs (their forwards wait for them): correct, without the overlap."""
 
     def __init__(self, cache: Cache, num_host_pages: int, driver: Driver) -> None:
         super().__init__(cache, num_host_pages)
         self.driver = driver
 
     def write_back(self, transfers: HostTransfers) -> None:
-        self.driver.send_transfers(Op.WRITE_BACK, transfers.to_host)
+        self.driver.send_transfers(Op.WRITE_BACK, transfers.mirror + transfers.to_host)
         super().write_back(transfers)
 
     def fetch(self, transfers: HostTransfers) -> None:

@@ -16,7 +16,8 @@ Generator replicas:
     folio_replica_format_info{weight_format, kv_format}   1: the replica's memory formats (join on app, replica)
     folio_host_tier_pages / folio_host_tier_bytes          the host tier's page slots and their host memory (0: off)
     folio_host_tier_pages_to_host_total / folio_host_tier_pages_from_host_total
-                                                pages copied GPU -> host (evicted, kept) and host -> GPU
+                                                pages evicted into the host tier (kept) and copied host -> GPU
+    folio_host_tier_copies_to_host_total        GPU -> host copies (as evicted, or as computed: write-through)
     folio_prefix_cache_host_hit_pages_total     prefix-hit pages of first admissions that came from the host tier
     folio_engine_steps_total, folio_engine_busy_seconds_total      engine steps and the wall time inside them
     folio_engine_prompt_tokens_computed_total, folio_engine_decode_rows_total, folio_engine_preemptions_total,
@@ -71,7 +72,9 @@ STEP_COUNTERS = {
 }
 # folio_<name>_total counters: (PrefixCacheStats attribute, description); the stats come from folio.cache.reports
 HOST_TIER_COUNTERS = {
-    "host_tier_pages_to_host": ("num_pages_to_host", "Pages copied from the KV cache to the host tier (evicted)."),
+    "host_tier_pages_to_host": ("num_pages_to_host", "Pages evicted from the KV cache into the host tier."),
+    "host_tier_copies_to_host": ("num_copies_to_host", "Pages copied from the KV cache to the host tier "
+                                 "(as evicted, or as computed with write-through)."),
     "host_tier_pages_from_host": ("num_pages_from_host", "Pages copied from the host tier back to the KV cache."),
     "prefix_cache_host_hit_pages": ("num_host_hit_pages",
                                     "Prefix-hit pages of first admissions that came from the host tier."),

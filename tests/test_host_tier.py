@@ -12,7 +12,7 @@ from folio.cache import PageEvent, PageEventKind, PagePool
 from folio.cache.host_tier import HostTransfers, promote, take_transfers
 from folio.cache.manager import KVCacheManager
 from folio.hashing import prompt_page_hashes
-from folio.host_pages import HostPages, resolve_num_host_pages
+from folio.host_pages import resolve_num_host_pages
 from folio.sequence import Sequence
 
 PAGE_SIZE = 4
@@ -42,7 +42,8 @@ def test_evicted_pages_move_to_host_and_come_back():
     assert pool.host.hashes() == (a[1], a[0], b[1])
     assert pool.lookup(a).num_ready == 0 and pool.host.num_leading(a) == 2
     pool.check()
-    assert take_transfers(pool) == HostTransfers(to_host=((pages_a[1], 0), (pages_a[0], 1), (pages_b[1], 2)))
+    assert take_transfers(pool) == HostTransfers(to_host=((pages_a[1], 0), (pages_a[0], 1), (pages_b[1], 2)),
+                                                 ticket=0)
     pool.release(taken)
     # the host is full: b's root, evicted after the free pages are gone, recycles the oldest slot (a's leaf: lost)
     taken = pool.allocate(4)
@@ -51,11 +52,13 @@ def test_evicted_pages_move_to_host_and_come_back():
     assert take_transfers(pool).to_host == ((pages_b[0], 0),)
     pool.release(taken)
     pool.check()
-    # prefix hits: a's root only (its leaf is gone), b's two pages; each ready at once, filled by a scheduled copy
+    # prefix hits: a's root only (its leaf is gone), b's two pages; each ready at once, filled by a scheduled copy,
+    # its host entry now a mirror of the GPU page (the slot keeps its copy)
     promoted_a = promote(pool, a)
     promoted_b = promote(pool, b)
     assert promoted_a == [0] and promoted_b == [1, 2]
-    assert pool.lookup(a).num_ready == 1 and pool.lookup(b).num_ready == 2 and pool.host.num_used == 0
+    assert pool.lookup(a).num_ready == 1 and pool.lookup(b).num_ready == 2 and pool.host.num_used == 3
+    assert pool.host.mirrors() == {a[0]: 0, b[0]: 1, b[1]: 2} and pool.host.num_leading(b) == 0
     pool.check()
     assert take_transfers(pool).from_host == ((1, 0), (0, 1), (2, 2))  # (slot, page): a0, b0, b1
     pool.release(promoted_a + promoted_b)
@@ -74,7 +77,7 @@ def test_promote_takes_the_host_run_and_pins_until_the_plan_takes_it():
     assert promoted == [0, 1, 2]
     assert pool.drain_events() == [PageEvent(STORED, a[0]), PageEvent(STORED, a[1]), PageEvent(STORED, a[2])]
     assert [pool.refcount(p) for p in promoted] == [2, 2, 2]  # the caller's reference and the pin
-    assert pool.host.num_used == 0 and pool.lookup(a).num_ready == 3
+    assert pool.host.mirrors() == {a[0]: 0, a[1]: 1, a[2]: 2} and pool.lookup(a).num_ready == 3
     assert all(pool.host.is_arriving(p) for p in promoted)
     pool.check()
     transfers = take_transfers(pool)
@@ -82,7 +85,13 @@ def test_promote_takes_the_host_run_and_pins_until_the_plan_takes_it():
     assert transfers.from_host == ((2, 0), (1, 1), (0, 2)) and transfers.to_host == ()
     assert [pool.refcount(p) for p in promoted] == [1, 1, 1] and not pool.host.is_arriving(0)
     pool.release(promoted)
-    assert pool.host.hashes() == () and pool.num_cached == 3
+    assert pool.host.hashes() == (a[2], a[1], a[0]) and pool.num_cached == 3
+    # evicted again: no copy (the mirrors have it), each entry now the newest host-only one
+    pool.drain_events()
+    pool.release(pool.allocate(3))
+    assert pool.drain_events() == [PageEvent(MOVED, a[2]), PageEvent(MOVED, a[1]), PageEvent(MOVED, a[0])]
+    assert take_transfers(pool) == HostTransfers(ticket=2, wait_ticket=0)  # (the write-backs of plan 0 filled them)
+    assert pool.host.mirrors() == {} and pool.host.num_leading(a) == 3
     pool.check()
 
 
@@ -100,23 +109,51 @@ def test_slots_read_by_a_plan_are_not_reused_by_the_same_plan():
     (other,) = pool.allocate(1)
     assert pool.drain_events() == [PageEvent(STORED, a[0]), PageEvent(EVICTED, b[0]), PageEvent(MOVED, c[0])]
     transfers = take_transfers(pool)
-    assert transfers == HostTransfers(to_host=((other, 1),), from_host=((0, page_a),))
+    assert transfers == HostTransfers(to_host=((other, 1),), from_host=((0, page_a),), ticket=1)
     pool.check()
 
 
-def test_a_recomputed_hash_leaves_the_host_and_reset_forgets_the_host():
+def test_a_recomputed_hash_keeps_its_host_entry_as_a_mirror_and_reset_forgets_the_host():
     pool = PagePool(2, PAGE_SIZE, num_host_pages=2)
     _, a = fill(pool, list(range(4)))
     pool.release(pool.allocate(2))
     assert a[0] in pool.host
-    _, again = fill(pool, list(range(4)))  # computed again on the GPU
-    assert again == a and a[0] not in pool.host and pool.host.num_used == 0
+    take_transfers(pool)
+    pages, again = fill(pool, list(range(4)))  # computed again on the GPU
+    assert again == a and pool.host.mirrors() == {a[0]: pages[0]} and pool.host.num_used == 1
     pool.check()
-    pool.release(pool.allocate(2))
     pool.drain_events()
+    pool.release(pool.allocate(2))
+    assert pool.drain_events() == [PageEvent(MOVED, a[0])] and take_transfers(pool) == HostTransfers(
+        ticket=1, wait_ticket=0)  # no copy
     pool.reset()
     assert pool.drain_events() == [PageEvent(EVICTED, a[0])] and pool.host.num_used == 0
     pool.check()
+
+
+def test_write_through_mirrors_each_computed_page_so_that_evicting_it_copies_nothing():
+    pool = PagePool(3, PAGE_SIZE, num_host_pages=3, host_write_through=True)
+    pages_a, a = fill(pool, list(range(8)))  # 2 pages: each gets a slot and a mirror copy at once
+    assert pool.host.mirrors() == {a[0]: pages_a[0], a[1]: pages_a[1]} and pool.host.num_leading(a) == 0
+    pool.check()
+    assert take_transfers(pool) == HostTransfers(mirror=((pages_a[0], 0), (pages_a[1], 1)), ticket=0)
+    pool.drain_events()
+    # evicting a's leaf: no copy, the forward must not overwrite the page before plan 0's mirror copy ran
+    (taken,) = [p for p in pool.allocate(2) if p == pages_a[1]]
+    assert pool.drain_events() == [PageEvent(MOVED, a[1])]
+    assert pool.host.mirrors() == {a[0]: pages_a[0]} and pool.host.hashes() == (a[0], a[1])
+    assert take_transfers(pool) == HostTransfers(ticket=1, wait_ticket=0)
+    pool.check()
+
+
+def test_a_recycled_mirror_loses_nothing_and_its_unmade_copy_is_dropped():
+    pool = PagePool(2, PAGE_SIZE, num_host_pages=1, host_write_through=True)
+    (page_a,), a = fill(pool, list(range(4)))
+    (page_b,), b = fill(pool, list(range(50, 54)))  # the one slot goes to b: a's mirror is recycled, no event
+    assert pool.drain_events() == [PageEvent(STORED, a[0]), PageEvent(STORED, b[0])]
+    assert pool.host.mirrors() == {b[0]: page_b} and pool.lookup(a).num_ready == 1
+    pool.check()
+    assert take_transfers(pool) == HostTransfers(mirror=((page_b, 0),), ticket=0)  # a's copy is not made
 
 
 def test_manager_counts_host_hits_and_skips_partial_copies_from_arriving_pages():
@@ -153,20 +190,23 @@ def _seq(tokens: list[int]) -> Sequence:
 
 # --- the device side (CPU: plain copies) -------------------------------------------------------------------------
 
-def test_kv_pages_round_trip_bit_exactly(peaked):
-    """K/V of a model run, moved GPU pool -> host -> other pages of the pool, equal the originals bit for bit."""
-    gen = peaked.generator(num_tokens=16 * 8, page_size=16, host_cache_bytes=1 << 20)
+@pytest.mark.parametrize("write_through", [True, False])
+def test_kv_pages_round_trip_bit_exactly(peaked, write_through):
+    """K/V of a model run, moved GPU pool -> host (mirrored as computed, or written back as evicted) -> other pages
+    of the pool, equal the originals bit for bit."""
+    gen = peaked.generator(num_tokens=16 * 8, page_size=16, host_cache_bytes=1 << 20, host_write_through=write_through)
     _check_round_trip(gen, peaked.tokenizer)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_kv_pages_round_trip_bit_exactly_on_cuda(peaked_dir):
+@pytest.mark.parametrize("write_through", [True, False])
+def test_kv_pages_round_trip_bit_exactly_on_cuda(peaked_dir, write_through):
     """The same through pinned buffers and the copy stream."""
     model = folio.Model.from_pretrained(peaked_dir, device="cuda", progress=False)
     tokenizer = folio.Tokenizer.from_pretrained(peaked_dir)
     cache = folio.Cache(model, num_tokens=16 * 8, page_size=16)
-    gen = folio.DynamicGenerator(model, cache, tokenizer, host_cache_bytes=1 << 20)
+    gen = folio.DynamicGenerator(model, cache, tokenizer, host_cache_bytes=1 << 20, host_write_through=write_through)
     assert gen.host_pages.stream is not None
     _check_round_trip(gen, tokenizer)
 
@@ -185,9 +225,11 @@ def _check_round_trip(gen, tokenizer):
     pages = [pool._ready[h] for h in hashes]
     before = [t[:, pages].clone() for t in gen.cache.page_tensors()]
     assert all(t.abs().sum() > 0 for t in before)
-    host = HostPages(gen.cache, 8)
+    host = gen.host_pages
     evicting = pool.allocate(pool.num_allocatable)  # every cached page moves to the host
-    host.write_back(take_transfers(pool))
+    transfers = take_transfers(pool)  # (with write-through: the mirror copies of the last forward's pages only)
+    assert (transfers.to_host == ()) == pool.host.write_through
+    host.write_back(transfers)
     for t in gen.cache.page_tensors():
         t.fill_(float("nan"))  # whatever the pool holds now is garbage
     pool.release(evicting)
@@ -195,6 +237,8 @@ def _check_round_trip(gen, tokenizer):
     promoted = promote(pool, hashes)
     assert len(promoted) == len(hashes) and set(promoted).isdisjoint({0})
     host.fetch(take_transfers(pool))
+    if host.stream is not None:
+        torch.cuda.synchronize()
     after = [t[:, promoted] for t in gen.cache.page_tensors()]
     for b, a in zip(before, after):
         assert torch.equal(b, a)
@@ -222,15 +266,15 @@ def _run(gen, token_lists, stats):
     return outs
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_generator_reuses_a_prefix_from_the_host(peaked, ahead):
+@pytest.mark.parametrize("ahead,write_through", [(False, True), (True, True), (True, False)])
+def test_generator_reuses_a_prefix_from_the_host(peaked, ahead, write_through):
     tok = peaked.tokenizer
     prefixes = [tok.encode(f"Preamble {k}: the keeper counted ships, storms and gulls on the rock " * 2)
                 for k in range(3)]
     token_lists = [p + tok.encode(f" question {i}?") for i in range(2) for p in prefixes]
     kwargs = dict(num_tokens=16 * 10, page_size=16, decode_ahead=ahead, prefill_ahead=ahead)
     with_stats, without_stats = [], []
-    gen = peaked.generator(host_cache_bytes=8 << 20, **kwargs)
+    gen = peaked.generator(host_cache_bytes=8 << 20, host_write_through=write_through, **kwargs)
     with_host = _run(gen, token_lists, with_stats)
     without = _run(peaked.generator(**kwargs), token_lists, without_stats)
     assert with_host == without
@@ -289,7 +333,7 @@ def test_router_events_keep_host_pages_held_and_say_which():
     _, digest = publish()
     assert list(digest.batches[-1].stored) == keys[:1] and len(digest.batches[-1].evicted) == 0
     pool.release(promoted)
-    pool.release(pool.allocate(2))  # the GPU page goes back to the host (the slot it was read from is free again)
+    pool.release(pool.allocate(2))  # the GPU page goes back to the host (its entry, a mirror since, without a copy)
     take_transfers(pool)
     _, digest = publish()
     assert len(digest.batches[-1].evicted) == 0 and list(digest.batches[-1].moved) == keys[:1]
@@ -301,8 +345,8 @@ def test_router_events_keep_host_pages_held_and_say_which():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("ahead", [False, True])
-def test_cuda_generator_with_the_host_tier_equals_without(peaked_dir, ahead):
+@pytest.mark.parametrize("ahead,write_through", [(False, True), (True, True), (True, False)])
+def test_cuda_generator_with_the_host_tier_equals_without(peaked_dir, ahead, write_through):
     """On CUDA: pinned buffers, the copy stream, decode graphs and launch-ahead; outputs equal, prompt work drops."""
     parts = folio.Model.from_pretrained(peaked_dir, device="cuda", progress=False)
     tokenizer = folio.Tokenizer.from_pretrained(peaked_dir)
@@ -315,7 +359,7 @@ def test_cuda_generator_with_the_host_tier_equals_without(peaked_dir, ahead):
                 for k in range(3)]
     token_lists = [p + tokenizer.encode(f" question {i}?") for i in range(2) for p in prefixes]
     with_stats, without_stats = [], []
-    gen = generator(host_cache_bytes=8 << 20)
+    gen = generator(host_cache_bytes=8 << 20, host_write_through=write_through)
     assert gen.host_pages.stream is not None and gen.host_pages.buffers[0].is_pinned()
     assert _run(gen, token_lists, with_stats) == _run(generator(), token_lists, without_stats)
     stats = gen.prefix_cache_stats()

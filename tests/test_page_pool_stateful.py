@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from folio.cache import OutOfPages, PageEvent, PageEventKind, PagePool, PageState, PrefixLookup
-from folio.cache.host_tier import promote, take_transfers
+from folio.cache.host_tier import NO_TRANSFERS, HostTransfers, promote, take_transfers
 from folio.hashing import hash_page, prompt_page_hashes
 
 PAGE_SIZE = 4
@@ -115,16 +115,16 @@ class PoolMachine(RuleBasedStateMachine):
                 self.release([page_id])
             return
         self.pending.pop(page_hash, None)
-        self.on_ready(page_hash)
         self.ready[page_hash] = page_id
         self.content[page_id] = Content(parent, job.namespace, tokens, page_hash)
         self.expected_events.append(PageEvent(PageEventKind.STORED, page_hash))
+        self.on_ready(page_id, self.content[page_id])
 
     def on_evicted(self, page_id: int, victim: Content) -> None:
         self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
 
-    def on_ready(self, page_hash: bytes) -> None:
-        """A hash became ready on the pool's pages (the host-tier machine drops its host copy)."""
+    def on_ready(self, page_id: int, content: Content) -> None:
+        """Page `page_id` became ready under content.hash (the host-tier machine mirrors it)."""
 
     def promote(self, job: Job, prompt_hashes: list[bytes]) -> None:
         """After the job took its ready prefix: pages the host-tier machine brings back."""
@@ -315,53 +315,83 @@ TestPagePoolStateful.settings = settings(max_examples=100, stateful_step_count=6
 
 class HostPoolMachine(PoolMachine):
     """The same job streams over a pool with a host tier: evicted ready pages move to host slots (the oldest
-    recycled when full), prefix lookups continue into them (promote: pages allocated, registered, pinned until the
-    plan's transfers are taken), and the model predicts every slot, copy and event."""
+    recycled when full), with write-through (drawn) every page made ready gets a slot and a mirror copy at once,
+    prefix lookups continue into host-only entries (promote: pages allocated, registered as mirrors, pinned until
+    the plan's transfers are taken), and the model predicts every slot, copy, ticket and event."""
 
-    @initialize(num_pages=st.integers(3, 8), num_host_pages=st.integers(1, 12))  # small: evictions all the time
-    def setup_host(self, num_pages, num_host_pages):
-        self.pool = PagePool(num_pages, PAGE_SIZE, num_host_pages=num_host_pages)
+    @initialize(num_pages=st.integers(3, 8), num_host_pages=st.integers(1, 12),  # small: evictions all the time
+                write_through=st.booleans())
+    def setup_host(self, num_pages, num_host_pages, write_through):
+        self.pool = PagePool(num_pages, PAGE_SIZE, num_host_pages=num_host_pages, host_write_through=write_through)
+        self.write_through = write_through
         self.jobs, self.pins, self.expected_events = [], [], []
         self.refcount, self.content, self.ready, self.pending = Counter(), {}, {}, {}
-        self.host: dict[bytes, tuple[int, Content]] = {}  # hash -> (slot, content), oldest stored first
+        # hash -> (slot, content, ticket of the plan whose copy fills the slot), oldest stored first
+        self.host: dict[bytes, tuple[int, Content, int]] = {}
+        self.mirrored: dict[bytes, int] = {}  # hash -> the GPU page holding it ready too
         self.free_slots = list(range(num_host_pages))
-        self.deferred: list[int] = []
+        self.reading: set[int] = set()
         self.to_host: list[tuple[int, int]] = []
         self.from_host: list[tuple[int, int]] = []
+        self.mirror: list[tuple[int, int]] = []
         self.arriving: list[int] = []
+        self.ticket, self.wait_ticket = 0, -1
         self.finished: list[tuple[list[int], bytes]] = []  # tokens of jobs that ended, to admit again
 
     def setup(self, num_pages):  # (the base machine's initializer is replaced by setup_host)
         raise AssertionError("unused")
 
-    def on_evicted(self, page_id: int, victim: Content) -> None:
+    def take_slot(self) -> int | None:
         if self.free_slots:
             slot = min(self.free_slots)
             self.free_slots.remove(slot)
-        elif self.host:
-            oldest = next(iter(self.host))
-            slot, _ = self.host.pop(oldest)
-            self.expected_events.append(PageEvent(PageEventKind.EVICTED, oldest))
+            return slot
+        victim = next((h for h, (slot, _, _) in self.host.items() if slot not in self.reading), None)
+        if victim is None:
+            return None
+        slot, _, ticket = self.host.pop(victim)
+        if self.mirrored.pop(victim, None) is None:
+            self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim))
+        elif ticket == self.ticket:  # its mirror copy, not made yet, is dropped
+            self.mirror = [(page, s) for page, s in self.mirror if s != slot]
+        return slot
+
+    def on_evicted(self, page_id: int, victim: Content) -> None:
+        if victim.hash in self.host:  # a mirror: no copy, its entry becomes the newest host-only one
+            assert self.mirrored.pop(victim.hash) == page_id
+            entry = self.host.pop(victim.hash)
+            self.host[victim.hash] = entry
+            self.wait_ticket = max(self.wait_ticket, entry[2])
         else:
-            self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
-            return
-        self.host[victim.hash] = (slot, victim)
-        self.to_host.append((page_id, slot))
+            slot = self.take_slot()
+            if slot is None:
+                self.expected_events.append(PageEvent(PageEventKind.EVICTED, victim.hash))
+                return
+            self.host[victim.hash] = (slot, victim, self.ticket)
+            self.to_host.append((page_id, slot))
         self.expected_events.append(PageEvent(PageEventKind.MOVED_TO_HOST, victim.hash))
 
-    def on_ready(self, page_hash: bytes) -> None:
-        if page_hash in self.host:
-            slot, _ = self.host.pop(page_hash)
-            self.free_slots.append(slot)
+    def on_ready(self, page_id: int, content: Content) -> None:
+        if content.hash in self.host:  # held host-only: the slot's copy is as good
+            self.mirrored[content.hash] = page_id
+            return
+        if not self.write_through:
+            return
+        slot = self.take_slot()
+        if slot is None:
+            return
+        self.host[content.hash] = (slot, content, self.ticket)
+        self.mirrored[content.hash] = page_id
+        self.mirror.append((page_id, slot))
 
     def promote(self, job: Job, prompt_hashes: list[bytes]) -> None:
         wanted = prompt_hashes[len(job.pages):]
         num = 0
-        while num < len(wanted) and wanted[num] in self.host:
+        while num < len(wanted) and wanted[num] in self.host and wanted[num] not in self.mirrored:
             num += 1
         num = min(num, self.pool.num_pages - len(+self.refcount))
-        taken = [self.host.pop(h) for h in wanted[:num]]
-        self.deferred += [slot for slot, _ in taken]
+        taken = [self.host[h] for h in wanted[:num]]
+        self.reading.update(slot for slot, _, _ in taken)
         page_ids = promote(self.pool, prompt_hashes[len(job.pages):])
         assert len(page_ids) == num
         if not num:
@@ -370,7 +400,7 @@ class HostPoolMachine(PoolMachine):
         for expected_page, page_id in zip(free, page_ids):
             assert page_id == expected_page  # free pages first, lowest id first (then eviction order)
         model_pages = self.allocate_model_only(page_ids)
-        for page_hash, (slot, c), page_id in zip(wanted, taken, model_pages):
+        for page_hash, (slot, c, _), page_id in zip(wanted, taken, model_pages):
             self.pending.pop(page_hash, None)
             self.drop_claims_held_by_others(page_hash)
             self.ready[page_hash] = page_id
@@ -379,6 +409,7 @@ class HostPoolMachine(PoolMachine):
             self.arriving.append(page_id)
             self.from_host.append((slot, page_id))
             self.expected_events.append(PageEvent(PageEventKind.STORED, page_hash))
+            self.mirrored[page_hash] = page_id
         job.pages += page_ids
         job.hashes += wanted[:num]
         job.num_written = len(job.pages) * PAGE_SIZE
@@ -399,12 +430,16 @@ class HostPoolMachine(PoolMachine):
 
     def on_reset(self) -> None:
         for page_hash in self.host:
-            self.expected_events.append(PageEvent(PageEventKind.EVICTED, page_hash))
+            if page_hash not in self.mirrored:
+                self.expected_events.append(PageEvent(PageEventKind.EVICTED, page_hash))
         self.host.clear()
+        self.mirrored.clear()
         self.free_slots = list(range(self.pool.host.num_host_pages))
-        self.deferred.clear()
+        self.reading.clear()
         self.to_host.clear()
         self.from_host.clear()
+        self.mirror.clear()
+        self.wait_ticket = -1
 
     def preempt(self, job: Job) -> None:
         self.finished.append((list(job.tokens), job.namespace))
@@ -427,16 +462,21 @@ class HostPoolMachine(PoolMachine):
     @rule()
     def end_plan(self):
         transfers = take_transfers(self.pool)
-        assert transfers.to_host == tuple(self.to_host) and transfers.from_host == tuple(self.from_host)
+        expected = HostTransfers(tuple(self.to_host), tuple(self.from_host), tuple(self.mirror), self.ticket,
+                                 self.wait_ticket)
+        assert transfers == (expected if expected else NO_TRANSFERS)
         self.model_release(self.arriving)
-        self.free_slots += self.deferred
-        self.to_host, self.from_host, self.deferred, self.arriving = [], [], [], []
+        self.to_host, self.from_host, self.mirror, self.arriving = [], [], [], []
+        self.reading.clear()
+        self.ticket, self.wait_ticket = self.ticket + 1, -1
 
     @invariant()
     def host_matches_model(self):
         assert self.pool.host.hashes() == tuple(self.host)
-        assert {h: e.slot for h, e in self.pool.host._entries.items()} == {h: s for h, (s, _) in self.host.items()}
-        assert not set(self.host) & set(self.ready)
+        assert {h: e.slot for h, e in self.pool.host._entries.items()} == {h: s for h, (s, _, _) in self.host.items()}
+        assert self.pool.host.mirrors() == self.mirrored
+        assert set(self.host) & set(self.ready) == set(self.mirrored)
+        assert all(self.ready[h] == page_id for h, page_id in self.mirrored.items())
 
 
 TestHostPoolStateful = HostPoolMachine.TestCase

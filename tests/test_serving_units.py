@@ -920,16 +920,20 @@ def test_host_tier_metrics(fake_ray_metrics):
 
     replica.engine = SimpleNamespace(routing_digest=routing_digest, totals=StepTotals(), cache_stats=None)
     replica.adapters = SimpleNamespace(sync=lambda: asyncio.sleep(0))
-    polls = [PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6),
-             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6),
-             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=7, num_pages_to_host=13, num_pages_from_host=9)]
+    polls = [PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6,
+                              num_copies_to_host=20),
+             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=5, num_pages_to_host=10, num_pages_from_host=6,
+                              num_copies_to_host=20),
+             PrefixCacheStats(0, 0, 0, 0, 0, num_host_hit_pages=7, num_pages_to_host=13, num_pages_from_host=9,
+                              num_copies_to_host=24)]
     for stats in [None, *polls]:
         replica.engine.cache_stats = stats
         asyncio.run(replica.record_routing_stats())
     counted = {name: [value for value, _ in fake_ray_metrics[name].values] for name in (
         "folio_host_tier_pages_to_host_total", "folio_host_tier_pages_from_host_total",
-        "folio_prefix_cache_host_hit_pages_total")}
+        "folio_prefix_cache_host_hit_pages_total", "folio_host_tier_copies_to_host_total")}
     assert counted == {"folio_host_tier_pages_to_host_total": [10.0, 3.0],
+                       "folio_host_tier_copies_to_host_total": [20.0, 4.0],
                        "folio_host_tier_pages_from_host_total": [6.0, 3.0],
                        "folio_prefix_cache_host_hit_pages_total": [5.0, 2.0]}
     assert gauges["folio_host_tier_pages"].values[-1] == 120  # refreshed on every poll

@@ -170,27 +170,36 @@ def _verify_all_cached_evictable(pool: PagePool) -> None:
 
 
 def _verify_host_tier(pool: PagePool) -> None:
-    """Every host slot is free, deferred (read by this plan's host->GPU copies) or holds exactly one entry; no hash
-    is ready in both tiers; host entries describe full pages; pages being filled from the host are pinned, ready
-    GPU pages."""
+    """Every host slot is free or holds exactly one entry; a hash held in both tiers is a mirror of the GPU page
+    holding it ready, and every other entry's hash is not ready on the GPU; host entries describe full pages; slots
+    read by this plan's fetches are held; pages being filled from the host are pinned, ready GPU pages; listed
+    copies name held slots."""
     host = pool._host
     held = [entry.slot for entry in host._entries.values()]
-    slots = sorted(held + host._free + host._deferred)
+    slots = sorted(held + host._free)
     if slots != list(range(host.num_host_pages)):
-        _fail(f"host slots are lost or shared: {len(held)} held, {len(host._free)} free, "
-              f"{len(host._deferred)} deferred of {host.num_host_pages}")
+        _fail(f"host slots are lost or shared: {len(held)} held, {len(host._free)} free of {host.num_host_pages}")
     for idx in range(1, len(host._free)):
         if host._free[idx] < host._free[(idx - 1) // 2]:
             _fail(f"the host tier's free-slot heap order is broken at index {idx}")
-    both = pool._ready.keys() & host._entries.keys()
+    for page_hash, page_id in host._mirrored.items():
+        if page_hash not in host._entries or pool._ready.get(page_hash) != page_id:
+            _fail(f"host mirror {page_hash.hex()} of page {page_id}: not an entry, or not that page's ready hash")
+    both = (pool._ready.keys() & host._entries.keys()) - host._mirrored.keys()
     if both:
-        _fail(f"hash {next(iter(both)).hex()} is ready on the GPU and in the host tier")
+        _fail(f"hash {next(iter(both)).hex()} is ready on the GPU and held host-only")
     for page_hash, entry in host._entries.items():
         if len(entry.tokens) != pool.page_size or page_hash == entry.parent:
             _fail(f"host entry {page_hash.hex()} (slot {entry.slot}) does not describe a full page")
+    if not host._reading <= set(held):
+        _fail("a slot read by this plan's fetches is not held")
     for page_id in host._arriving:
         page = pool._pages[page_id]
         if not page.ready or page.state is not PageState.IN_USE:
             _fail(f"{page.describe()}: filled from the host but not a ready page in use")
     if len({slot for slot, _ in host._from_host}) != len(host._from_host):
         _fail("two host->GPU copies of one plan read the same slot")
+    listed_now = {entry.slot for entry in host._entries.values() if entry.ticket == host._ticket}
+    for page_id, slot in host._mirror + host._to_host:
+        if slot not in listed_now:
+            _fail(f"a copy of page {page_id} into slot {slot}, which no entry stored by this plan holds")

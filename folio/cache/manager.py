@@ -36,17 +36,19 @@ class PageCopy:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True, pool: PagePool | None = None,
-                 window: int = 0, num_host_pages: int = 0):
+                 window: int = 0, num_host_pages: int = 0, host_write_through: bool = False):
         """prefix_cache False: no page is ever shared or kept after its sequence (to measure what it is worth).
         pool: a new pool of num_pages pages of page_size by default; tests pass their own to inspect it.
         window: > 0 where every layer of every model reading these pages attends to at most this many tokens
         (folio.model.windows.released_window): pages before a running sequence's window are released.
-        num_host_pages: slots of the host tier that keeps evicted pages (folio.cache.host_tier; 0: none)."""
+        num_host_pages: slots of the host tier that keeps evicted pages (folio.cache.host_tier; 0: none);
+        host_write_through: copy each page to the host tier once computed, so that evicting it costs no copy."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window must be an int >= 0 (0: no page is released early), got {window!r}")
         self.window = window
-        self._pool = pool if pool is not None else PagePool(num_pages, page_size,
-                                                            num_host_pages=num_host_pages if prefix_cache else 0)
+        self._pool = pool if pool is not None else PagePool(
+            num_pages, page_size, num_host_pages=num_host_pages if prefix_cache else 0,
+            host_write_through=host_write_through)
         if (self._pool.num_pages, self._pool.page_size) != (num_pages, page_size):
             raise ValueError(f"pool of {self._pool.num_pages} pages of {self._pool.page_size} given for "
                              f"{num_pages} pages of {page_size}")
@@ -356,7 +358,8 @@ class KVCacheManager:
                                 num_hit_pages=self._num_hit_pages, num_partial_copies=self._num_partial,
                                 num_evicted_pages=self._num_evicted, num_host_hit_pages=self._num_host_hit_pages,
                                 num_pages_to_host=host.num_moved_to_host if host else 0,
-                                num_pages_from_host=host.num_moved_from_host if host else 0)
+                                num_pages_from_host=host.num_moved_from_host if host else 0,
+                                num_copies_to_host=host.num_copied_to_host if host else 0)
 
     def drain_events(self) -> list[PageEvent]:
         """Page stored/evicted events since the last call, oldest first."""

@@ -55,9 +55,10 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int, *, record_events: bool = True,
-                 num_host_pages: int = 0) -> None:
+                 num_host_pages: int = 0, host_write_through: bool = False) -> None:
         """record_events=False skips the event log, for engines whose caller never drains it. num_host_pages > 0:
-        evicted ready pages move to a host tier of that many slots (folio.cache.host_tier)."""
+        evicted ready pages move to a host tier of that many slots (folio.cache.host_tier), which with
+        host_write_through copies every page a forward fills ahead of its eviction."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if page_size <= 0:
@@ -71,7 +72,8 @@ class PagePool:
         self._lineage = Lineage(self._pages, self._ready, self._eviction)  # parent links, eviction tiers
         self._partial_index = PartialIndex(self._pages)  # recorded tokens, for find_partial()
         self._events = EventLog(record_events)
-        self._host = HostTier(num_host_pages, self._events) if num_host_pages else None
+        self._host = (HostTier(num_host_pages, self._events, write_through=host_write_through)
+                      if num_host_pages else None)
         self._clock = 0
         self._num_in_use = 0
         self._num_cached = 0
@@ -247,8 +249,6 @@ class PagePool:
             self._partial_index.clear_tokens(page)
             self._lineage.unlink(page)
             return False
-        if self._host is not None:
-            self._host.discard(page_hash)  # computed again: one tier holds a hash
         rival_id = self._pending.get(page_hash)
         if rival_id is not None and rival_id != page_id:
             self._drop_claim(self._pages[rival_id])
@@ -260,6 +260,8 @@ class PagePool:
         page.depth = self._lineage.depth_after(parent_hash)
         self._ready[page_hash] = page_id
         self._events.log(PageEventKind.STORED, page_hash, page.depth)
+        if self._host is not None:
+            self._host.on_ready(page)
         return True
 
     def record_tokens(self, page_id: int, parent_hash: bytes | None, token_ids: Sequence[int],

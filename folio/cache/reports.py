@@ -19,6 +19,7 @@ class PrefixCacheStats:
     num_host_hit_pages: int = 0  # of num_hit_pages, pages copied back from the host tier
     num_pages_to_host: int = 0  # pages moved GPU -> host tier since the start (evicted, kept)
     num_pages_from_host: int = 0  # pages moved host tier -> GPU since the start (prefix hits, first or not)
+    num_copies_to_host: int = 0  # GPU -> host copies since the start (write-backs at eviction, write-through)
 
     @property
     def hit_rate(self) -> float:
