@@ -23,8 +23,10 @@ the copies' time a kernel ran on the compute stream. Prints one table; writes $O
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -171,7 +173,7 @@ def main() -> None:
     reference = without.pop("outputs")
     summary = {}
     for mode, r in runs.items():
-        summary[mode] = {"outputs_equal": r.pop("outputs") == reference,
+        summary[mode] = {"outputs_equal": r["outputs"] == reference,
                          "prefill_ratio": r["prefill_tokens"] / max(without["prefill_tokens"], 1),
                          "speedup": r["tokens_per_s"] / without["tokens_per_s"]}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -184,6 +186,9 @@ def main() -> None:
     for label, r in rows:
         print(f"| {label} | {r['prefill_tokens']} | {r['tokens_per_s']:.1f} | {r['wall_s']:.2f} | "
               f"{r['host_hit_pages']} | {r['pages_to_host']} / {r['pages_from_host']} | {r['copies_to_host']} |")
+    first = modes[0]
+    for mode in modes[1:]:
+        print(f"greedy outputs of {mode} equal to {first}'s: {runs[mode]['outputs'] == runs[first]['outputs']}")
     for mode, m in summary.items():
         print(f"\n{mode}: prefill tokens with / without: {m['prefill_ratio']:.3f} (target <= 0.35); throughput: "
               f"{m['speedup']:.2f}x (target >= 1.5); greedy outputs equal: {m['outputs_equal']}")
@@ -198,12 +203,18 @@ def main() -> None:
                 run(pair, args, prompts[:2 * args.groups], host_bytes, write_through=mode == "write-through")
             prof.export_chrome_trace(trace)
             overlap = copy_overlap(trace)
+            if os.environ.get("OUT"):  # the trace itself, compressed, for a closer look
+                packed = Path(os.environ["OUT"], Path(trace).name + ".gz")
+                with open(trace, "rb") as src, gzip.open(packed, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
             summary[mode]["trace"] = overlap
             log(f"trace: {trace}")
             print(f"\nhost-tier copies in the trace ({mode}): {overlap['copies']} host<->device copies, "
                   f"{overlap['copy_ms']:.2f} ms on streams {overlap['copy_streams']}; {overlap['overlapped_ms']:.2f} "
                   f"ms of it ({overlap['fraction']:.0%}) while a kernel ran on the compute stream "
                   f"{overlap['compute_stream']}")
+    for r in runs.values():
+        r.pop("outputs")
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "host_tier.json").write_text(json.dumps(
