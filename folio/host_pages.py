@@ -3,13 +3,13 @@ copies between them and the cache, run on their own CUDA stream.
 
 A plan's transfers run as the bookkeeping requires (see folio.cache.host_tier): `write_back` (GPU -> host: mirror
 copies of pages filled by forwards already launched, then the pages evicted without a mirror) before the plan's
-slot copies, `fetch` (host -> GPU: the pages its prefix lookups found on the host) after them, and the forward
-after both. Each waits on the device, never on the host. The copy stream first waits for the compute stream (the
-forwards that filled the pages, and the last readers of pages being overwritten). Then the compute stream waits
-for the copies that it must not overtake: write-backs and fetches (nothing writes an evicted page before it is
-read, nothing reads a fetched page before it is written), and a mirror copy only when the plan evicts its page
-(`HostTransfers.wait_ticket`). Mirror copies otherwise run beside the forwards that follow: that is what
-write-through buys. On the CPU the copies are plain, in order.
+slot copies, `fetch_ahead` (host -> GPU: the pages its prefix lookups found on the host) after them, beside the
+plan's forward. Each waits on the device, never on the host. The copy stream first waits for the compute stream (the
+forwards that filled the pages, and the last readers of pages being overwritten). The compute stream waits for
+write-backs at once (nothing writes an evicted page before it is read), for a mirror copy only when the plan evicts
+its page (`HostTransfers.wait_ticket`), and for fetches before the next plan's forward (`wait_fetched`: the plan's
+own forward reads none of the pages they fill). Mirror copies and fetches otherwise run beside the forwards: that
+is what write-through and fetching a step ahead buy. On the CPU the copies are plain, in order.
 
 Host buffers: one per per-page tensor of the cache ([L, P, ...] on the device), [num_host_pages, L, ...] on the
 host so a page is one contiguous block there (one DMA per page and tensor); pinned on CUDA so that the copies are
@@ -116,6 +116,7 @@ class HostPages:
                         for t in self.tensors]
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._marks: dict[int, torch.cuda.Event] = {}  # plan ticket -> reached when its GPU -> host copies are done
+        self._fetched: torch.cuda.Event | None = None  # reached when fetch_ahead's copies are done
 
     @property
     def bytes(self) -> int:
@@ -143,8 +144,27 @@ class HostPages:
             del self._marks[next(iter(self._marks))]
 
     def fetch(self, transfers: HostTransfers) -> None:
-        """Host -> GPU copies of the pages found on the host; the forward (on the current stream) waits for them."""
+        """Host -> GPU copies of the pages found on the host; whatever comes next on the current stream waits for
+        them."""
         self._run([(self._gpu(page), self._host(slot)) for slot, page in transfers.from_host])
+
+    def fetch_ahead(self, transfers: HostTransfers) -> None:
+        """The same copies, run beside what the current stream does next (the plan's forward, which reads none of
+        their pages) until `wait_fetched`, which the next forward calls first."""
+        copies = [(self._gpu(page), self._host(slot)) for slot, page in transfers.from_host]
+        if self.stream is None or not copies:
+            self._run(copies)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the pages' last readers)
+        self._copy(copies)
+        self._fetched = torch.cuda.Event()
+        self._fetched.record(self.stream)
+
+    def wait_fetched(self) -> None:
+        """Make the current stream wait for the last fetch_ahead's copies (no wait if there were none since)."""
+        if self._fetched is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._fetched)
+            self._fetched = None
 
     def _gpu(self, page_id: int) -> list[torch.Tensor]:
         return [t[:, page_id] for t in self.tensors]

@@ -186,13 +186,13 @@ class ModelRunner:
         num_fed = 0 if fed_ids is None else fed_ids.shape[0]
         if self.on_forward is not None:
             self.on_forward(plan, num_fed)
-        host = self.host_pages if plan.transfers else None  # (in the order folio.cache.host_tier requires)
-        if host is not None:
-            host.write_back(plan.transfers)
+        if self.host_pages is not None:  # (in folio.cache.host_tier's order; the previous plan's fetches first)
+            self.host_pages.wait_fetched()
+            self.host_pages.write_back(plan.transfers)
         for copy in plan.copies:
             self.cache.copy_page_slots(copy.src_page, copy.dst_page, copy.num_slots)
-        if host is not None:
-            host.fetch(plan.transfers)
+        if self.host_pages is not None:
+            self.host_pages.fetch_ahead(plan.transfers)
         if not plan.chunks:
             return None, False
         rows = plan.chunks

@@ -186,7 +186,7 @@ class Scheduler:
                     plan.copies.extend(copies)
                     if advanced:
                         plan.progressed.add(seq)
-                    if self.cache.waits_for_pending_page(seq):
+                    if self.cache.waits_for_pending_page(seq) or self.cache.reads_arriving_page(seq):
                         continue
                 chunk = self._next_chunk(seq, budget)
                 if chunk is None:

@@ -217,6 +217,10 @@ class MirroredHostPages(HostPages):
         self.driver.send_transfers(Op.FETCH, transfers.from_host)
         super().fetch(transfers)
 
+    def fetch_ahead(self, transfers: HostTransfers) -> None:
+        self.driver.send_transfers(Op.FETCH, transfers.from_host)  # (the other ranks' forwards wait for them)
+        super().fetch_ahead(transfers)
+
 
 _SETUP_OPS = frozenset({Op.SETUP_CACHE, Op.SETUP_HOST, Op.SETUP_GRAPHS, Op.REPLAY})
 

@@ -419,3 +419,6 @@ def test_the_trace_overlap_counts_copies_off_the_compute_stream(tmp_path):
     assert got["copies"] == 2 and got["copy_streams"] == [53] and got["compute_stream"] == 7
     assert got["copy_ms"] == pytest.approx(0.12) and got["overlapped_ms"] == pytest.approx(0.06)
     assert got["fraction"] == pytest.approx(0.5)
+    assert got["by_direction"]["HtoD"] == pytest.approx([0.11, 0.06]) and got["by_direction"]["DtoH"] == pytest.approx(
+        [0.01, 0.0])
+    assert got["compute_busy"] == pytest.approx(150 / 200)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from folio.cache import PagePool
 from folio.cache.manager import KVCacheManager
@@ -34,8 +34,10 @@ class Harness:
     ahead when the step is taken, and chunks of sequences that left in between are dropped."""
 
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int = 8, max_chunk_size: int = 32,
-                 prefix_cache: bool = True, ahead: bool = False):
-        self.pool = PagePool(num_pages, page_size)  # inspected by check(); the manager is its only user
+                 prefix_cache: bool = True, ahead: bool = False, num_host_pages: int = 0, write_through: bool = False):
+        # inspected by check(); the manager is its only user
+        self.pool = PagePool(num_pages, page_size, num_host_pages=num_host_pages, host_write_through=write_through)
+        self.host_slots: dict[tuple[int, int], int] = {}  # (host slot, slot) -> token copied there
         self.cache = KVCacheManager(num_pages, page_size, prefix_cache, pool=self.pool)
         self.sched = Scheduler(self.cache, max_batch_size, max_chunk_size)
         self.slots: dict[tuple[int, int], int] = {}  # (page, slot) -> token written there
@@ -82,15 +84,27 @@ class Harness:
                 self.finished += 1
 
     def _write(self, plan: StepPlan, chunks: list, copies: bool = True) -> None:
-        """The fake forward pass: the plan's copies, then the chunks' tokens into their slots."""
+        """The fake forward pass, in the device's order (folio.cache.host_tier): GPU -> host copies, the plan's
+        slot copies, then the chunks' tokens into their slots, each chunk first reading every position before it
+        (what attention reads), then the host -> GPU copies, which run beside the forward: no chunk may need them."""
         size = self.pool.page_size
+        transfers = plan.transfers if copies else None
+        for page, host_slot in (transfers.mirror + transfers.to_host) if transfers else ():
+            for slot in range(size):
+                self.host_slots[(host_slot, slot)] = self.slots.get((page, slot))
         for copy in plan.copies if copies else ():
             for slot in range(copy.num_slots):
                 self.slots[(copy.dst_page, slot)] = self.slots[(copy.src_page, slot)]
         for chunk in chunks:
             seq = chunk.seq
+            for pos in range(chunk.start):
+                assert self.slots.get((seq.block_table[pos // size], pos % size)) == seq.token_ids[pos], (
+                    f"a chunk reads position {pos} before its K/V are there")
             for pos in range(chunk.start, chunk.end):
                 self.slots[(seq.block_table[pos // size], pos % size)] = seq.token_ids[pos]
+        for host_slot, page in transfers.from_host if transfers else ():
+            for slot in range(size):
+                self.slots[(page, slot)] = self.host_slots[(host_slot, slot)]
 
     def check(self) -> None:
         self.pool.check()
@@ -176,6 +190,33 @@ class AheadSchedulerMachine(SchedulerMachine):
 
 TestAheadSchedulerMachine = AheadSchedulerMachine.TestCase
 TestAheadSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+class HostTierSchedulerMachine(SchedulerMachine):
+    """The same rules over a small pool with a host tier (write-through or not, planning ahead or not): evicted
+    prefixes come back from host slots, fetched beside the forward of the plan that brings them back, so no chunk
+    of that plan may read them; every position a chunk reads and every cached one must hold its token."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = None
+
+    @initialize(write_through=st.booleans(), ahead=st.booleans())
+    def setup_host(self, write_through, ahead):
+        self.h = Harness(num_pages=12, page_size=4, max_batch_size=4, max_chunk_size=8, ahead=ahead,
+                         num_host_pages=16, write_through=write_through)
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=st.integers(0, 1000), new=st.integers(1, 4))
+    def enqueue_again(self, pick, new):
+        """A prompt seen before: its pages are likely on the host by now."""
+        seq = self.seqs[pick % len(self.seqs)]
+        if seq.prompt_len + new <= 12 * 4:
+            self.seqs.append(self.h.enqueue(list(seq.token_ids[:seq.prompt_len]), new))
+
+
+TestHostTierSchedulerMachine = HostTierSchedulerMachine.TestCase
+TestHostTierSchedulerMachine.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
 
 
 @pytest.mark.parametrize("num_pages", [40, 400])

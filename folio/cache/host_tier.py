@@ -16,8 +16,9 @@ Rules:
 
 Device order. The device runs one plan's transfers as: the mirror copies (GPU -> host, of pages filled by earlier
 forwards), the write-backs (GPU -> host, pages evicted without a mirror), the plan's slot copies
-(folio.cache.manager.PageCopy), the fetches (host -> GPU), then the forward. Rules that keep this grouping equal to
-the bookkeeping's order:
+(folio.cache.manager.PageCopy), then the fetches (host -> GPU) beside the plan's forward, which reads none of the
+pages they fill (the scheduler holds a sequence holding an arriving page back a step: manager.reads_arriving_page);
+the next plan's forward waits for them. Rules that keep this grouping equal to the bookkeeping's order:
   - a slot that a fetch of the plan reads is not recycled until the plan's transfers are taken (no copy of the same
     plan overwrites it first);
   - a page being filled from the host is pinned until then (no GPU -> host copy of the same plan reads it before it
@@ -124,6 +125,10 @@ class HostTier:
         while num < len(hashes) and hashes[num] in self._entries and hashes[num] not in self._mirrored:
             num += 1
         return num
+
+    @property
+    def num_arriving(self) -> int:
+        return len(self._arriving)
 
     def is_arriving(self, page_id: int) -> bool:
         """Whether GPU page `page_id` is filled from the host by the plan being made (its slots are not there yet

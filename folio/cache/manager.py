@@ -146,6 +146,12 @@ class KVCacheManager:
         copy = self._reuse_partial_page(seq)
         return advanced or copy is not None, [] if copy is None else [copy]
 
+    def reads_arriving_page(self, seq: Sequence) -> bool:
+        """Whether the sequence holds a page that the plan being made fills from the host tier: its forward runs
+        beside that copy, so the sequence computes from the next step on."""
+        host = self._pool.host
+        return host is not None and host.num_arriving > 0 and any(host.is_arriving(p) for p in seq.block_table)
+
     def waits_for_pending_page(self, seq: Sequence) -> bool:
         """Another sequence is computing the page this one would compute next: wait a step instead."""
         page_idx = self._next_unheld_prompt_page(seq)
