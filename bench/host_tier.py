@@ -54,6 +54,7 @@ def cache_tokens(args) -> int:
 
 
 def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bool = True, profiler=None) -> dict:
+    """One pass over `prompts`; `profiler` (torch.profiler.profile, not started) records the generation alone."""
     cache = Cache(pair.model, num_tokens=cache_tokens(args), page_size=args.page_size)
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=args.batch,
                            max_seq_len=args.prefix + args.question + args.new_tokens,
@@ -64,6 +65,8 @@ def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bo
                        gen_settings=SamplerSettings.greedy(), seed=i) for i, p in enumerate(prompts)]
     device = pair.model.device
     sync(device)
+    if profiler is not None:
+        profiler.start()
     t0 = time.perf_counter()
     gen.enqueue(jobs)
     prompt_tokens = steps = 0
@@ -74,10 +77,10 @@ def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bo
         for r in results:
             if getattr(r, "error", None) is not None:
                 raise r.error
-        if profiler is not None:
-            profiler.step()
     sync(device)
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.stop()
     prefix = gen.prefix_cache_stats()
     out = {"host_pages": gen.host_pages.num_host_pages if gen.host_pages else 0,
            "host_gib": (gen.host_pages.bytes if gen.host_pages else 0) / 2**30,
@@ -207,8 +210,8 @@ def main() -> None:
         for mode in modes:
             trace = Path(args.trace)
             trace = str(trace.with_name(f"{trace.stem}.{mode}{trace.suffix}"))
-            with torch.profiler.profile(activities=activities) as prof:
-                run(pair, args, prompts[:2 * args.groups], host_bytes, write_through=mode == "write-through")
+            prof = torch.profiler.profile(activities=activities)
+            run(pair, args, prompts[:2 * args.groups], host_bytes, write_through=mode == "write-through", profiler=prof)
             prof.export_chrome_trace(trace)
             overlap = copy_overlap(trace)
             if os.environ.get("OUT"):  # the trace itself, compressed, for a closer look
