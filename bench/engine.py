@@ -257,7 +257,7 @@ def make_generator(pair: Pair, max_batch_size: int, max_seq_len: int, num_jobs: 
                            max_chunk_size=OPTIONS.get("chunk_size") or None,
                            overlap_emit=False if OPTIONS.get("no_overlap") else None, prefill_ahead=prefill_ahead,
                            host_cache_bytes=0 if OPTIONS.get("host_tier") == "off" else None,
-                           host_write_through=OPTIONS.get("host_tier", "write-through") == "write-through", **capacity)
+                           host_write_through=OPTIONS.get("host_tier") == "write-through", **capacity)
     log(f"  generator: cache {cache.num_tokens} tokens ({cache.bytes / 2**30:.1f} GiB"
         f"{f', {reserve / 2**30:.1f} GiB kept for activations' if reserve else ''}), batch {max_batch_size}, "
         f"chunk {gen.max_chunk_size} tokens, graphs {'on' if gen.runner.graphs else 'off'} "
@@ -844,8 +844,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=0, help="W2/W3/W5: the generator's max_chunk_size "
                         "(0: its default)")
     parser.add_argument("--no-overlap", action="store_true", help="DynamicGenerator(overlap_emit=False)")
-    parser.add_argument("--host-tier", default="write-through", choices=["write-through", "write-back", "off"],
-                        help="the generator's host tier: its default (write-through), copies as evicted, or none")
+    parser.add_argument("--host-tier", default="write-back", choices=["write-back", "write-through", "off"],
+                        help="the generator's host tier: its default (pages copied as evicted), write-through, or none")
     parser.add_argument("--prefill-ahead", default="on", help="W2/W3: DynamicGenerator(prefill_ahead=...); a "
                         "comma list (e.g. on,off,on,off) runs the workload once per entry, an A/B in one process")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")

@@ -3,7 +3,7 @@ tier (DynamicGenerator(host_cache_bytes=...)), in one invocation.
 
     python bench/host_tier.py [--shape 8B] [--groups 32] [--per-group 8] [--prefix 2048] [--question 128]
                               [--new-tokens 32] [--batch 8] [--host-gib 16] [--trace /path/trace.json]
-                              [--modes write-through,write-back]
+                              [--modes write-back,write-through]
     python bench/host_tier.py --device cpu --tiny        (small sizes, the tiny random model: checks the script)
 
 Workload: `groups` distinct prefixes of `prefix` tokens, `per-group` requests each (prefix + its own question of
@@ -11,9 +11,9 @@ Workload: `groups` distinct prefixes of `prefix` tokens, `per-group` requests ea
 (so a prefix comes back only after every other group's). The GPU cache holds a quarter of the distinct prefixes'
 tokens (at least `batch` whole requests): without the host tier nearly every request computes its prefix again;
 with it, prefixes evicted from the GPU come back from host memory. Targets (GPU): prefill tokens with the tier
-<= 0.35x without, throughput >= 1.5x. Each of --modes runs the tier once: write-through (each page copied to the
-host once computed, beside the steps that follow; the default) and write-back (pages copied as they are evicted,
-before the step that reuses them).
+<= 0.35x without, throughput >= 1.5x. Each of --modes runs the tier once: write-back (pages copied as they are
+evicted, before the step that reuses them; the generator's default) and write-through (each page copied to the host
+once computed, beside the steps that follow).
 
 Random bf16 weights of real shapes on CUDA (bench/engine.py's build_pair). --trace writes a torch.profiler chrome
 trace of a short extra run with the tier in each mode (PATH with the mode before its suffix) and prints how much of
@@ -53,7 +53,7 @@ def cache_tokens(args) -> int:
     return -(-max(quarter, running) // args.page_size) * args.page_size
 
 
-def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bool = True, profiler=None) -> dict:
+def run(pair, args, prompts: list[list[int]], host_bytes: int, write_through: bool = False, profiler=None) -> dict:
     """One pass over `prompts`; `profiler` (torch.profiler.profile, not started) records the generation alone."""
     cache = Cache(pair.model, num_tokens=cache_tokens(args), page_size=args.page_size)
     gen = DynamicGenerator(pair.model, cache, pair.tokenizer, max_batch_size=args.batch,
@@ -150,7 +150,7 @@ def main() -> None:
                         "distinct prefix, plus a quarter)")
     parser.add_argument("--trace", default="", help="write a chrome trace of a short run with the tier in each "
                         "mode (PATH.MODE.json)")
-    parser.add_argument("--modes", default="write-through,write-back", help="host tier modes to run, in order")
+    parser.add_argument("--modes", default="write-back,write-through", help="host tier modes to run, in order")
     args = parser.parse_args()
     small = dict(groups=8, per_group=4, prefix=64, question=8, new_tokens=4, batch=4, page_size=16)
     large = dict(groups=32, per_group=8, prefix=2048, question=128, new_tokens=32, batch=8, page_size=256)

@@ -70,7 +70,8 @@ class DynamicGenerator:
     host_cache_bytes: host memory keeping pages evicted from the cache, brought back on a prefix hit
         (folio.host_pages; pinned on CUDA). None: on CUDA a share of RAM (DEFAULT_HOST_RAM_FRACTION), 0 on the CPU.
     host_write_through: copy every page to the host tier once computed, beside the steps that follow, so that
-        evicting it costs no copy later (False: pages are copied as they are evicted, before the step reusing them).
+        evicting it costs no copy later. False (the default: it measured faster, bench/host_tier.py): pages are
+        copied as they are evicted, before the step that reuses them, and only those.
 
     Speculative decoding (folio.speculative): draft_model (a smaller model with the target's vocabulary; its cache,
     draft_cache, is made to match `cache` when not given) or use_ngram_draft (n-grams and prompt lookup over each
@@ -88,7 +89,7 @@ class DynamicGenerator:
                  draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
                  max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256,
                  max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-                 host_cache_bytes: int | None = None, host_write_through: bool = True):
+                 host_cache_bytes: int | None = None, host_write_through: bool = False):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         if options is not None and options != model.options:
             raise ValueError(f"options {options} differ from the model's {model.options}: the kernels run with the "

@@ -17,7 +17,7 @@ Generator replicas:
     folio_host_tier_pages / folio_host_tier_bytes          the host tier's page slots and their host memory (0: off)
     folio_host_tier_pages_to_host_total / folio_host_tier_pages_from_host_total
                                                 pages evicted into the host tier (kept) and copied host -> GPU
-    folio_host_tier_copies_to_host_total        GPU -> host copies (as evicted, or as computed: write-through)
+    folio_host_tier_copies_to_host_total        GPU -> host copies (evicted pages without a host copy yet)
     folio_prefix_cache_host_hit_pages_total     prefix-hit pages of first admissions that came from the host tier
     folio_engine_steps_total, folio_engine_busy_seconds_total      engine steps and the wall time inside them
     folio_engine_prompt_tokens_computed_total, folio_engine_decode_rows_total, folio_engine_preemptions_total,
@@ -74,7 +74,7 @@ STEP_COUNTERS = {
 HOST_TIER_COUNTERS = {
     "host_tier_pages_to_host": ("num_pages_to_host", "Pages evicted from the KV cache into the host tier."),
     "host_tier_copies_to_host": ("num_copies_to_host", "Pages copied from the KV cache to the host tier "
-                                 "(as evicted, or as computed with write-through)."),
+                                 "(evicted without a host copy; with write-through, computed)."),
     "host_tier_pages_from_host": ("num_pages_from_host", "Pages copied from the host tier back to the KV cache."),
     "prefix_cache_host_hit_pages": ("num_host_hit_pages",
                                     "Prefix-hit pages of first admissions that came from the host tier."),
