@@ -109,9 +109,10 @@ class DynamicGenerator:
         # None: no host tier (tensor parallelism: rank 0's mirror builds every rank's, folio.tp_worker)
         host_pages_for = build_host_pages if cache.mirror is None else cache.mirror.build_host_pages
         self.host_pages = host_pages_for(cache, host_cache_bytes if prefix_cache else 0)
+        self.host_write_through = bool(host_write_through)
         self.cache_manager = KVCacheManager(cache.num_pages, cache.page_size, prefix_cache, window=window,
                                             num_host_pages=self.host_pages.num_host_pages if self.host_pages else 0,
-                                            host_write_through=bool(host_write_through))
+                                            host_write_through=self.host_write_through)
         self.scheduler = Scheduler(self.cache_manager, self.max_batch_size, self.max_chunk_size)
         if cuda_graphs is None and self.options.ops_backend == "reference":
             cuda_graphs = False  # the reference ops synchronize: they cannot be captured

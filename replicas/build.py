@@ -80,6 +80,7 @@ def _build(config: ServeConfig, max_queued_jobs: int | None, ranks: tp_launch.Lo
                                  else max_queued_jobs,
                                  max_loras=max(1, config.lora_capacity), max_lora_rank=config.max_lora_rank,
                                  host_cache_bytes=config.host_cache_bytes,
+                                 host_write_through=config.host_write_through,
                                  cuda_graphs=config.cuda_graphs,
                                  **speculation.generator_kwargs(config, draft_model))
     return model, draft_model, tokenizer, cache, generator

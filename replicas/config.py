@@ -64,7 +64,9 @@ class ServeConfig:
     host_cache_bytes: host memory each replica keeps pages evicted from its KV cache in, copied back on a prefix
         hit instead of computed again (folio.host_pages; pinned on a GPU). None: on a GPU a share of the node's RAM
         (folio.host_pages.DEFAULT_HOST_RAM_FRACTION, at most twice the GPU cache; set it when several replicas
-        share a node), none on a CPU; 0: no host tier.
+        share a node), none on a CPU; 0: no host tier. host_write_through: copy every page to the host tier once
+        computed, beside the steps that follow, so that evicting it costs no copy (false, the default: pages are
+        copied as they are evicted; it measured faster, bench/host_tier.py).
     max_batch_size: sequences one replica runs at once. cuda_graphs: capture decode steps in CUDA graphs (None: on
         for a CUDA replica, under tensor parallelism too: every rank captures in lockstep).
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
@@ -133,6 +135,7 @@ class ServeConfig:
     weight_format: str | None = None
     kv_format: str | None = None
     host_cache_bytes: int | None = None
+    host_write_through: bool = False
     max_batch_size: int = 64
     cuda_graphs: bool | None = None
     max_chunk_size: int | None = None

@@ -20,6 +20,8 @@ FLAG_HELP = {
                  "bytes per token; q4h CPU only)",
     "host_cache_bytes": "bytes of host memory per replica keeping evicted KV pages for prefix reuse (e.g. "
                         "68719476736 for 64 GiB); 0: off; none: a share of RAM on a GPU, off on a CPU",
+    "host_write_through": "true: copy each KV page to the host tier once computed (evictions then copy nothing); "
+                          "false: copy pages as they are evicted",
     "cuda_graphs": "true / false: capture decode steps in CUDA graphs; none: on for a CUDA replica",
     "tensor_parallel_size": "processes (GPUs) one replica's model is split over, on one machine; on GPUs "
                             "num_gpus must equal it",

@@ -374,6 +374,7 @@ def describe(config: ServeConfig, model: Model, tokenizer: Tokenizer, generator:
         bytes_per_page=generator.cache.bytes_per_page,
         num_host_pages=generator.host_pages.num_host_pages if generator.host_pages else 0,
         host_cache_bytes=generator.host_pages.bytes if generator.host_pages else 0,
+        host_write_through=generator.host_write_through if generator.host_pages else False,
         tensor_parallel_size=model.tensor_parallel.world_size if model.tensor_parallel is not None else 1,
     )
 

@@ -208,7 +208,7 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:
         adapters=[adapter_to_proto(a) for a in info.adapters], hidden_size=info.hidden_size,
         weight_format=info.weight_format, kv_format=info.kv_format, bytes_per_page=info.bytes_per_page,
         num_host_pages=info.num_host_pages, host_cache_bytes=info.host_cache_bytes,
-        tensor_parallel_size=info.tensor_parallel_size)
+        host_write_through=info.host_write_through, tensor_parallel_size=info.tensor_parallel_size)
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
     return message
@@ -225,7 +225,7 @@ def model_info_from_proto(m: pb.ModelInfoResponse) -> ModelInfo:
                      adapters=tuple(adapter_from_proto(a) for a in m.adapters), hidden_size=m.hidden_size,
                      weight_format=m.weight_format, kv_format=m.kv_format, bytes_per_page=m.bytes_per_page,
                      num_host_pages=m.num_host_pages, host_cache_bytes=m.host_cache_bytes,
-                     tensor_parallel_size=m.tensor_parallel_size or 1)
+                     host_write_through=m.host_write_through, tensor_parallel_size=m.tensor_parallel_size or 1)
 
 
 # --- LoRA adapters ---

@@ -292,6 +292,7 @@ class ModelInfo:
     bytes_per_page: int = 0
     num_host_pages: int = 0  # the host tier's page slots per replica (0: none)
     host_cache_bytes: int = 0  # the host memory they take
+    host_write_through: bool = False  # whether the host tier copies pages once computed (else as evicted)
     tensor_parallel_size: int = 1  # GPUs (processes) each replica's model is split over
 
     @property

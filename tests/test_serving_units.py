@@ -138,17 +138,20 @@ def test_config_from_yaml_and_flags(tmp_path):
 
 
 def test_serve_flags_set_the_memory_formats(capsys):
-    """`folio serve --weight-format/--kv-format/--host-cache-bytes` reach ServeConfig over the demo defaults; a bad
-    one is refused naming the option before anything starts (exit 2)."""
+    """`folio serve --weight-format/--kv-format/--host-cache-bytes/--host-write-through` reach ServeConfig over the
+    demo defaults; a bad one is refused naming the option before anything starts (exit 2)."""
     from folio.serve import cli
 
     parser = cli._parser()
-    args = parser.parse_args(["serve", "--weight-format", "fp8", "--kv-format", "q8", "--host-cache-bytes", "4096"])
+    args = parser.parse_args(["serve", "--weight-format", "fp8", "--kv-format", "q8", "--host-cache-bytes", "4096",
+                              "--host-write-through", "true"])
     config = ServeConfig.from_args(args, **cli.DEMO_DEFAULTS)
     assert (config.weight_format, config.kv_format, config.host_cache_bytes) == ("fp8", "q8", 4096)
+    assert config.host_write_through is True
     assert config.page_size == cli.DEMO_DEFAULTS["page_size"]  # the other defaults stay
     plain = ServeConfig.from_args(parser.parse_args(["serve"]), **cli.DEMO_DEFAULTS)
     assert (plain.weight_format, plain.kv_format, plain.host_cache_bytes) == (None, None, None)
+    assert plain.host_write_through is False
     assert cli.main(["serve", "--kv-format", "q3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("folio serve: kv_format: must be one of bf16, fp16, fp32, fp8, q8, q4, q4h"), err
@@ -517,7 +520,8 @@ def test_engine_builds_the_memory_formats_it_is_configured_with(demo_dir):
     from folio.serve.engine import Engine
 
     config = ServeConfig(model_path=str(demo_dir), num_gpus=0, cache_tokens=128, page_size=16, max_batch_size=2,
-                         warmup=False, weight_format="fp8", kv_format="q8", host_cache_bytes=1 << 20)
+                         warmup=False, weight_format="fp8", kv_format="q8", host_cache_bytes=1 << 20,
+                         host_write_through=True)
     engine = Engine.build(config)
     info, cfg = engine.info, engine.model.config
     # q8: a byte per element plus a float16 scale per 32 elements
@@ -525,6 +529,7 @@ def test_engine_builds_the_memory_formats_it_is_configured_with(demo_dir):
     assert (info.weight_format, info.kv_format, info.bytes_per_page, info.num_pages) == ("fp8", "q8", page_bytes, 8)
     assert info.num_host_pages == (1 << 20) // page_bytes > 0
     assert info.host_cache_bytes == info.num_host_pages * page_bytes
+    assert info.host_write_through and engine.generator.host_write_through
     message = grpc_convert.model_info_to_proto(info)
     assert (message.weight_format, message.kv_format, message.bytes_per_page) == ("fp8", "q8", page_bytes)
     assert grpc_convert.model_info_from_proto(message) == dataclasses.replace(info, max_seq_len=info.max_request_tokens)

@@ -166,6 +166,9 @@ applications:
       {{- if ne .Values.cache.hostCacheGiB nil }}
       host_cache_bytes: {{ mulf .Values.cache.hostCacheGiB 1073741824 | int64 }}
       {{- end }}
+      {{- if .Values.cache.hostWriteThrough }}
+      host_write_through: true
+      {{- end }}
       max_batch_size: {{ $gen.maxBatchSize | int }}
       max_queue_size: {{ $gen.maxQueueSize | int }}
       max_stream_messages_per_s: {{ $gen.streamMessagesPerS | float64 }}
