@@ -23,10 +23,8 @@ the copies' time a kernel ran on the compute stream. Prints one table; writes $O
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -214,10 +212,6 @@ def main() -> None:
             run(pair, args, prompts[:2 * args.groups], host_bytes, write_through=mode == "write-through", profiler=prof)
             prof.export_chrome_trace(trace)
             overlap = copy_overlap(trace)
-            if os.environ.get("OUT"):  # the trace itself, compressed, for a closer look
-                packed = Path(os.environ["OUT"], Path(trace).name + ".gz")
-                with open(trace, "rb") as src, gzip.open(packed, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
             summary[mode]["trace"] = overlap
             log(f"trace: {trace}")
             print(f"\nhost-tier copies in the trace ({mode}): {overlap['copies']} host<->device copies, "

@@ -125,6 +125,8 @@ class HostPages:
     def write_back(self, transfers: HostTransfers) -> None:
         """GPU -> host: the mirror copies, then the pages evicted without a mirror. What the plan writes afterwards
         on the current stream waits for the latter, and for the mirror copies named by `transfers.wait_ticket`."""
+        if not transfers:
+            return  # (most steps: nothing to copy or wait for)
         copies = [(self._host(slot), self._gpu(page)) for page, slot in transfers.mirror + transfers.to_host]
         if self.stream is None:
             self._run(copies)
@@ -151,8 +153,10 @@ class HostPages:
     def fetch_ahead(self, transfers: HostTransfers) -> None:
         """The same copies, run beside what the current stream does next (the plan's forward, which reads none of
         their pages) until `wait_fetched`, which the next forward calls first."""
+        if not transfers.from_host:
+            return
         copies = [(self._gpu(page), self._host(slot)) for slot, page in transfers.from_host]
-        if self.stream is None or not copies:
+        if self.stream is None:
             self._run(copies)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the pages' last readers)

@@ -104,10 +104,6 @@ class HostTier:
     def num_used(self) -> int:
         return len(self._entries)
 
-    @property
-    def num_mirrored(self) -> int:
-        return len(self._mirrored)
-
     def __contains__(self, page_hash: bytes) -> bool:
         return page_hash in self._entries
 
