@@ -12,6 +12,8 @@
 #   SUITE=tp4  ...                         # 4 GPUs: the 70B shape at tensor parallel 4 (engine, then through gRPC)
 # Ray from .raybundle/ (../shared/tools/ray-bundle-for-gpu.sh) when it is there; WHEELS=dir: more wheels to install
 # beside it (e.g. llguidance, py-spy). SHAPE (8B), BUDGET_S (570: the whole call), logs and JSON in $OUT.
+# GPU_TESTS="tests/x.py ...": those tests (pytest -m gpu) run after the build; the suite runs only if they pass.
+# TP_ALL_REDUCE (nccl,peer): the tensor-parallel engine runs' all-reduce paths (EngineOptions.tp_all_reduce).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -44,6 +46,15 @@ wait "$build" || { tail -30 "$OUT/build.log"; echo "serving_gpu.sh: build FAILED
 "$PY" -c 'import torch, folio._native_cuda, ray.serve, grpc; print("native module, Ray", ray.__version__, "grpc", grpc.__version__)' \
   || exit 1
 echo "setup: $(( $(date +%s) - t_start )) s"
+if [ -n "${GPU_TESTS:-}" ]; then
+  # shellcheck disable=SC2086  # a list of test files
+  timeout --kill-after=10 "${GPU_TESTS_TIMEOUT_S:-240}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS \
+    >"$OUT/gpu-tests.log" 2>&1
+  rc=$?
+  tail -15 "$OUT/gpu-tests.log"
+  [ "$rc" -eq 0 ] || { echo "serving_gpu.sh: GPU tests failed (exit $rc): the suite does not run"; exit 1; }
+  echo "GPU tests: $(( $(date +%s) - t_start )) s"
+fi
 
 runs=()
 serve="bench/serving.py --device cuda --model $ckpt --clients 4 ${SERVE_ARGS:-}"  # (e.g. --set token_channel=false)
@@ -70,7 +81,8 @@ case "$SUITE" in
       runs+=("$serve $chat --replicas $n --rate $((20 * n)) --router $router --label chat-$n-$router")
     done;;
   tp)
-    runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on}")
+    runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on} \
+--tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer}")
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine \
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \

@@ -7,6 +7,10 @@ token).
     python bench/tp_engine.py --shape 8B --tp 2
     python bench/tp_engine.py --shape 70B --tp 4 --no-single          (does not fit one GPU: no one-process run)
     python bench/tp_engine.py --shape tiny --tp 2 --device cpu        (gloo on the CPU: checks the script)
+    python bench/tp_engine.py --tp-graphs on --tp-all-reduce nccl,peer   (the two all-reduce paths, same call)
+
+--tp-all-reduce runs the tensor-parallel workloads once per mode (EngineOptions.tp_all_reduce); on CUDA the table
+also gives one all-reduce's time by each path at decode's message sizes (calls replayed from a CUDA graph).
 
 Random bf16 weights (fp32 on the CPU), made on each rank's device tensor by tensor from one seed, so every rank
 holds the same model and keeps only its shard of each layer as it is made (no rank holds a whole 70B model).
@@ -32,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import COMMON, SHAPES, random_prompts, synthetic_tokenizer  # noqa: E402
 
 from folio import Cache, DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
+from folio.model import peer_all_reduce  # noqa: E402
 from folio.model.config import ModelConfig  # noqa: E402
 from folio.model.loader import LazyTensors, expected_shapes, fuse_weights  # noqa: E402
 from folio.model.model import Model  # noqa: E402
 from folio.model.tensor_parallel import TensorParallel, layer_shard, shard  # noqa: E402
+from folio.options import EngineOptions  # noqa: E402
 
 SHAPES_TP = {**SHAPES, "70B": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
                                    num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
@@ -51,7 +57,7 @@ def model_config(shape: str, dtype: torch.dtype) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None,
-                 seed: int = 0) -> Model:
+                 seed: int = 0, options: EngineOptions | None = None) -> Model:
     """Weights of Llama's init scale (std 0.02; norms 1), tensor i drawn from seed + i on `device`: the same on every
     rank. With tp, each layer is split as soon as it is made."""
     def make(shape: tuple[int, ...], index: int) -> torch.Tensor:
@@ -67,7 +73,7 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     weights = fuse_weights(tensors, config, layer_shard(config, tp, device) if split else None)
     if split:
         weights, config = shard(weights, config, tp, device, layers_sharded=True)
-    return Model(config, weights, device, dtype, tensor_parallel=tp)
+    return Model(config, weights, device, dtype, options, tensor_parallel=tp)
 
 
 def progress(message: str) -> None:
@@ -103,7 +109,7 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
 
 
 def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
-              graphs: bool) -> dict | None:
+              graphs: bool, all_reduce: str = "auto") -> dict | None:
     """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
     from folio.tp_worker import Driver, run_worker
 
@@ -112,8 +118,9 @@ def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str]
     faulthandler.dump_traceback_later(STACK_DUMP_S, repeat=True, file=sys.stderr)
     device = torch.device("cuda", tp.rank) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    model = random_model(model_config(shape, dtype), device, dtype, tp)
-    progress(f"rank {tp.rank}: shard made")
+    model = random_model(model_config(shape, dtype), device, dtype, tp,
+                         options=EngineOptions(tp_all_reduce=all_reduce))
+    progress(f"rank {tp.rank}: shard made (all-reduce {all_reduce}: peer {model.tensor_parallel.peer is not None})")
     if tp.rank != 0:
         run_worker(model, tp)
         return None
@@ -122,6 +129,46 @@ def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str]
         return run_workloads(model, driver.cache, names, graphs=graphs)
     finally:
         driver.shutdown()
+
+
+# Messages timed by all_reduce_times: a decode row, batches of 8 / 64 / 256 rows (hidden 4096, bf16), a 1,024-row chunk
+ALL_REDUCE_ROWS = (1, 8, 64, 256, 1024)
+CALLS_PER_GRAPH = 64
+
+
+def all_reduce_times(tp: TensorParallel, hidden: int) -> dict | None:
+    """launch's main: µs per all-reduce of [rows, hidden] bf16 through NCCL and through the peers' memory, each path's
+    calls captured in a CUDA graph (as decode runs them) and the graph replayed."""
+    torch.cuda.set_device(tp.rank)
+    peer = peer_all_reduce.connect(tp, torch.device("cuda", tp.rank), "peer")
+    paths = {"nccl": tp, "peer": TensorParallel(tp.rank, tp.world_size, tp.group, peer)}
+    out = {}
+    for rows in ALL_REDUCE_ROWS:
+        x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+        for name, path in paths.items():
+            if name == "peer" and not peer.takes(x):
+                continue
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                path.all_reduce(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(CALLS_PER_GRAPH):
+                    path.all_reduce(x)
+            for _ in range(3):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out[(name, rows)] = 1e3 * start.elapsed_time(end) / (10 * CALLS_PER_GRAPH)
+            del graph
+    torch.cuda.synchronize()
+    return {f"{name} {rows}": us for (name, rows), us in out.items()} if tp.rank == 0 else None
 
 
 def main(argv=None) -> dict:
@@ -133,6 +180,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-single", action="store_true", help="skip the one-process runs")
     parser.add_argument("--tp-graphs", choices=("off", "on", "both"), default=None,
                         help="CUDA graphs in the tensor-parallel runs (default: both on CUDA, off on the CPU)")
+    parser.add_argument("--tp-all-reduce", default="auto",
+                        help="comma-separated EngineOptions.tp_all_reduce modes, one tensor-parallel run each")
     args = parser.parse_args(argv)
     from folio.tp_launch import launch
 
@@ -157,18 +206,25 @@ def main(argv=None) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
-    for graphs in {"off": (False,), "on": (True,), "both": (False, True)}[choice]:
-        key = "tp_run" if not graphs else "tp_run_graphs"
-        progress(f"{args.tp} ranks, graphs {'on' if graphs else 'off'}: launching")
-        try:
-            result[key] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs),
-                                 backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
-                                 num_threads=1 if args.device == "cpu" else None)
-        except RuntimeError as error:  # (reported, and the other runs still printed)
-            result[key + "_error"] = str(error)[-2000:]
-            print(f"{args.tp} ranks, graphs {'on' if graphs else 'off'}: FAILED\n{str(error)[-2000:]}")
-            continue
-        rows.append((f"{args.tp} ranks, graphs {'on' if graphs else 'off'}", result[key]))
+    modes = args.tp_all_reduce.split(",")
+    if args.device == "cuda":
+        progress("all-reduce per call: launching")
+        result["all_reduce_us"] = launch(all_reduce_times, args.tp, (config.hidden_size,), backend="nccl",
+                                         timeout_s=600)
+    for mode in modes:
+        for graphs in {"off": (False,), "on": (True,), "both": (False, True)}[choice]:
+            label = f"{args.tp} ranks, graphs {'on' if graphs else 'off'}" + (f", {mode}" if len(modes) > 1 else "")
+            key = ("tp_run" if not graphs else "tp_run_graphs") + (f"_{mode}" if len(modes) > 1 else "")
+            progress(f"{label}: launching")
+            try:
+                result[key] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs, mode),
+                                     backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
+                                     num_threads=1 if args.device == "cpu" else None)
+            except RuntimeError as error:  # (reported, and the other runs still printed)
+                result[key + "_error"] = str(error)[-2000:]
+                print(f"{label}: FAILED\n{str(error)[-2000:]}")
+                continue
+            rows.append((label, result[key]))
     element = 2 if dtype == torch.bfloat16 else 4
     weight_bytes = element * (config.num_layers * ((config.q_size + 2 * config.kv_size) * config.hidden_size
                                                    + config.hidden_size * config.q_size
@@ -183,12 +239,23 @@ def main(argv=None) -> dict:
     for label, runs in rows:
         print(f"| {label} | " + " | ".join(f"{runs[n]['tok_s']:,.1f} | {runs[n]['ms_per_token']:.2f}" for n in names)
               + " |")
+    if "all_reduce_us" in result:
+        times = result["all_reduce_us"]
+        print("\n| all-reduce of [rows, hidden] bf16 | " + " | ".join(f"{r} rows" for r in ALL_REDUCE_ROWS) + " |")
+        print("|---|" + "---:|" * len(ALL_REDUCE_ROWS))
+        for name in ("nccl", "peer"):
+            print(f"| {name}, us a call | " + " | ".join(f"{times[f'{name} {r}']:.1f}" if f"{name} {r}" in times
+                                                     else "-" for r in ALL_REDUCE_ROWS) + " |")
     single = result.get("single_graphs_False")
-    if single is not None and "tp_run" in result:
-        same = all(single[n]["outputs"] == result["tp_run"][n]["outputs"] for n in names)
-        print(f"\ngreedy outputs of {args.tp} ranks equal one process's (graphs off): {same}")
-        result["outputs_equal"] = same
-    for runs in [result.get("single_graphs_True"), single, result.get("tp_run"), result.get("tp_run_graphs")]:
+    tp_runs = [key for key in result if key.startswith("tp_run") and not key.endswith("_error")]
+    for key in tp_runs if single is not None else ():
+        same = all(single[n]["outputs"] == result[key][n]["outputs"] for n in names)
+        print(f"greedy outputs of {key} equal one process's (graphs off): {same}")
+        result[f"outputs_equal_{key}"] = same
+    eager = [key for key in tp_runs if not key.startswith("tp_run_graphs")]
+    if single is not None and eager:  # (graphs pad the batch: their GEMMs may round otherwise, and greedy diverge)
+        result["outputs_equal"] = all(result[f"outputs_equal_{key}"] for key in eager)
+    for runs in [result.get("single_graphs_True"), single, *(result[key] for key in tp_runs)]:
         for n in names if runs else ():
             runs[n].pop("outputs")
     if os.environ.get("OUT"):

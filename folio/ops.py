@@ -245,3 +245,10 @@ def native_key_index() -> type | None:
     the CPU module was not built."""
     module = load_native("cpu")
     return getattr(module, "KeyIndex", None) if module is not None else None
+
+
+def peer_all_reduce_class() -> type | None:
+    """The CUDA module's PeerAllReduce (native/bindings/peer_all_reduce.cpp; see folio.model.peer_all_reduce), or None
+    when the CUDA module was not built."""
+    module = load_native("cuda")
+    return getattr(module, "PeerAllReduce", None) if module is not None else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 OPS_BACKENDS = ("auto", "native", "reference")
 DECODE_ATTENTION_KERNELS = ("mma", "simt")
 PREFILL_ATTENTION_MODES = ("auto", "flash_paged", "flash_gather", "paged")
+TP_ALL_REDUCE_MODES = ("auto", "peer", "nccl")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineOptions:
         our paged kernel; another mode forces that path (still probed).
     prefill_cudnn: a recurring batch of equal-length fresh prompts runs on cuDNN's fused attention.
     residual_in_gemm: the o_proj and down GEMMs add into the residual stream (cuBLAS beta = 1).
+    tp_all_reduce: how a tensor-parallel replica sums its ranks' partial outputs. "auto": through the peers' memory
+        (folio.model.peer_all_reduce) where the GPUs have peer access, NCCL for what that does not take; "peer": the
+        same, or an error saying why not; "nccl": always the process group. Every rank must be given the same.
     """
 
     ops_backend: str = "auto"
@@ -36,11 +40,13 @@ class EngineOptions:
     prefill_attention: str = "auto"
     prefill_cudnn: bool = True
     residual_in_gemm: bool = True
+    tp_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("ops_backend", self.ops_backend, OPS_BACKENDS)
         _check_choice("decode_attention", self.decode_attention, DECODE_ATTENTION_KERNELS)
         _check_choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTION_MODES)
+        _check_choice("tp_all_reduce", self.tp_all_reduce, TP_ALL_REDUCE_MODES)
         for name in ("pdl", "prefill_cudnn", "residual_in_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineOptions.{name} must be a bool, got {getattr(self, name)!r}")

@@ -18,6 +18,7 @@ CPU_SOURCES = [
 CUDA_MODULE = "folio._native_cuda"
 CUDA_SOURCES = [
     "native/bindings/cuda_module.cpp",
+    "native/bindings/peer_all_reduce.cpp",
     "native/cuda/norm.cu",
     "native/cuda/rotary.cu",
     "native/cuda/rotary_quant.cu",
@@ -30,6 +31,7 @@ CUDA_SOURCES = [
     "native/cuda/gemv_fp8.cu",
     "native/cuda/quantize_fp8.cu",
     "native/cuda/host_gate.cu",
+    "native/cuda/peer_all_reduce.cu",
 ]
 
 # Compute capabilities built by default: Hopper plus the common Ampere/Ada parts. FOLIO_CUDA_ARCHS="9.0"

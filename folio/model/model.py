@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from folio import ops
-from folio.model import flash, fp8, fp8_checkpoint, mlp, moe, quant_attention
+from folio.model import flash, fp8, fp8_checkpoint, mlp, moe, peer_all_reduce, quant_attention
 from folio.model.batch import ForwardBatch
 from folio.model.config import ModelConfig, check_dtype
 from folio.model.loader import LayerWeights, ModelWeights, fuse_weights, load_weights, tensors_from_state_dict
@@ -60,12 +60,13 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
                  options: EngineOptions | None = None, tensor_parallel: TensorParallel | None = None) -> None:
-        self.tensor_parallel = tensor_parallel if getattr(tensor_parallel, "world_size", 1) > 1 else None
         self.options = options if options is not None else EngineOptions()
         self.ops = _op_set_for(self.options, device)
         self.config = config
         self.weights = weights
         self.device = torch.empty(0, device=device).device  # "cuda" made explicit ("cuda:0"), as a cache's tensors
+        # (a collective where it connects the ranks' peer all-reduce: every rank builds its model at once)
+        self.tensor_parallel = peer_all_reduce.attach(tensor_parallel, self.device, self.options.tp_all_reduce)
         self.dtype = dtype
         self.layer_inv_freq = layer_inv_freqs(config, device)  # per layer (Gemma 3's sliding layers: their own)
         self.attention_scale = config.attention_scale

@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ import torch.distributed as dist
 from folio.model import fp8
 from folio.model.config import ModelConfig, NotSupportedError
 from folio.model.loader import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from folio.model.peer_all_reduce import PeerAllReduce
 
 Weight = torch.Tensor | fp8.Fp8Weight
 
@@ -43,11 +47,14 @@ class TensorParallelError(NotSupportedError):
 class TensorParallel:
     """One rank's place in a tensor-parallel replica. rank 0 drives (scheduler, page pool, sampler; see
     folio.tp_worker); group: its torch.distributed process group (None: the default group), over any backend (NCCL
-    on GPUs, gloo on the CPU): the tensors of its collectives live on the model's device."""
+    on GPUs, gloo on the CPU): the tensors of its collectives live on the model's device. peer: the all-reduce through
+    the peers' memory (folio.model.peer_all_reduce; a model attaches it as EngineOptions.tp_all_reduce says), which
+    sums the messages it takes; None: every sum through the process group."""
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
+    peer: PeerAllReduce | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.world_size, int) and self.world_size >= 1 and 0 <= self.rank < self.world_size):
@@ -66,6 +73,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
+        if self.peer is not None and self.peer.takes(x):
+            return self.peer.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -393,6 +393,9 @@ void wait_host_value(const at::Tensor& device, const at::Tensor& flag, int64_t v
 }
 
 }  // namespace
+
+void define_peer_all_reduce(pybind11::module_& m);  // peer_all_reduce.cpp
+
 }  // namespace folio::bind
 
 PYBIND11_MODULE(_native_cuda, m) {
@@ -401,4 +404,5 @@ PYBIND11_MODULE(_native_cuda, m) {
   m.doc() = "folio CUDA kernels (see native/); signatures match folio.reference_ops, plus keyword-only launch options";
   FOLIO_NATIVE_OPS(FOLIO_DEF_CUDA)
   m.attr("LINEAR_MAX_ROWS") = folio::cuda::kLinearMaxRows;
+  define_peer_all_reduce(m);
 }

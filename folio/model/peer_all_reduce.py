@@ -1,0 +1,122 @@
+"""The all-reduce of a tensor-parallel replica's partial sums through the peers' memory (native/cuda/
+peer_all_reduce.cu): one kernel reads the other ranks' copies over NVLink (CUDA IPC), instead of an NCCL collective.
+
+Decode sends two small messages a layer ([batch, hidden]: 8 KiB a token for an 8B model), 64 a token for 32 layers;
+there NCCL's fixed cost per collective, not the bytes, is the time. The peer kernel's cost is one copy, one signal
+and one wait per call. Messages over `max_bytes` (long prompt chunks) still go through NCCL, whose ring moves large
+messages at the links' bandwidth with less traffic per GPU.
+
+`connect(tp, device, mode)` is a collective: every rank of the group calls it at the same point (building the model
+does, with the same EngineOptions on every rank). Every rank then takes the same path for every message (the choice
+depends on the message's size and dtype only), as the collectives must pair up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from folio import ops
+
+if TYPE_CHECKING:
+    from folio.model.tensor_parallel import TensorParallel
+
+# Two staging slots of this size per GPU (calls alternate between them). 8 MiB holds a decode step's message up to
+# 1,024 rows of hidden 4096 in bf16; longer prefill chunks go to NCCL.
+MAX_BYTES = 8 << 20
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PeerAllReduceUnavailable(RuntimeError):
+    """EngineOptions(tp_all_reduce="peer") on ranks that cannot use it (no native module, no peer access)."""
+
+
+class PeerAllReduce:
+    """One rank's connected side (folio.ops' native class) and the rule for which messages it takes."""
+
+    def __init__(self, native: Any, max_bytes: int) -> None:
+        self.native = native
+        self.max_bytes = max_bytes
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the peers' memory: the same answer on every rank for the same message (its size
+        and dtype, never its address or layout: a view is summed through a copy)."""
+        return x.is_cuda and fits(x.numel() * x.element_size(), x.dtype, self.max_bytes)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (`takes(x)` must hold)."""
+        if x.is_contiguous() and x.data_ptr() % 16 == 0:
+            self.native.all_reduce(x)
+            return x
+        y = x.clone(memory_format=torch.contiguous_format)  # a view: through a fresh (aligned) copy
+        self.native.all_reduce(y)
+        return x.copy_(y)
+
+
+def fits(num_bytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
+    """Whether the kernel takes a message of num_bytes of dtype: whole 16-byte vectors, at most max_bytes."""
+    return 0 < num_bytes <= max_bytes and num_bytes % 16 == 0 and dtype in _DTYPES
+
+
+def connect(tp: TensorParallel, device: torch.device, mode: str, max_bytes: int = MAX_BYTES) -> PeerAllReduce | None:
+    """This rank's PeerAllReduce, connected to the other ranks', or None where NCCL (gloo on the CPU) sums instead.
+
+    mode: "auto" (the peers' memory where every rank has the native module and peer access to every other rank's GPU),
+    "peer" (that, or PeerAllReduceUnavailable saying why), "nccl" (never; no collective runs). A collective on CUDA
+    unless mode is "nccl"; on the CPU nothing runs (the same on every rank)."""
+    if mode == "nccl" or tp.world_size < 2:
+        return None
+    if device.type != "cuda":
+        if mode == "peer":
+            raise PeerAllReduceUnavailable(f"tp_all_reduce='peer' needs CUDA devices, the model is on {device}")
+        return None
+    native_class = ops.peer_all_reduce_class()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    native, why_not = None, None
+    if native_class is None:
+        why_not = f"the native CUDA module is not built or has no PeerAllReduce ({ops.BUILD_HINT})"
+    elif tp.world_size > native_class.max_ranks:
+        why_not = f"{tp.world_size} ranks, the kernel takes at most {native_class.max_ranks}"
+    else:
+        try:  # (a rank that raised here would leave the others waiting in the gather below)
+            native = native_class(index, max_bytes)
+        except RuntimeError as error:
+            why_not = f"its shared region: {error}"
+    mine = (index, why_not, None if native is None else native.handle())
+    everyone: list[Any] = [None] * tp.world_size
+    dist.all_gather_object(everyone, mine, group=tp.group)
+    reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(everyone) if why]
+    indices = [i for i, _, _ in everyone]
+    if not reasons and len(set(indices)) < len(indices):
+        reasons.append(f"the ranks' devices {indices} are not distinct as this process sees them")
+    if not reasons:
+        reasons += [f"cuda:{index} has no peer access to cuda:{peer}" for peer in indices
+                    if peer != index and not torch.cuda.can_device_access_peer(index, peer)]
+    # every rank must agree: one that lacks peer access tells the others through a second gather
+    verdicts: list[Any] = [None] * tp.world_size
+    dist.all_gather_object(verdicts, reasons, group=tp.group)
+    reasons = sorted({reason for rank_reasons in verdicts for reason in rank_reasons})
+    if reasons:
+        if mode == "peer":
+            raise PeerAllReduceUnavailable("tp_all_reduce='peer' is not possible here: " + "; ".join(reasons))
+        return None
+    native.connect(tp.rank, [handle for _, _, handle in everyone])
+    # every rank mapped every other's memory before any kernel signals into it
+    dist.barrier(group=tp.group, device_ids=[index])
+    return PeerAllReduce(native, max_bytes)
+
+
+def attach(tp: TensorParallel | None, device: torch.device, mode: str) -> TensorParallel | None:
+    """tp with the all-reduce `mode` asks for: its own PeerAllReduce where it has one already and mode allows it
+    (a model built again over the same ranks, e.g. `Model.with_options`, runs no collective), a new one otherwise."""
+    if tp is None or tp.world_size < 2:
+        return None
+    if mode == "nccl":
+        return dataclasses.replace(tp, peer=None) if tp.peer is not None else tp
+    if tp.peer is not None:
+        return tp
+    peer = connect(tp, device, mode)
+    return tp if peer is None else dataclasses.replace(tp, peer=peer)

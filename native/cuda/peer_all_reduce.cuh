@@ -1,0 +1,44 @@
+// The sum of one tensor over the GPUs of a tensor-parallel replica by loads from the peers' memory (CUDA IPC over
+// NVLink or PCIe peer access): one kernel per call, for the small messages of decode, where NCCL's fixed cost per
+// collective is most of the time. Host functions over raw pointers (no torch, no pybind11); see
+// native/cuda/peer_all_reduce.cu for the protocol.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace folio::cuda {
+
+constexpr int kPeerMaxRanks = 8;
+// Every call launches this many blocks (those past the message only count the call): each block keeps its own
+// count of calls, and all of them must agree on it (see the .cu).
+constexpr int kPeerBlocks = 64;
+
+enum class PeerDtype : int { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
+
+// One rank's shared region: flag words, then two staging slots of slot_bytes each (calls alternate between them).
+size_t peer_region_bytes(size_t slot_bytes);
+
+struct PeerAllReduceParams {
+  void* data;                           // this rank's input, summed in place: num_bytes, 16-byte aligned
+  int64_t num_bytes;                    // a multiple of 16, <= slot_bytes
+  PeerDtype dtype;
+  int rank;
+  int world_size;                       // 2..kPeerMaxRanks
+  char* regions[kPeerMaxRanks];         // every rank's region (peer_region_bytes), mapped into this process
+  int64_t slot_bytes;
+  uint32_t* call_counts;                // this rank's own [kPeerBlocks] counters, zero before the first call
+};
+
+// Enqueues the sum on `stream`; every rank of the group must make the same calls, in the same order, with the same
+// num_bytes. Capturable in a CUDA graph (the call counts live in device memory).
+cudaError_t peer_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream);
+
+// This process's region on the current device: allocated, zeroed (synchronously: setup only), and its IPC handle.
+cudaError_t peer_region_create(size_t slot_bytes, void** region, cudaIpcMemHandle_t* handle);
+// A peer's region, mapped into this process (peer access enabled as needed).
+cudaError_t peer_region_open(const cudaIpcMemHandle_t& handle, void** region);
+
+}  // namespace folio::cuda
