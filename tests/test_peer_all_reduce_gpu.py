@@ -7,6 +7,7 @@ through NCCL and as one process. Needs two GPUs with peer access (skipped otherw
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ pytestmark = [
                        or not torch.cuda.can_device_access_peer(0, 1), reason="needs two GPUs with peer access"),
 ]
 LAUNCH = dict(backend="nccl", timeout_s=120)
+STACKS_AFTER_S = 50  # a rank still running then prints its threads' stacks (where a hang waits)
 # element counts: one vector, a decode row of hidden 4096, rows of several blocks, a size that leaves blocks idle,
 # the largest message the slots take (8 MiB in float32), one over it (NCCL)
 SIZES = [8, 4096, 64 * 4096 + 8, 3 * 512 * 8, peer_all_reduce.MAX_BYTES // 4, peer_all_reduce.MAX_BYTES // 4 + 8]
@@ -44,6 +46,7 @@ def _sum_here(tp, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_checks(tp):
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     peer = peer_all_reduce.connect(tp, torch.device("cuda", tp.rank), "peer")
     tp = dataclasses.replace(tp, peer=peer)
     results = {}
@@ -59,7 +62,7 @@ def _rank_checks(tp):
     # a view (every other row of a matrix): summed through a copy, the rest of the matrix untouched
     matrix = _inputs(tp.rank, 64 * 256, torch.bfloat16, call).view(64, 256)
     before = matrix.clone()
-    want = _sum_here(tp, matrix[::2])
+    want = _sum_here(tp, matrix[::2].contiguous())
     tp.all_reduce(matrix[::2])
     results["view_rows"] = (matrix[::2].cpu(), want.cpu(), matrix[1::2].cpu(), before[1::2].cpu())
     # a CUDA graph of three sums of different sizes, replayed with new inputs
@@ -131,6 +134,7 @@ def test_a_split_model_gives_the_logits_of_nccl_and_of_one_process(llama_dir):  
 
 
 def _two_models(tp, model_dir, model_kwargs_list, cache_kwargs, drive):
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     def drive_and_report(model, cache):
         return drive(model, cache), model.tensor_parallel.peer is not None
 

@@ -106,7 +106,19 @@ def connect(tp: TensorParallel, device: torch.device, mode: str, max_bytes: int 
     native.connect(tp.rank, [handle for _, _, handle in everyone])
     # every rank mapped every other's memory before any kernel signals into it
     dist.barrier(group=tp.group, device_ids=[index])
-    return PeerAllReduce(native, max_bytes)
+    peer = PeerAllReduce(native, max_bytes)
+    _first_sum(peer, tp, device)
+    return peer
+
+
+def _first_sum(peer: PeerAllReduce, tp: TensorParallel, device: torch.device) -> None:
+    """One sum now, checked: the kernel's module is loaded while nothing else runs (a kernel loaded lazily while
+    another waits for a peer can stall the device), and a mapping that does not work fails here, saying so."""
+    x = torch.full((16,), float(tp.rank + 1), device=device)
+    peer.all_reduce(x)
+    want = tp.world_size * (tp.world_size + 1) / 2
+    if not bool((x == want).all()):
+        raise PeerAllReduceUnavailable(f"the first sum through the peers' memory gave {x[0].item()}, not {want}")
 
 
 def attach(tp: TensorParallel | None, device: torch.device, mode: str) -> TensorParallel | None:
