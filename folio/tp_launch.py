@@ -201,8 +201,11 @@ def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeou
             # pickled here, not by the queue: torch's queue would hand tensors over in shared memory, which needs
             # this process alive until the parent has read them
             value = pickle.dumps(main(TensorParallel.from_group(), *args))
-        finally:
+        except BaseException:  # noqa: BLE001 - reported before leaving the group: NCCL's destroy waits for ever
+            results.put((rank, False, traceback.format_exc()))  # on a peer stuck inside a collective
             leave_group()
+            return
+        leave_group()
     except BaseException:  # noqa: BLE001 - whatever it is, the parent reports it
         results.put((rank, False, traceback.format_exc()))
         return

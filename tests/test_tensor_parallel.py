@@ -206,7 +206,7 @@ def _forward_steps(model, cache):
     out.append(model.forward(ForwardBatch.build(step, PAGE_SIZE, device), cache))
     out.append(model.forward(ForwardBatch.build([SeqChunk(a[30:34], 30, [0, 1, 2], "none")], PAGE_SIZE, device),
                              cache))
-    values = torch.linspace(-1, 1, 2 * model.config.hidden_size, dtype=model.dtype).view(2, -1)
+    values = torch.linspace(-1, 1, 2 * model.config.hidden_size, dtype=model.dtype, device=device).view(2, -1)
     step = [SeqChunk(a[34:], 34, [0, 1, 2], "last", injected=(InjectedSpan(1, values),))]
     out.append(model.forward(ForwardBatch.build(step, PAGE_SIZE, device), cache))
     len_a, len_b = len(a), len(b)
