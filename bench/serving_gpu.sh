@@ -14,6 +14,7 @@
 # beside it (e.g. llguidance, py-spy). SHAPE (8B), BUDGET_S (570: the whole call), logs and JSON in $OUT.
 # GPU_TESTS="tests/x.py ...": those tests (pytest -m gpu) run after the build; the suite runs only if they pass.
 # TP_ALL_REDUCE (nccl,peer): the tensor-parallel engine runs' all-reduce paths (EngineOptions.tp_all_reduce).
+# TP_HEADERS (host): how rank 0 sends its message headers in those runs (bench/tp_engine.py --tp-headers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -82,7 +83,7 @@ case "$SUITE" in
     done;;
   tp)
     runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on} \
---tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer}")
+--tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer} --tp-headers ${TP_HEADERS:-host}")
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine \
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \

@@ -8,6 +8,7 @@ token).
     python bench/tp_engine.py --shape 70B --tp 4 --no-single          (does not fit one GPU: no one-process run)
     python bench/tp_engine.py --shape tiny --tp 2 --device cpu        (gloo on the CPU: checks the script)
     python bench/tp_engine.py --tp-graphs on --tp-all-reduce nccl,peer   (the two all-reduce paths, same call)
+    python bench/tp_engine.py --tp-graphs on --tp-headers host,device     (headers through gloo or through NCCL)
 
 --tp-all-reduce runs the tensor-parallel workloads once per mode (EngineOptions.tp_all_reduce); on CUDA the table
 also gives one all-reduce's time by each path at decode's message sizes (calls replayed from a CUDA graph).
@@ -20,6 +21,7 @@ Prints one table; writes $OUT/tp_engine.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import functools
 import json
@@ -96,26 +98,35 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
                                gen_settings=SamplerSettings.greedy()) for p in prompts]
             gen.enqueue(jobs)
             t0, first = time.perf_counter(), None
+            host_s, num_decode_steps = {}, 0  # rank 0's host time per phase of the decode steps (StepStats)
             while gen.num_remaining_jobs():
-                gen.step()
+                stats = gen.step().stats
+                if first is not None:
+                    num_decode_steps += 1
+                    for phase, seconds in stats.host_s.items():
+                        host_s[phase] = host_s.get(phase, 0.0) + seconds
+                    host_s["step"] = host_s.get("step", 0.0) + stats.total_s
                 if first is None and any(j.new_tokens for j in jobs):
                     first = time.perf_counter()
             wall = time.perf_counter() - t0
         decode_s = wall - (first - t0)
         out[name] = {"tok_s": streams * new / wall, "ms_per_token": 1e3 * decode_s / (new - 1),
+                     "host_ms_per_step": {k: 1e3 * v / max(1, num_decode_steps) for k, v in host_s.items()},
                      "outputs": [list(j.generated_ids) for j in jobs]}
         progress(f"{name}: {out[name]['tok_s']:,.1f} tok/s")
     return out
 
 
 def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
-              graphs: bool, all_reduce: str = "auto") -> dict | None:
+              graphs: bool, all_reduce: str = "auto", headers: str = "host") -> dict | None:
     """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
     from folio.tp_worker import Driver, run_worker
 
     # A rank that hangs (a collective one rank never reaches, a capture that never ends) prints every thread's
     # Python stack every STACK_DUMP_S seconds: where it waits, without a debugger.
     faulthandler.dump_traceback_later(STACK_DUMP_S, repeat=True, file=sys.stderr)
+    if headers == "device":  # rank 0's message headers through the model's process group (NCCL on GPUs)
+        tp = dataclasses.replace(tp, header_group=None)
     device = torch.device("cuda", tp.rank) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     model = random_model(model_config(shape, dtype), device, dtype, tp,
@@ -182,6 +193,9 @@ def main(argv=None) -> dict:
                         help="CUDA graphs in the tensor-parallel runs (default: both on CUDA, off on the CPU)")
     parser.add_argument("--tp-all-reduce", default="auto",
                         help="comma-separated EngineOptions.tp_all_reduce modes, one tensor-parallel run each")
+    parser.add_argument("--tp-headers", default="host",
+                        help="comma-separated: how rank 0's message headers travel, 'host' (a gloo group, the "
+                             "default) or 'device' (the model's group); one run each, with each all-reduce mode")
     args = parser.parse_args(argv)
     from folio.tp_launch import launch
 
@@ -206,18 +220,20 @@ def main(argv=None) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
-    modes = args.tp_all_reduce.split(",")
+    modes = [(m, h) for m in args.tp_all_reduce.split(",") for h in args.tp_headers.split(",")]
     if args.device == "cuda":
         progress("all-reduce per call: launching")
         result["all_reduce_us"] = launch(all_reduce_times, args.tp, (config.hidden_size,), backend="nccl",
                                          timeout_s=600)
-    for mode in modes:
+    for mode, headers in modes:
         for graphs in {"off": (False,), "on": (True,), "both": (False, True)}[choice]:
-            label = f"{args.tp} ranks, graphs {'on' if graphs else 'off'}" + (f", {mode}" if len(modes) > 1 else "")
-            key = ("tp_run" if not graphs else "tp_run_graphs") + (f"_{mode}" if len(modes) > 1 else "")
+            label = f"{args.tp} ranks, graphs {'on' if graphs else 'off'}" + (
+                f", {mode}, headers {headers}" if len(modes) > 1 else "")
+            key = ("tp_run" if not graphs else "tp_run_graphs") + (f"_{mode}_{headers}" if len(modes) > 1 else "")
             progress(f"{label}: launching")
             try:
-                result[key] = launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs, mode),
+                result[key] = launch(rank_main, args.tp,
+                                     (args.shape, args.device, names, cache_tokens, graphs, mode, headers),
                                      backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
                                      num_threads=1 if args.device == "cpu" else None)
             except RuntimeError as error:  # (reported, and the other runs still printed)
@@ -239,6 +255,11 @@ def main(argv=None) -> dict:
     for label, runs in rows:
         print(f"| {label} | " + " | ".join(f"{runs[n]['tok_s']:,.1f} | {runs[n]['ms_per_token']:.2f}" for n in names)
               + " |")
+    print("\nrank 0's host ms per decode step, by phase (folio.stats.PHASES; wait_tokens: blocked on the device)")
+    for label, runs in rows:
+        for n in names:
+            phases = sorted(runs[n].get("host_ms_per_step", {}).items(), key=lambda kv: -kv[1])
+            print(f"  {label}, {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases if v >= 0.005))
     if "all_reduce_us" in result:
         times = result["all_reduce_us"]
         print("\n| all-reduce of [rows, hidden] bf16 | " + " | ".join(f"{r} rows" for r in ALL_REDUCE_ROWS) + " |")

@@ -138,13 +138,12 @@ def start_local_ranks(model_dir: str | Path, world_size: int, model_kwargs: dict
     try:
         if on_cuda:
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        tp = join_group(backend, init_method, 0, world_size, timeout_s)
     except BaseException:
         _stop(processes, 0.0)
         rendezvous.cleanup()
         raise
-    return LocalRanks(TensorParallel.from_group(), processes, rendezvous, ready)
+    return LocalRanks(tp, processes, rendezvous, ready)
 
 
 def _serve_rank(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
@@ -157,9 +156,7 @@ def _serve_rank(rank: int, world_size: int, backend: str, init_method: str, time
         if backend == "nccl":
             torch.cuda.set_device(rank)
             model_kwargs = {**model_kwargs, "device": f"cuda:{rank}"}
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
-        tp = TensorParallel.from_group()
+        tp = join_group(backend, init_method, rank, world_size, timeout_s)
         model = Model.from_pretrained(model_dir, tensor_parallel=tp, **{"progress": False, **model_kwargs})
     except BaseException:  # noqa: BLE001 - rank 0 reports it (LocalRanks.wait_ready)
         ready.put((rank, False, traceback.format_exc()))
@@ -195,12 +192,11 @@ def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeou
             torch.set_num_threads(num_threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        tp = join_group(backend, init_method, rank, world_size, timeout_s)
         try:
             # pickled here, not by the queue: torch's queue would hand tensors over in shared memory, which needs
             # this process alive until the parent has read them
-            value = pickle.dumps(main(TensorParallel.from_group(), *args))
+            value = pickle.dumps(main(tp, *args))
         except BaseException:  # noqa: BLE001 - reported before leaving the group: NCCL's destroy waits for ever
             results.put((rank, False, traceback.format_exc()))  # on a peer stuck inside a collective
             leave_group()
@@ -210,6 +206,15 @@ def _run_rank(rank: int, world_size: int, backend: str, init_method: str, timeou
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, value))
+
+
+def join_group(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> TensorParallel:
+    """This rank in the default process group, and a gloo group of the same ranks for rank 0's message headers
+    (TensorParallel.header_group; on the CPU too, where it is not faster, so that the CPU tests run the path GPUs
+    take), with the same timeout: a served worker waits in it for the next request."""
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    return TensorParallel.from_group(header_group=dist.new_group(backend="gloo", timeout=timeout))
 
 
 def leave_group() -> None:

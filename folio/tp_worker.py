@@ -11,11 +11,13 @@ all-gather) in the same order, and their caches hold the same pages under the sa
 
 Messages: a header of HEADER_LEN int64 (the op and its integer arguments) broadcast from rank 0, then the op's
 tensors: a forward's integer tensors concatenated into one int64 broadcast, its injected embedding rows (if any) a
-second. All of them are tensors on the model's device, so any backend carries them (NCCL: the GPU; gloo: the CPU),
-and nothing is pickled. Rank 0 never waits for the workers: on CUDA its header is a non-blocking copy from pinned
-memory and its broadcasts queue on the stream like its kernels. A worker reads each header on the host (what comes
-next depends on it; it waits for rank 0 anyway), and a prefill's per-sequence lengths (the flash prefill plan reads
-them on the host).
+second. The tensors are on the model's device, so any backend carries them (NCCL: the GPU; gloo: the CPU), and
+nothing is pickled; they queue on the stream like the kernels. The header goes host to host through the gloo group
+TensorParallel.header_group where there is one (folio.tp_launch makes it): a worker learns what to run next while
+its GPU still runs the step before, and queues it behind (through NCCL, the header would wait for everything queued
+before it on both GPUs, and every worker step would start with an idle GPU). A worker reads each header on the host
+(what comes next depends on it; it waits for rank 0 anyway), and a prefill's per-sequence lengths (the flash prefill
+plan reads them on the host).
 
 Sampling: only rank 0 samples, and nothing it samples is sent: a sampled token reaches the workers as an input id of
 the next forward (a step launched ahead feeds the sampled ids from the device: they are in that batch's input_ids).
@@ -39,6 +41,7 @@ from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
+import torch.distributed as dist
 
 from folio.cache.host_tier import HostTransfers
 from folio.host_pages import HostPages, default_host_cache_bytes, resolve_num_host_pages
@@ -77,13 +80,21 @@ class Channel:
         if len(args) >= HEADER_LEN:
             raise ValueError(f"{op.name} has {len(args)} arguments; a header holds {HEADER_LEN - 1}")
         header = [int(op), *args] + [0] * (HEADER_LEN - 1 - len(args))
-        self.tp.broadcast(to_device(header, torch.int64, self.device))
+        if self.tp.header_group is not None:  # (host to host: waits for no GPU)
+            dist.broadcast(torch.tensor(header, dtype=torch.int64), src=self.tp.driver_rank,
+                           group=self.tp.header_group)
+        else:
+            self.tp.broadcast(to_device(header, torch.int64, self.device))
         for tensor in tensors:
             self.tp.broadcast(tensor.contiguous())
 
     def receive(self) -> tuple[Op, list[int]]:
-        header = self.tp.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device))
-        values = header.tolist()  # (host sync: what to receive and run next depends on it)
+        if self.tp.header_group is not None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            dist.broadcast(header, src=self.tp.driver_rank, group=self.tp.header_group)
+        else:
+            header = self.tp.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device))
+        values = header.tolist()  # (through `group`, a host sync: what to receive and run next depends on it)
         return Op(values[0]), values[1:]
 
     def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -49,12 +49,16 @@ class TensorParallel:
     folio.tp_worker); group: its torch.distributed process group (None: the default group), over any backend (NCCL
     on GPUs, gloo on the CPU): the tensors of its collectives live on the model's device. peer: the all-reduce through
     the peers' memory (folio.model.peer_all_reduce; a model attaches it as EngineOptions.tp_all_reduce says), which
-    sums the messages it takes; None: every sum through the process group."""
+    sums the messages it takes; None: every sum through the process group. header_group: a CPU (gloo) group over the
+    same ranks for rank 0's message headers (folio.tp_worker.Channel), beside an NCCL `group`: a header sent through
+    NCCL waits for everything queued before it on the sender's GPU and is read only once the receiver's GPU is
+    through its queue too, so a worker could not queue step k+1 while step k ran; None: headers go through `group`."""
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
     peer: PeerAllReduce | None = None
+    header_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.world_size, int) and self.world_size >= 1 and 0 <= self.rank < self.world_size):
@@ -62,9 +66,10 @@ class TensorParallel:
                              f"world_size={self.world_size}")
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None) -> TensorParallel:
+    def from_group(cls, group: dist.ProcessGroup | None = None,
+                   header_group: dist.ProcessGroup | None = None) -> TensorParallel:
         """This process's rank in `group` (None: the default group, initialised already)."""
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, header_group=header_group)
 
     @cached_property
     def driver_rank(self) -> int:
