@@ -83,7 +83,7 @@ case "$SUITE" in
     done;;
   tp)
     runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on} \
---tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer} --tp-headers ${TP_HEADERS:-host}")
+--tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer} --tp-headers ${TP_HEADERS:-host} --kernel-report")
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine \
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \

@@ -9,6 +9,7 @@ token).
     python bench/tp_engine.py --shape tiny --tp 2 --device cpu        (gloo on the CPU: checks the script)
     python bench/tp_engine.py --tp-graphs on --tp-all-reduce nccl,peer   (the two all-reduce paths, same call)
     python bench/tp_engine.py --tp-graphs on --tp-headers host,device     (headers through gloo or through NCCL)
+    python bench/tp_engine.py --tp-graphs on --kernel-report   (every rank's kernel times: which rank waits where)
 
 --tp-all-reduce runs the tensor-parallel workloads once per mode (EngineOptions.tp_all_reduce); on CUDA the table
 also gives one all-reduce's time by each path at decode's message sizes (calls replayed from a CUDA graph).
@@ -118,8 +119,18 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
 
 
 def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
-              graphs: bool, all_reduce: str = "auto", headers: str = "host") -> dict | None:
-    """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve."""
+              graphs: bool, all_reduce: str = "auto", headers: str = "host", report_dir: str | None = None
+              ) -> dict | None:
+    """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve.
+    report_dir: each rank records its kernels (tp_kernel_report) and writes their summary there."""
+    from tp_kernel_report import recorded
+
+    with recorded(tp.rank, device_type, report_dir):
+        return _rank_run(tp, shape, device_type, names, cache_tokens, graphs, all_reduce, headers)
+
+
+def _rank_run(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
+              graphs: bool, all_reduce: str, headers: str) -> dict | None:
     from folio.tp_worker import Driver, run_worker
 
     # A rank that hangs (a collective one rank never reaches, a capture that never ends) prints every thread's
@@ -196,6 +207,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tp-headers", default="host",
                         help="comma-separated: how rank 0's message headers travel, 'host' (a gloo group, the "
                              "default) or 'device' (the model's group); one run each, with each all-reduce mode")
+    parser.add_argument("--kernel-report", action="store_true",
+                        help="one more tensor-parallel run (the first mode, graphs as the last run) with every "
+                             "rank's kernels recorded: their times side by side (bench/tp_kernel_report.py)")
     args = parser.parse_args(argv)
     from folio.tp_launch import launch
 
@@ -241,6 +255,24 @@ def main(argv=None) -> dict:
                 print(f"{label}: FAILED\n{str(error)[-2000:]}")
                 continue
             rows.append((label, result[key]))
+    if args.kernel_report:
+        import tempfile
+
+        from tp_kernel_report import print_report
+
+        mode, headers = modes[0]
+        graphs = {"off": False, "on": True, "both": True}[choice]
+        progress(f"kernel report ({mode}, headers {headers}, graphs {graphs}): launching")
+        with tempfile.TemporaryDirectory() as report_dir:
+            try:
+                launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs, mode, headers,
+                                            report_dir),
+                       backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
+                       num_threads=1 if args.device == "cpu" else None)
+                result["kernel_report"] = {"mode": mode, "headers": headers, "graphs": graphs,
+                                           "ranks": print_report(report_dir, args.tp)}
+            except RuntimeError as error:
+                print(f"kernel report: FAILED\n{str(error)[-2000:]}")
     element = 2 if dtype == torch.bfloat16 else 4
     weight_bytes = element * (config.num_layers * ((config.q_size + 2 * config.kv_size) * config.hidden_size
                                                    + config.hidden_size * config.q_size

@@ -19,8 +19,12 @@ def test_tp_engine_bench_tiny(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(ROOT) / "bench"))
     bench = importlib.import_module("bench.tp_engine")
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = bench.main(["--shape", "tiny", "--tp", "2", "--device", "cpu"])
+    result = bench.main(["--shape", "tiny", "--tp", "2", "--device", "cpu", "--kernel-report"])
     assert result["outputs_equal"]
+    # every rank recorded its run: the all-reduces of each layer's two sums (gloo's on the CPU) among them
+    report = result["kernel_report"]["ranks"]
+    assert set(report) == {0, 1}
+    assert all(r["all_reduce_us"]["calls"] > 0 and r["kernels"] for r in report.values())
     for run in (result["single_graphs_False"], result["tp_run"]):
         assert set(run) == {"W1", "B64"}
         assert all(r["tok_s"] > 0 and r["ms_per_token"] > 0 for r in run.values())
