@@ -42,7 +42,7 @@ class JobState(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass
+@dataclass(slots=True)  # (one per sampled token)
 class TokenExtras:
     """What a sampled token carries besides its id, held until the text pipeline releases the token."""
 

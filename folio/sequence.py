@@ -25,7 +25,7 @@ class SeqStatus(enum.Enum):
 
     @property
     def is_live(self) -> bool:
-        return self in (SeqStatus.WAITING, SeqStatus.RUNNING)
+        return self is SeqStatus.WAITING or self is SeqStatus.RUNNING  # (asked per token: identity, not ==)
 
 
 @dataclass(eq=False)  # identity semantics: a Sequence is a dict key and a set member
