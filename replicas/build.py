@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from folio import Cache, DynamicGenerator, Model, Tokenizer, tp_launch
+from folio.options import EngineOptions
 from folio.serve import speculation
 from folio.serve.config import ServeConfig
 
@@ -30,7 +31,8 @@ def load_model(config: ServeConfig, ranks: tp_launch.LocalRanks | None = None) -
 
 def _model_kwargs(config: ServeConfig) -> dict:
     dtype = _DTYPES[config.dtype] if config.dtype is not None else None
-    return {"device": config.resolved_device, "dtype": dtype, "weight_format": config.weight_format}
+    options = EngineOptions(tp_all_reduce=config.tensor_parallel_all_reduce)  # (the same on every rank)
+    return {"device": config.resolved_device, "dtype": dtype, "weight_format": config.weight_format, "options": options}
 
 
 def close_tensor_parallel(cache: Cache) -> None:

@@ -85,7 +85,9 @@ class ServeConfig:
     max_stream_messages_per_s: messages one replica streams per second over all its requests (folio.serve.pacing:
         with many streams open, each gets fewer messages carrying more tokens); 0: one per step with new tokens.
     num_replicas / num_gpus / num_cpus: generator replicas, and each one's Ray resources (fractions allowed;
-        num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over.
+        num_gpus 0 runs on the CPU); tensor_parallel_size: processes one replica's model is split over;
+        tensor_parallel_all_reduce: how they sum their partial outputs, EngineOptions.tp_all_reduce ("auto": through
+        the GPUs' memory where they have peer access, else NCCL; "peer": that or fail; "nccl").
     ingress_replicas / ingress_num_cpus: the CPU ingress deployment.
     token_channel: replicas send streamed chunks to the ingress over TCP (folio.serve.token_channel), else via Ray.
     ingress_mode: "direct" (clients reach the ingress replicas through HAProxy) or "proxy" (through Serve's proxy
@@ -152,6 +154,7 @@ class ServeConfig:
     num_gpus: float = 1.0
     num_cpus: float = 1.0
     tensor_parallel_size: int = 1
+    tensor_parallel_all_reduce: str = "auto"
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     token_channel: bool = True

@@ -12,6 +12,7 @@ KV_FORMATS = ("bf16", "fp16", "fp32", "fp8", "q8", "q4", "q4h")
 KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # q4h has no CUDA kernel: only the reference ops run it, which a served replica never selects on a GPU.
 CPU_ONLY_KV_FORMATS = ("q4h",)
+TP_ALL_REDUCE_MODES = ("auto", "peer", "nccl")  # folio.options.TP_ALL_REDUCE_MODES
 
 # Help of the flags whose values a name alone does not tell (the others: ServeConfig's docstring).
 FLAG_HELP = {
@@ -25,6 +26,8 @@ FLAG_HELP = {
     "cuda_graphs": "true / false: capture decode steps in CUDA graphs; none: on for a CUDA replica",
     "tensor_parallel_size": "processes (GPUs) one replica's model is split over, on one machine; on GPUs "
                             "num_gpus must equal it",
+    "tensor_parallel_all_reduce": "with tensor_parallel_size > 1: auto (through the GPUs' memory where they have "
+                                  "peer access, else NCCL), peer (that, or fail at start), nccl",
     "ingress_mode": "direct: HAProxy in front of ingress replicas that serve gRPC / HTTP themselves; proxy: "
                     "Serve's proxy actors",
 }
@@ -37,7 +40,13 @@ def check_tensor_parallel(config) -> None:
     size, num_gpus, device = config.tensor_parallel_size, config.num_gpus, config.resolved_device
     draft_model_path, lora = config.draft_model_path, bool(config.lora_adapters or config.lora_admin)
     positive("tensor_parallel_size", size)
+    all_reduce = config.tensor_parallel_all_reduce
+    if all_reduce not in TP_ALL_REDUCE_MODES:
+        raise ConfigError(f"tensor_parallel_all_reduce: must be one of {', '.join(TP_ALL_REDUCE_MODES)}, "
+                          f"got {all_reduce!r}")
     if size == 1:
+        if all_reduce != "auto":
+            raise ConfigError(f"tensor_parallel_all_reduce: {all_reduce} applies to tensor_parallel_size > 1 only")
         return
     if device.startswith("cuda:"):
         raise ConfigError(f"tensor_parallel_size: rank r runs on the replica's GPU r; device {device} names one GPU "

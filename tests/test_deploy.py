@@ -418,6 +418,10 @@ def test_chart_passes_memory_formats_to_the_application(helm, crd_validator):
     assert args_of({"cache": {"hostCacheGiB": 0}})["host_cache_bytes"] == 0  # off
     assert "host_cache_bytes" not in args_of({"cache": {"hostCacheGiB": None}})  # the engine's default
     assert "host_write_through" not in default  # copies as evicted
+    assert "tensor_parallel_all_reduce" not in default  # auto
+    tp = {"generator": {"tensorParallelSize": 2, "gpusPerReplica": 2, "tensorParallelAllReduce": "nccl"},
+          "workers": {"gpusPerWorker": 2}}
+    assert args_of(tp)["tensor_parallel_all_reduce"] == "nccl"
     assert args_of({"cache": {"hostWriteThrough": True}})["host_write_through"] is True
     # replicas per pod x hostCacheGiB + shmSize just fits the pod's limit: 8 x 5 + 8 = 48 GiB
     fits = args_of({"generator": {"replicas": 8}, "workers": {"gpusPerWorker": 8, "shmSize": "8Gi"},

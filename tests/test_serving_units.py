@@ -86,6 +86,10 @@ def test_config_format_names_are_the_engines():
     assert set(KV_FORMATS) == set(kv_formats.UNQUANTIZED_DTYPES) | set(kv_formats.QUANTIZED_FORMATS)
     for dtype, short in KV_FORMAT_OF_DTYPE.items():
         assert kv_formats.UNQUANTIZED_DTYPES[short] == getattr(torch, dtype)
+    from folio import options
+    from folio.serve.config_formats import TP_ALL_REDUCE_MODES
+
+    assert TP_ALL_REDUCE_MODES == options.TP_ALL_REDUCE_MODES
 
 
 def test_config_accepts_formats_as_serve_run_passes_them():
@@ -157,6 +161,24 @@ def test_serve_flags_set_the_memory_formats(capsys):
     assert err.startswith("folio serve: kv_format: must be one of bf16, fp16, fp32, fp8, q8, q4, q4h"), err
     assert cli.main(["serve", "--host-cache-bytes", "-5"]) == 2
     assert "folio serve: host_cache_bytes: must be >= 0" in capsys.readouterr().err
+
+
+def test_the_tensor_parallel_all_reduce_reaches_every_rank_s_model_options(capsys):
+    """`--tensor-parallel-all-reduce` is checked (a mode, and only with tensor parallelism) and reaches the
+    EngineOptions every rank builds its model with."""
+    from folio.serve import build, cli
+
+    parser = cli._parser()
+    args = parser.parse_args(["serve", "--tensor-parallel-size", "2", "--num-gpus", "0",
+                              "--tensor-parallel-all-reduce", "nccl"])
+    config = ServeConfig.from_args(args, **cli.DEMO_DEFAULTS)
+    assert config.tensor_parallel_all_reduce == "nccl"
+    assert build._model_kwargs(config)["options"].tp_all_reduce == "nccl"
+    assert ServeConfig.from_args(parser.parse_args(["serve"]), **cli.DEMO_DEFAULTS).tensor_parallel_all_reduce == "auto"
+    assert cli.main(["serve", "--tensor-parallel-all-reduce", "nvls"]) == 2
+    assert "tensor_parallel_all_reduce: must be one of auto, peer, nccl" in capsys.readouterr().err
+    assert cli.main(["serve", "--tensor-parallel-all-reduce", "peer"]) == 2  # one process: nothing to sum
+    assert "applies to tensor_parallel_size > 1 only" in capsys.readouterr().err
 
 
 def test_app_builder_and_serve_config():

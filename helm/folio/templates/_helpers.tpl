@@ -185,6 +185,9 @@ applications:
       num_gpus: {{ $gen.gpusPerReplica | toJson }}
       num_cpus: {{ $gen.cpusPerReplica | toJson }}
       tensor_parallel_size: {{ default 1 $gen.tensorParallelSize | int }}
+      {{- if and $gen.tensorParallelAllReduce (ne $gen.tensorParallelAllReduce "auto") }}
+      tensor_parallel_all_reduce: {{ $gen.tensorParallelAllReduce }}
+      {{- end }}
       ingress_replicas: {{ .Values.ingress.replicas | int }}
       ingress_num_cpus: {{ .Values.ingress.cpusPerReplica | toJson }}
       grpc_port: {{ .Values.ports.grpc | int }}
