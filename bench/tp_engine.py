@@ -287,7 +287,8 @@ def main(argv=None) -> dict:
     for label, runs in rows:
         print(f"| {label} | " + " | ".join(f"{runs[n]['tok_s']:,.1f} | {runs[n]['ms_per_token']:.2f}" for n in names)
               + " |")
-    print("\nrank 0's host ms per decode step, by phase (folio.stats.PHASES; wait_tokens: blocked on the device)")
+    print("\nrank 0's host ms per decode step, by phase (folio.stats.PHASES; wait_tokens: blocked on the device, "
+          "then the sampled tokens staged)")
     for label, runs in rows:
         for n in names:
             phases = sorted(runs[n].get("host_ms_per_step", {}).items(), key=lambda kv: -kv[1])
