@@ -93,32 +93,42 @@ def connect(tp: TensorParallel, device: torch.device, mode: str, max_bytes: int 
     if not reasons and len(set(indices)) < len(indices):
         reasons.append(f"the ranks' devices {indices} are not distinct as this process sees them")
     if not reasons:
-        reasons += [f"cuda:{index} has no peer access to cuda:{peer}" for peer in indices
-                    if peer != index and not torch.cuda.can_device_access_peer(index, peer)]
-    # every rank must agree: one that lacks peer access tells the others through a second gather
-    verdicts: list[Any] = [None] * tp.world_size
-    dist.all_gather_object(verdicts, reasons, group=tp.group)
-    reasons = sorted({reason for rank_reasons in verdicts for reason in rank_reasons})
+        reasons += [f"cuda:{index} has no peer access to cuda:{other}" for other in indices
+                    if other != index and not torch.cuda.can_device_access_peer(index, other)]
+    reasons = _agreed(tp, reasons)  # every rank must agree: one that lacks peer access tells the others
+    if not reasons:
+        try:
+            native.connect(tp.rank, [handle for _, _, handle in everyone])
+        except RuntimeError as error:  # (a container without a shared IPC namespace, say)
+            reasons = [f"rank {tp.rank} cannot map the other ranks' memory: {error}"]
+        # a gather, not a raise here: a rank that failed alone would leave the others waiting in the first sum
+        reasons = _agreed(tp, reasons)
+    if not reasons:
+        peer = PeerAllReduce(native, max_bytes)
+        reasons = _agreed(tp, _first_sum(peer, tp, device))
     if reasons:
         if mode == "peer":
             raise PeerAllReduceUnavailable("tp_all_reduce='peer' is not possible here: " + "; ".join(reasons))
         return None
-    native.connect(tp.rank, [handle for _, _, handle in everyone])
-    # every rank mapped every other's memory before any kernel signals into it
-    dist.barrier(group=tp.group, device_ids=[index])
-    peer = PeerAllReduce(native, max_bytes)
-    _first_sum(peer, tp, device)
     return peer
 
 
-def _first_sum(peer: PeerAllReduce, tp: TensorParallel, device: torch.device) -> None:
-    """One sum now, checked: the kernel's module is loaded while nothing else runs (a kernel loaded lazily while
-    another waits for a peer can stall the device), and a mapping that does not work fails here, saying so."""
+def _agreed(tp: TensorParallel, reasons: list[str]) -> list[str]:
+    """Every rank's reasons not to use the peers' memory, on every rank (a collective)."""
+    everyone: list[Any] = [None] * tp.world_size
+    dist.all_gather_object(everyone, reasons, group=tp.group)
+    return sorted({reason for rank_reasons in everyone for reason in rank_reasons})
+
+
+def _first_sum(peer: PeerAllReduce, tp: TensorParallel, device: torch.device) -> list[str]:
+    """One sum now, checked (why not, if it is wrong): the kernel's module is loaded while nothing else runs (a kernel
+    loaded lazily while another waits for a peer can stall the device), and a mapping that does not work shows."""
     x = torch.full((16,), float(tp.rank + 1), device=device)
     peer.all_reduce(x)
     want = tp.world_size * (tp.world_size + 1) / 2
-    if not bool((x == want).all()):
-        raise PeerAllReduceUnavailable(f"the first sum through the peers' memory gave {x[0].item()}, not {want}")
+    if bool((x == want).all()):
+        return []
+    return [f"rank {tp.rank}: the first sum through the peers' memory gave {x[0].item()}, not {want}"]
 
 
 def attach(tp: TensorParallel | None, device: torch.device, mode: str) -> TensorParallel | None:
