@@ -10,12 +10,13 @@
 // A block reads only what the same block of each peer copied (the same partition on every rank: same grid, same
 // size), so blocks never wait for each other.
 //
-// Why two slots, and why every block counts every call: a rank may start call k+1 (step 1 writes its slot) while a
-// peer still reads its slot of call k. Call k+1 uses the other slot. Could a peer still read that slot from call
-// k-1? No: this rank got past call k's step 2, so every peer had started call k, which runs after that peer's call
-// k-1 finished (one stream). The slot is chosen by the call's number, so every block of every rank must number the
-// calls alike: each block keeps its own count (no block waits for another to publish one) and blocks past the
-// message still count the call, so that the count is the same however long each message is.
+// Why two slots: a rank may start call k+1 (step 1 writes its slot) while a peer still reads its slot of call k;
+// call k+1 uses the other slot. The slot is picked by the block's own count of calls (no block waits for another to
+// publish one), and every block counts every call (blocks past the message only count it), so the slot alternates
+// with the calls. Could a peer still read the slot of call k-1? No: block 0 has work in every call, so this rank got
+// past call k's step 2 there, so every peer had started call k, which runs after that peer's call k-1 finished (one
+// stream). A block's vectors are the same in every call (grid stride over a fixed grid).
+// tests/test_peer_all_reduce_protocol.py checks this on a model of the protocol under many interleavings.
 //
 // The numbers wrap at 2^32 and are compared by signed difference (a peer is at most one call ahead).
 //

@@ -13,7 +13,7 @@ namespace folio::cuda {
 
 constexpr int kPeerMaxRanks = 8;
 // Every call launches this many blocks (those past the message only count the call): each block keeps its own
-// count of calls, and all of them must agree on it (see the .cu).
+// count of calls, which picks the staging slot (see the .cu).
 constexpr int kPeerBlocks = 64;
 
 enum class PeerDtype : int { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
