@@ -169,10 +169,7 @@ class MaskProcesses:
             self._conns[w].send(message)
         except OSError as e:
             proc = self.procs[w]
-            try:
-                code = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
+            code = _exit_code(proc)
             raise MaskProcessError(f"grammar mask worker {w} (pid {proc.pid}) exited"
                                    + (f" with code {code}" if code is not None else f": {e}")) from e
 
@@ -186,9 +183,9 @@ class MaskProcesses:
         try:
             return conn.recv()
         except (EOFError, OSError) as e:
-            code = proc.poll()
+            code = _exit_code(proc)
             raise MaskProcessError(f"grammar mask worker {w} (pid {proc.pid}) exited"
-                                   + (f" with code {code}" if code is not None else "")) from e
+                                   + (f" with code {code}" if code is not None else f": {e!r}")) from e
 
     def _fail(self, message: str) -> None:
         self.error = message
@@ -313,3 +310,12 @@ def serve(conn_fd: int, shm_fd: int) -> None:
             conn.send(failed)
         except OSError:  # the pool's process went
             return
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The exit code of a worker whose end of the pipe closed; None if it is still running a second later. (Its pipe
+    closes as it exits, a moment before the exit status can be read: poll() alone may still say it runs.)"""
+    try:
+        return proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return None
