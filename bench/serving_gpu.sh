@@ -13,7 +13,8 @@
 # Ray from .raybundle/ (../shared/tools/ray-bundle-for-gpu.sh) when it is there; WHEELS=dir: more wheels to install
 # beside it (e.g. llguidance, py-spy). SHAPE (8B), BUDGET_S (570: the whole call), logs and JSON in $OUT.
 # GPU_TESTS="tests/x.py ...": those tests (pytest -m gpu) run after the build; the suite runs only if they pass.
-# TP_ALL_REDUCE (nccl,peer): the tensor-parallel engine runs' all-reduce paths (EngineOptions.tp_all_reduce).
+# TP_ALL_REDUCE (peer,nccl): the tensor-parallel engine runs' all-reduce paths (EngineOptions.tp_all_reduce); the
+# kernel report records the first.
 # TP_HEADERS (host): how rank 0 sends its message headers in those runs (bench/tp_engine.py --tp-headers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,7 +84,7 @@ case "$SUITE" in
     done;;
   tp)
     runs+=("bench/tp_engine.py --shape $SHAPE --tp 2 --tp-graphs ${TP_ENGINE_GRAPHS:-on} \
---tp-all-reduce ${TP_ALL_REDUCE:-nccl,peer} --tp-headers ${TP_HEADERS:-host} --kernel-report")
+--tp-all-reduce ${TP_ALL_REDUCE:-peer,nccl} --tp-headers ${TP_HEADERS:-host} --kernel-report")
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine \
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \
