@@ -86,11 +86,11 @@ class PeerAllReduce {
     FOLIO_CHECK_VALUE(num_bytes % 16 == 0 && num_bytes <= slot_bytes_ && x.data_ptr() != nullptr &&
                           reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
                       "argument 'x' must be 16-byte aligned with a size a multiple of 16 bytes and at most ",
-                      slot_bytes_, ", got ", num_bytes, " bytes (supports(x) says which tensors qualify)");
+                      slot_bytes_, ", got ", num_bytes, " bytes (folio.model.peer_all_reduce.fits says which qualify)");
     cuda::PeerAllReduceParams p{};
     p.data = x.data_ptr();
     p.num_bytes = num_bytes;
-    p.dtype = peer_dtype(x);
+    p.dtype = float_type(x, "x");
     p.rank = rank_;
     p.world_size = world_size_;
     for (int r = 0; r < world_size_; ++r) p.regions[r] = regions_[r];
@@ -103,16 +103,6 @@ class PeerAllReduce {
   int64_t slot_bytes() const { return slot_bytes_; }
 
  private:
-  static cuda::PeerDtype peer_dtype(const at::Tensor& x) {
-    switch (x.scalar_type()) {
-      case at::kFloat: return cuda::PeerDtype::kFloat32;
-      case at::kHalf: return cuda::PeerDtype::kFloat16;
-      case at::kBFloat16: return cuda::PeerDtype::kBfloat16;
-      default:
-        FOLIO_CHECK_TYPE(false, "argument 'x' must be float32, float16 or bfloat16, got ", x.scalar_type());
-    }
-  }
-
   int64_t device_;
   int64_t slot_bytes_ = 0;
   cudaIpcMemHandle_t handle_{};

@@ -106,13 +106,13 @@ size_t peer_region_bytes(size_t slot_bytes) { return kFlagBytes + 2 * slot_bytes
 
 cudaError_t peer_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream) {
   switch (p.dtype) {
-    case PeerDtype::kFloat32:
+    case ScalarType::kFloat32:
       peer_all_reduce_kernel<float><<<kPeerBlocks, kThreads, 0, stream>>>(p);
       break;
-    case PeerDtype::kFloat16:
+    case ScalarType::kFloat16:
       peer_all_reduce_kernel<__half><<<kPeerBlocks, kThreads, 0, stream>>>(p);
       break;
-    case PeerDtype::kBfloat16:
+    case ScalarType::kBFloat16:
       peer_all_reduce_kernel<__nv_bfloat16><<<kPeerBlocks, kThreads, 0, stream>>>(p);
       break;
     default:

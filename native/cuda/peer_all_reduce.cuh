@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../common/params.h"
+
 namespace folio::cuda {
 
 constexpr int kPeerMaxRanks = 8;
@@ -16,15 +18,13 @@ constexpr int kPeerMaxRanks = 8;
 // count of calls, which picks the staging slot (see the .cu).
 constexpr int kPeerBlocks = 64;
 
-enum class PeerDtype : int { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
-
 // One rank's shared region: flag words, then two staging slots of slot_bytes each (calls alternate between them).
 size_t peer_region_bytes(size_t slot_bytes);
 
 struct PeerAllReduceParams {
   void* data;                           // this rank's input, summed in place: num_bytes, 16-byte aligned
   int64_t num_bytes;                    // a multiple of 16, <= slot_bytes
-  PeerDtype dtype;
+  ScalarType dtype;
   int rank;
   int world_size;                       // 2..kPeerMaxRanks
   char* regions[kPeerMaxRanks];         // every rank's region (peer_region_bytes), mapped into this process
