@@ -1,18 +1,21 @@
 """The all-reduce through the peers' memory (folio.model.peer_all_reduce, native/cuda/peer_all_reduce.cu) on two
 GPUs: its sums equal the sum of the ranks' inputs computed here (and NCCL's), bit for bit alike on every rank, for
 every dtype, for messages of many sizes one after another (the kernel's two slots and its count of calls), for views,
-and replayed from a CUDA graph with new inputs; a model split over two GPUs gives the same logits through it as
-through NCCL and as one process. Needs two GPUs with peer access (skipped otherwise)."""
+and replayed from a CUDA graph with new inputs; its broadcasts from rank 0 reach every rank; its form fused with the
+residual add and RMSNorm gives the sum, the add and the norm computed here; a model split over two GPUs gives the
+same logits through it (the fused form, and the decode graphs' inputs broadcast through it) as through NCCL and as
+one process. Needs two GPUs with peer access (skipped otherwise)."""
 
 from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_tensor_parallel import PAGE_SIZE, _forward_steps, llama_dir  # noqa: F401 - the fixture
+from test_tensor_parallel import GREEDY, PAGE_SIZE, _forward_steps, _scenario_prompts, llama_dir  # noqa: F401
 
 import folio
 from folio.model import peer_all_reduce
@@ -65,6 +68,20 @@ def _rank_checks(tp):
     want = _sum_here(tp, matrix[::2].contiguous())
     tp.all_reduce(matrix[::2])
     results["view_rows"] = (matrix[::2].cpu(), want.cpu(), matrix[1::2].cpu(), before[1::2].cpu())
+    # broadcasts from rank 0 (bytes of any type; sizes one after another, sums between them), and one it leaves
+    # to NCCL (not whole 16-byte vectors)
+    broadcasts = []
+    for dtype, numel in ((torch.int32, 4), (torch.int64, 4096 + 2), (torch.uint8, 3 * 512 * 16), (torch.int32, 3)):
+        x = torch.arange(numel, device="cuda").to(dtype) * (tp.rank + 1) + 7 * tp.rank
+        took = tp.peer.broadcast(x)
+        if not took:
+            tp.broadcast(x)  # (through NCCL)
+        everyone = [torch.empty_like(x) for _ in range(tp.world_size)]
+        dist.all_gather(everyone, x)
+        broadcasts.append((took, [t.cpu() for t in everyone], torch.arange(numel).to(dtype)))
+        tp.all_reduce(_inputs(tp.rank, 4096, torch.bfloat16, call))
+        call += 1
+    results["broadcasts"] = broadcasts
     # a CUDA graph of three sums of different sizes, replayed with new inputs
     buffers = [torch.zeros(n, device="cuda", dtype=torch.bfloat16) for n in (4096, 8 * 4096, 4096)]
     stream = torch.cuda.Stream()
@@ -103,11 +120,92 @@ def test_sums_equal_the_oracle_on_every_rank():
             assert took == (numel * torch.empty((), dtype=dtype).element_size() <= peer_all_reduce.MAX_BYTES)
             # two ranks: a + b rounded once, as the oracle: equal bits
             assert torch.equal(got, want), f"{dtype} {numel}: {(got.float() - want.float()).abs().max()}"
+    for took, everyone, want in rank0["broadcasts"]:
+        assert took == (want.numel() * want.element_size() % 16 == 0)
+        assert all(torch.equal(got, want) for got in everyone), f"{want.dtype} {want.numel()}: rank 0's values"
     rows, want, untouched, before = rank0["view_rows"]
     assert torch.equal(rows, want) and torch.equal(untouched, before)
     for replay in rank0["graph"]:
         for got, want in replay:
             assert torch.equal(got, want)
+
+
+# [rows, hidden] of the fused form: one row (decode), rows of several blocks, more rows than blocks (64), a row of one
+# 16-byte vector in bfloat16, and a hidden size of several vectors a thread (8192)
+NORM_SHAPES = [(1, 4096), (7, 4096), (130, 512), (3, 8), (2, 8192)]
+NORM_EPS = 1e-5
+
+
+def _norm_here(residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    r = residual.float()
+    return (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight.float()).to(residual.dtype)
+
+
+def _norm_checks(tp):
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
+    peer = peer_all_reduce.connect(tp, torch.device("cuda", tp.rank), "peer")
+    tp = dataclasses.replace(tp, peer=peer)
+    results, call = [], 0
+    for dtype in DTYPES:
+        for rows, hidden in NORM_SHAPES:
+            x = _inputs(tp.rank, rows * hidden, dtype, call).view(rows, hidden)
+            residual = _inputs(0, rows * hidden, dtype, call + 500).view(rows, hidden)  # the same on every rank
+            weight = 1 + 0.1 * _inputs(0, hidden, dtype, call + 900)
+            total = _sum_here(tp, x)
+            want_residual = (residual.float() + total.float()).to(dtype)
+            want_x = _norm_here(want_residual, weight)
+            fused = tp.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS)
+            plain = _inputs(tp.rank, 4096, dtype, call + 300)  # a plain sum between fused ones (one count of calls)
+            want_plain = _sum_here(tp, plain)
+            tp.all_reduce(plain)
+            gathered = [torch.empty_like(x) for _ in range(tp.world_size)]
+            dist.all_gather(gathered, x)
+            alike = all(torch.equal(g, x) for g in gathered)
+            results.append((str(dtype), rows, hidden, fused, alike, x.cpu(), want_x.cpu(), residual.cpu(),
+                            want_residual.cpu(), torch.equal(plain, want_plain)))
+            call += 1
+    # captured in a CUDA graph (as decode runs it), replayed with new inputs
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    residual, weight = torch.zeros_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tp.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tp.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS)
+    replays = []
+    for replay in range(3):
+        new_x = _inputs(tp.rank, x.numel(), x.dtype, 700 + replay).view_as(x)
+        new_residual = _inputs(0, x.numel(), x.dtype, 800 + replay).view_as(x)
+        want_residual = (new_residual.float() + _sum_here(tp, new_x).float()).to(x.dtype)
+        x.copy_(new_x)
+        residual.copy_(new_residual)
+        graph.replay()
+        replays.append((x.cpu(), _norm_here(want_residual, weight).cpu(), residual.cpu(), want_residual.cpu()))
+    torch.cuda.synchronize()
+    del graph
+    return results, replays
+
+
+@pytest.mark.timeout(300)
+def test_the_fused_sum_add_and_norm_equal_the_three_done_here():
+    results, replays = launch(_norm_checks, TP, (), **LAUNCH)
+    tolerance = {"torch.bfloat16": 1e-2, "torch.float16": 2e-3, "torch.float32": 1e-5}
+    for dtype, rows, hidden, fused, alike, got, want, residual, want_residual, plain_ok in results:
+        where = f"{dtype} [{rows}, {hidden}]"
+        assert fused, f"{where}: not taken by the fused kernel"
+        assert alike, f"{where}: the ranks' outputs differ"
+        assert plain_ok, f"{where}: the plain sum after it is wrong"
+        # the residual: a + b rounded, then residual + that rounded, as the kernel: equal bits
+        off = (residual.float() - want_residual.float()).abs().max()
+        assert torch.equal(residual, want_residual), f"{where}: residual off by {off}"
+        # the norm: the sum of squares in another order (a last-bit difference of the scale)
+        torch.testing.assert_close(got, want, rtol=tolerance[dtype], atol=tolerance[dtype], msg=where)
+    for got, want, residual, want_residual in replays:
+        assert torch.equal(residual, want_residual)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
 def _logits(model, cache):
@@ -144,3 +242,33 @@ def _two_models(tp, model_dir, model_kwargs_list, cache_kwargs, drive):
     (peer, used_peer), (nccl, used_nccl_peer) = out
     assert not used_nccl_peer
     return peer, nccl, used_peer
+
+
+def _graph_tokens(model, cache, model_dir):
+    """Greedy tokens of the scenario's prompts, one at a time, decoded through captured CUDA graphs (under tensor
+    parallelism: their inputs broadcast and their sums made inside the graphs), and whether the peers' memory was
+    used (None in one process)."""
+    tokenizer = folio.Tokenizer.from_pretrained(model_dir)
+    gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, cuda_graphs=True, max_batch_size=4,
+                                 max_seq_len=256)
+    tokens = []
+    for ids in _scenario_prompts(tokenizer):
+        job = folio.DynamicJob(input_ids=ids, max_new_tokens=12, gen_settings=GREEDY, stop_conditions=[])
+        gen.enqueue(job)
+        while gen.num_remaining_jobs():
+            gen.iterate()
+        tokens.append(job.generated_ids)
+    tp = model.tensor_parallel
+    return tokens, None if tp is None else tp.peer is not None
+
+
+@pytest.mark.timeout(300)
+def test_a_split_generator_decodes_through_graphs_the_tokens_of_one_process(peaked_dir):
+    cache_kwargs = {"num_tokens": 16 * PAGE_SIZE, "page_size": PAGE_SIZE}
+    model_kwargs = {"dtype": torch.float32, "device": "cuda", "options": EngineOptions(tp_all_reduce="peer")}
+    drive = functools.partial(_graph_tokens, model_dir=peaked_dir)
+    tokens, used_peer = launch(replica_main, TP, (peaked_dir, drive, model_kwargs, cache_kwargs), **LAUNCH)
+    model = folio.Model.from_pretrained(peaked_dir, progress=False, dtype=torch.float32, device="cuda")
+    want, _ = _graph_tokens(model, folio.Cache(model, **cache_kwargs), peaked_dir)
+    assert used_peer
+    assert all(len(t) == 12 for t in tokens) and tokens == want

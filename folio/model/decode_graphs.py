@@ -83,14 +83,11 @@ class DecodeGraphs:
 
     def _allocate_buffers(self, n: int) -> None:
         device = self.model.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self._inputs = _InputRegion(n, self.max_blocks, device)  # what the host fills each step, in one buffer
+        self.input_ids, self.positions, self.slot_mapping, self.row_slots = self._inputs.ids  # row_slots: LoRA's
+        self.block_tables, self.context_lens = self._inputs.tables, self._inputs.lens
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_idx = torch.arange(n, dtype=torch.int64, device=device)
-        self.row_slots = torch.full((n,), -1, dtype=torch.int64, device=device)  # each row's LoRA slot
         # Host staging, pinned so the copies are queued on the stream instead of blocking. A ring of sets used in
         # turn: the host may fill the next run's inputs while earlier runs' copies are still queued on the device
         # (a step launched ahead; a draft model's forwards, several per step). A set is refilled only once the
@@ -170,8 +167,7 @@ class DecodeGraphs:
         broadcast into every rank's buffers first, and rank 0's forward not sent (each rank runs this itself)."""
         if self.tp is None:
             return self.model.forward(self._batch(b), self.cache)
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.context_lens):
-            self.tp.broadcast(buffer[:b])
+        self.tp.broadcast(self._inputs.prefix(b))  # (one message: the first b rows' inputs are one prefix)
         if self.driver is None:
             return self.model.forward(self._batch(b), self.cache)
         self.driver.paused = True
@@ -223,28 +219,49 @@ class DecodeGraphs:
         ids[:, num_seqs:b] = 0
         ids[2:, num_seqs:b] = -1
         lens[num_seqs:b] = 1
-        self.input_ids[:b].copy_(staging.ids[0, :b], non_blocking=True)
+        # one copy: the staging set has the device buffer's layout (rows past b go along: no graph of b reads them)
+        self._inputs.prefix(b).copy_(staging.region.prefix(b), non_blocking=True)
         if on_device:
             self.input_ids[:num_seqs].copy_(token_ids)
-        self.positions[:b].copy_(staging.ids[1, :b], non_blocking=True)
-        self.slot_mapping[:b].copy_(staging.ids[2, :b], non_blocking=True)
-        self.context_lens[:b].copy_(staging.lens[:b], non_blocking=True)
-        self.block_tables[:b].copy_(staging.tables[:b], non_blocking=True)
-        if self.lora_slots is not None:
-            self.row_slots[:b].copy_(staging.ids[3, :b], non_blocking=True)
         staging.mark_queued()
         return self.replay(b)[:num_seqs]
 
 
+class _InputRegion:
+    """A decode step's inputs for n rows in one byte buffer: [4, n] int64 (token ids, positions, cache slots, LoRA
+    slots), [n] int32 context lengths, then [n, max_blocks] int32 block tables. The inputs of bucket b's rows are
+    then one prefix of it (the small arrays whole, the first b table rows): one copy from the host a step, and under
+    tensor parallelism one broadcast to the other ranks instead of five."""
+
+    def __init__(self, n: int, max_blocks: int, device: torch.device, pinned: bool = False):
+        ids_bytes, lens_bytes = 8 * 4 * n, _round16(4 * n)
+        self.small_bytes, self.row_bytes = ids_bytes + lens_bytes, 4 * max_blocks
+        self.bytes = torch.zeros(_round16(self.small_bytes + n * self.row_bytes), dtype=torch.uint8, device=device)
+        if pinned:
+            self.bytes = self.bytes.pin_memory()
+        self.ids = self.bytes[:ids_bytes].view(torch.int64).view(4, n)
+        self.lens = self.bytes[ids_bytes:ids_bytes + 4 * n].view(torch.int32)
+        self.tables = self.bytes[self.small_bytes:self.small_bytes + n * self.row_bytes].view(torch.int32)
+        self.tables = self.tables.view(n, max_blocks)
+        self.ids[2:].fill_(-1)  # cache slots and LoRA slots: -1 (write nowhere; the base model)
+        self.lens.fill_(1)
+
+    def prefix(self, b: int) -> torch.Tensor:
+        """The bytes that hold rows [0, b) of every input (whole 16-byte vectors)."""
+        return self.bytes[:_round16(self.small_bytes + b * self.row_bytes)]
+
+
+def _round16(num_bytes: int) -> int:
+    return -(-num_bytes // 16) * 16
+
+
 class _HostStaging:
-    """Pinned host buffers of one step's graph inputs, with numpy views to fill them cheaply."""
+    """Pinned host buffers of one step's graph inputs (the device buffer's layout), with numpy views to fill them
+    cheaply."""
 
     def __init__(self, n: int, max_blocks: int, pinned: bool):
-        self.ids = torch.zeros(4, n, dtype=torch.int64)  # ids, positions, slots, LoRA slots
-        self.lens = torch.ones(n, dtype=torch.int32)
-        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32)
-        if pinned:
-            self.ids, self.lens, self.tables = self.ids.pin_memory(), self.lens.pin_memory(), self.tables.pin_memory()
+        self.region = _InputRegion(n, max_blocks, torch.device("cpu"), pinned)
+        self.ids, self.lens, self.tables = self.region.ids, self.region.lens, self.region.tables
         self._pinned = pinned
         self.np_ids = self.ids.numpy()
         self.np_lens = self.lens.numpy()

@@ -170,18 +170,17 @@ class Model:
         if batch.injected_rows is not None:  # embeddings injected at placeholder tokens (folio.embeddings)
             residual.index_copy_(0, batch.injected_rows, batch.injected_values)
         prefill = self._prefill_plan(batch, cache)
-        mlp_out = None  # embeddings: nothing to add yet
+        out, out_norm = None, None  # a sublayer's output (none yet), and Gemma's norm of it
         for layer_idx, layer in enumerate(w.layers):
             # Gemma normalizes each sublayer's output before the residual add: no GEMM adds itself into it there;
             # nor under tensor parallelism, where each rank's product is a partial sum, summed first
             into = residual if layer.attn_out_norm is None and tp is None else None
-            x = self._add_norm(mlp_out, residual, layer.input_norm)
-            attn_out = self._all_reduce(self._attention(layer_idx, layer, x, batch, cache, prefill, into))
-            x = self._add_norm(self._out_norm(attn_out, layer.attn_out_norm), residual, layer.post_attention_norm)
+            x = self._add_norm(out, out_norm, residual, layer.input_norm)
+            out = self._attention(layer_idx, layer, x, batch, cache, prefill, into)
+            x = self._add_norm(out, layer.attn_out_norm, residual, layer.post_attention_norm)
             lora = None if batch.lora is None else batch.lora.at(layer_idx)
-            mlp_out = self._all_reduce(self._mlp(layer, x, into, lora))
-            mlp_out = self._out_norm(mlp_out, layer.mlp_out_norm)
-        x = self._add_norm(mlp_out, residual, w.final_norm)
+            out, out_norm = self._mlp(layer, x, into, lora), layer.mlp_out_norm
+        x = self._add_norm(out, out_norm, residual, w.final_norm)
         # only the requested rows go through lm_head: its GEMM is the largest one for short chunks
         logits = self._logits(x[batch.logits_idx], w.lm_head)
         if tp is not None:  # each rank's vocabulary shard -> the whole vocabulary
@@ -225,18 +224,19 @@ class Model:
             logits += num_logit_rows * cfg.vocab_size * 4 * SAMPLER_LOGITS_COPIES
         return max(attention, mlp_bytes) + logits
 
-    def _all_reduce(self, out: torch.Tensor | None) -> torch.Tensor | None:
-        """Under tensor parallelism: the sum over the ranks of their partial o_proj / down outputs (in place)."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.all_reduce(out)
-        return out
-
-    def _add_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """residual += out, then RMSNorm(residual). out None: a projection already added itself into the residual
-        (`_project_into`). Otherwise out is overwritten with the normalized residual and returned."""
-        eps = self.config.rms_norm_eps
+    def _add_norm(self, out: torch.Tensor | None, out_norm: torch.Tensor | None, residual: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """residual += out (under tensor parallelism summed over the ranks first; then normalized by out_norm where
+        there is one), then RMSNorm(residual). out None: a projection already added itself into the residual
+        (`_project_into`). Otherwise the normalized residual is written over out (or its out_norm) and returned."""
+        eps, tp = self.config.rms_norm_eps, self.tensor_parallel
         if out is None:
             return self.ops.rms_norm(residual, weight, eps)
+        if tp is not None:
+            if out_norm is None and tp.all_reduce_add_rms_norm(out, residual, weight, eps):
+                return out  # the sum, the add and the norm in one kernel (through the peers' memory)
+            tp.all_reduce(out)
+        out = self._out_norm(out, out_norm)
         self.ops.fused_add_rms_norm(out, residual, weight, eps)
         return out
 

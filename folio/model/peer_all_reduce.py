@@ -55,6 +55,40 @@ class PeerAllReduce:
         self.native.all_reduce(y)
         return x.copy_(y)
 
+    def broadcast(self, x: torch.Tensor) -> bool:
+        """Rank 0's x into every rank's x, in place, where the kernel takes it (bytes of any type, whole 16-byte
+        vectors, at most max_bytes: the same answer on every rank for the same message, its size), and True;
+        otherwise nothing is done, and False."""
+        num_bytes = x.numel() * x.element_size()
+        if not (x.is_cuda and 0 < num_bytes <= self.max_bytes and num_bytes % 16 == 0):
+            return False
+        if x.is_contiguous() and x.data_ptr() % 16 == 0:
+            self.native.broadcast(x)
+        else:  # a view: through a fresh (aligned) copy
+            y = x.clone(memory_format=torch.contiguous_format)
+            self.native.broadcast(y)
+            x.copy_(y)
+        return True
+
+    def takes_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_rms_norm` takes these: what `takes` asks, and [rows, hidden] operands of one
+        dtype with whole 16-byte rows (again the same answer on every rank: sizes and dtypes only)."""
+        return (self.takes(x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+                and weight.shape == (x.shape[1],) and weight.dtype == x.dtype and residual.is_cuda
+                and (x.shape[1] * x.element_size()) % 16 == 0)
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> torch.Tensor:
+        """x summed over the ranks, residual += it, then x = RMSNorm(residual) * weight, in one kernel (the
+        layer's sum and the fused add-and-norm after it; `takes_add_rms_norm` must hold). Returns x."""
+        views = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+                 for t in (x, residual, weight)]
+        self.native.all_reduce_add_rms_norm(*views, eps)
+        for original, used in zip((x, residual), views):
+            if used is not original:  # a view: through a fresh (aligned) copy
+                original.copy_(used)
+        return x
+
 
 def fits(num_bytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
     """Whether the kernel takes a message of num_bytes of dtype: whole 16-byte vectors, at most max_bytes."""

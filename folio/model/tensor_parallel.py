@@ -7,7 +7,7 @@ the weights and of the K/V cache (Megatron's split: a column-split projection, t
   the rank's q heads, so its output is a partial sum over those heads.
 - The gated MLP: gate and up rows are sliced alike (row i of the rank's gate still pairs with row i of its up, as
   the fused silu gate and act_and_mul expect); down keeps the matching columns and outputs a partial sum.
-- The two partial sums are all-reduced before they join the residual (Model._all_reduce). o_proj's bias is kept on
+- The two partial sums are all-reduced before they join the residual (Model._add_norm). o_proj's bias is kept on
   rank 0 only, so the sum adds it once.
 - Embeddings and norms are replicated. lm_head is split by vocabulary rows, ceil(V / tp) per rank (the last shard
   padded with zero rows), and each rank's logits are all-gathered to the full vocabulary on every rank.
@@ -83,9 +83,19 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> bool:
+        """Where the peers' memory takes it: x summed over the ranks, residual += x, x = RMSNorm(residual) * weight,
+        in one kernel, and True. Otherwise nothing is done, and False (the same answer on every rank)."""
+        if self.peer is None or not self.peer.takes_add_rms_norm(x, residual, weight):
+            return False
+        self.peer.all_reduce_add_rms_norm(x, residual, weight, eps)
+        return True
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """x from rank 0 into x on every rank, in place; returns x."""
-        dist.broadcast(x, src=self.driver_rank, group=self.group)
+        """x from rank 0 into x on every rank, in place; returns x. Through the peers' memory where it takes x."""
+        if self.peer is None or not self.peer.broadcast(x):
+            dist.broadcast(x, src=self.driver_rank, group=self.group)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -7,6 +7,9 @@
 //      until its own flag words [b][peer] hold that number (acquire loads), so every peer's block b has copied;
 //   3. sums its part over the ranks' slots, in rank order (every rank computes the same bits, as the residual
 //      streams of the ranks must stay equal), and writes it over the input.
+// A second kernel fuses the layer's residual add and RMSNorm into step 3 (peer_all_reduce_norm_kernel): one launch
+// a sublayer instead of two under tensor parallelism, where decode's small kernels are a large part of a step. A
+// third broadcasts rank 0's bytes (a decode graph's inputs) by the same protocol.
 // A block reads only what the same block of each peer copied (the same partition on every rank: same grid, same
 // size), so blocks never wait for each other.
 //
@@ -56,14 +59,48 @@ __device__ __forceinline__ void add_into(float (&acc)[16 / sizeof(T)], const uin
   for (int j = 0; j < static_cast<int>(16 / sizeof(T)); ++j) acc[j] += to_float<T>(values[j]);
 }
 
+// This block's number for the call it starts (its own count + 1), the same in every thread.
+__device__ __forceinline__ uint32_t block_call(const PeerAllReduceParams& p, uint32_t* call_shared) {
+  if (threadIdx.x == 0) *call_shared = p.call_counts[blockIdx.x] + 1;
+  __syncthreads();
+  return *call_shared;
+}
+
+// Step 2, after this block's copy (the barriers order it before the signal, and every thread's reads after the wait).
+__device__ __forceinline__ void signal_and_wait(const PeerAllReduceParams& p, uint32_t call) {
+  __syncthreads();
+  const int peer = threadIdx.x;
+  const int block = blockIdx.x;
+  if (peer < p.world_size && peer != p.rank) {
+    uint32_t* peer_flags = reinterpret_cast<uint32_t*>(p.regions[peer]);
+    const uint32_t* own_flags = reinterpret_cast<const uint32_t*>(p.regions[p.rank]);
+    store_release_system(peer_flags + block * kPeerMaxRanks + p.rank, call);
+    const uint64_t start = global_timer_ns();
+    while (static_cast<int32_t>(load_acquire_system(own_flags + block * kPeerMaxRanks + peer) - call) < 0) {
+      if (global_timer_ns() - start > kWaitTimeoutNs) __trap();
+    }
+  }
+  __syncthreads();
+}
+
+// The sum over the ranks of vector i, in rank order, in fp32 (this rank's own from its input).
+template <typename T>
+__device__ __forceinline__ void sum_over_ranks(const PeerAllReduceParams& p, int64_t slot_offset, int64_t i,
+                                               float (&acc)[16 / sizeof(T)]) {
+#pragma unroll
+  for (int j = 0; j < static_cast<int>(16 / sizeof(T)); ++j) acc[j] = 0.0f;
+  for (int r = 0; r < p.world_size; ++r) {
+    const uint4* slot = reinterpret_cast<const uint4*>(p.regions[r] + slot_offset);
+    add_into<T>(acc, r == p.rank ? reinterpret_cast<const uint4*>(p.data)[i] : __ldcg(slot + i));
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduceParams p) {
   constexpr int kPerVector = 16 / sizeof(T);
   const int block = blockIdx.x;
   __shared__ uint32_t call_shared;
-  if (threadIdx.x == 0) call_shared = p.call_counts[block] + 1;
-  __syncthreads();
-  const uint32_t call = call_shared;
+  const uint32_t call = block_call(p, &call_shared);
   const int64_t num_vectors = p.num_bytes / 16;
   if (static_cast<int64_t>(block) * kThreads < num_vectors) {
     const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
@@ -72,29 +109,100 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduce
     uint4* data = reinterpret_cast<uint4*>(p.data);
     uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + slot_offset);
     for (int64_t i = first; i < num_vectors; i += stride) own_slot[i] = data[i];
-    __syncthreads();
-    const int peer = threadIdx.x;
-    if (peer < p.world_size && peer != p.rank) {
-      uint32_t* peer_flags = reinterpret_cast<uint32_t*>(p.regions[peer]);
-      const uint32_t* own_flags = reinterpret_cast<const uint32_t*>(p.regions[p.rank]);
-      store_release_system(peer_flags + block * kPeerMaxRanks + p.rank, call);
-      const uint64_t start = global_timer_ns();
-      while (static_cast<int32_t>(load_acquire_system(own_flags + block * kPeerMaxRanks + peer) - call) < 0) {
-        if (global_timer_ns() - start > kWaitTimeoutNs) __trap();
-      }
-    }
-    __syncthreads();
+    signal_and_wait(p, call);
     for (int64_t i = first; i < num_vectors; i += stride) {
-      float acc[kPerVector] = {};
-      for (int r = 0; r < p.world_size; ++r) {
-        const uint4* slot = reinterpret_cast<const uint4*>(p.regions[r] + slot_offset);
-        add_into<T>(acc, r == p.rank ? data[i] : __ldcg(slot + i));
-      }
+      float acc[kPerVector];
+      sum_over_ranks<T>(p, slot_offset, i, acc);
       uint4 out;
       T* values = reinterpret_cast<T*>(&out);
 #pragma unroll
       for (int j = 0; j < kPerVector; ++j) values[j] = from_float<T>(acc[j]);
       data[i] = out;
+    }
+  }
+  if (threadIdx.x == 0) p.call_counts[block] = call;
+}
+
+// A broadcast from rank 0 by the same protocol: rank 0 copies into its slot, the others read it (every rank still
+// signals every other, so that the two slots' reasoning holds as for a sum). Bytes of any type.
+__global__ void __launch_bounds__(kThreads) peer_broadcast_kernel(PeerAllReduceParams p) {
+  const int block = blockIdx.x;
+  __shared__ uint32_t call_shared;
+  const uint32_t call = block_call(p, &call_shared);
+  const int64_t num_vectors = p.num_bytes / 16;
+  if (static_cast<int64_t>(block) * kThreads < num_vectors) {
+    const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    const int64_t first = static_cast<int64_t>(block) * kThreads + threadIdx.x;
+    uint4* data = reinterpret_cast<uint4*>(p.data);
+    if (p.rank == 0) {
+      uint4* own_slot = reinterpret_cast<uint4*>(p.regions[0] + slot_offset);
+      for (int64_t i = first; i < num_vectors; i += stride) own_slot[i] = data[i];
+    }
+    signal_and_wait(p, call);
+    if (p.rank != 0) {
+      const uint4* root_slot = reinterpret_cast<const uint4*>(p.regions[0] + slot_offset);
+      for (int64_t i = first; i < num_vectors; i += stride) data[i] = __ldcg(root_slot + i);
+    }
+  }
+  if (threadIdx.x == 0) p.call_counts[block] = call;
+}
+
+// The sum fused with the residual add and RMSNorm that follow it in a layer: block b takes whole rows (b, b + grid,
+// ...), so that it can normalize them. Per element, the same roundings as the sum followed by rms_norm_kernel's
+// fused form (the sum rounded to T, the residual's sum rounded to T and stored, the norm over the rounded values).
+// Same protocol: block 0 has a row in every call, and every block counts every call.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) peer_all_reduce_norm_kernel(PeerAllReduceParams p, PeerNormParams n) {
+  constexpr int kPerVector = 16 / sizeof(T);
+  const int block = blockIdx.x;
+  __shared__ uint32_t call_shared;
+  __shared__ float scratch[32];
+  const uint32_t call = block_call(p, &call_shared);
+  const int64_t row_vectors = n.hidden_size / kPerVector;
+  if (block < n.num_rows) {
+    const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
+    uint4* data = reinterpret_cast<uint4*>(p.data);
+    uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + slot_offset);
+    uint4* residual = reinterpret_cast<uint4*>(n.residual);
+    const uint4* weight = reinterpret_cast<const uint4*>(n.weight);
+    for (int64_t row = block; row < n.num_rows; row += gridDim.x) {
+      for (int64_t v = threadIdx.x; v < row_vectors; v += kThreads) {
+        own_slot[row * row_vectors + v] = data[row * row_vectors + v];
+      }
+    }
+    signal_and_wait(p, call);
+    for (int64_t row = block; row < n.num_rows; row += gridDim.x) {
+      float sum_squares = 0.0f;
+      for (int64_t v = threadIdx.x; v < row_vectors; v += kThreads) {
+        const int64_t i = row * row_vectors + v;
+        float acc[kPerVector];
+        sum_over_ranks<T>(p, slot_offset, i, acc);
+        uint4 raw = residual[i];
+        T* values = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < kPerVector; ++j) {
+          const T sum = from_float<T>(acc[j]);
+          values[j] = from_float<T>(to_float<T>(values[j]) + to_float<T>(sum));
+          const float stored = to_float<T>(values[j]);
+          sum_squares += stored * stored;
+        }
+        residual[i] = raw;
+      }
+      const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / static_cast<float>(n.hidden_size) + n.eps);
+      // each thread reads back the residual vectors it stored above (same indices): no barrier needed
+      for (int64_t v = threadIdx.x; v < row_vectors; v += kThreads) {
+        const int64_t i = row * row_vectors + v;
+        uint4 raw = residual[i];
+        const uint4 w_raw = weight[v];
+        T* values = reinterpret_cast<T*>(&raw);
+        const T* w = reinterpret_cast<const T*>(&w_raw);
+#pragma unroll
+        for (int j = 0; j < kPerVector; ++j) {
+          values[j] = from_float<T>(to_float<T>(values[j]) * inv_rms * to_float<T>(w[j]));
+        }
+        data[i] = raw;
+      }
     }
   }
   if (threadIdx.x == 0) p.call_counts[block] = call;
@@ -114,6 +222,28 @@ cudaError_t peer_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream) {
       break;
     case ScalarType::kBFloat16:
       peer_all_reduce_kernel<__nv_bfloat16><<<kPeerBlocks, kThreads, 0, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t peer_broadcast(const PeerAllReduceParams& p, cudaStream_t stream) {
+  peer_broadcast_kernel<<<kPeerBlocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t peer_all_reduce_add_rms_norm(const PeerAllReduceParams& p, const PeerNormParams& n, cudaStream_t stream) {
+  switch (p.dtype) {
+    case ScalarType::kFloat32:
+      peer_all_reduce_norm_kernel<float><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
+      break;
+    case ScalarType::kFloat16:
+      peer_all_reduce_norm_kernel<__half><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
+      break;
+    case ScalarType::kBFloat16:
+      peer_all_reduce_norm_kernel<__nv_bfloat16><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
       break;
     default:
       return cudaErrorInvalidValue;

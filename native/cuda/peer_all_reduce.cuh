@@ -32,9 +32,24 @@ struct PeerAllReduceParams {
   uint32_t* call_counts;                // this rank's own [kPeerBlocks] counters, zero before the first call
 };
 
+// The fused form's other operands: data is [num_rows, hidden_size], and so is the residual.
+struct PeerNormParams {
+  void* residual;      // [num_rows, hidden_size] of the dtype, 16-byte aligned: residual += the sum (rounded)
+  const void* weight;  // [hidden_size] of the dtype, 16-byte aligned
+  int64_t num_rows;
+  int64_t hidden_size;  // hidden_size * element size a multiple of 16
+  float eps;
+};
+
 // Enqueues the sum on `stream`; every rank of the group must make the same calls, in the same order, with the same
 // num_bytes. Capturable in a CUDA graph (the call counts live in device memory).
 cudaError_t peer_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream);
+// The sum, then residual += sum and data = RMSNorm(residual) * weight, in one kernel (same calls rule; it counts as
+// a call of the same sequence as peer_all_reduce's).
+cudaError_t peer_all_reduce_add_rms_norm(const PeerAllReduceParams& p, const PeerNormParams& n, cudaStream_t stream);
+
+// data (bytes of any type: dtype is not read) copied from rank 0 into every other rank's, counted as a call likewise.
+cudaError_t peer_broadcast(const PeerAllReduceParams& p, cudaStream_t stream);
 
 // This process's region on the current device: allocated, zeroed (synchronously: setup only), and its IPC handle.
 cudaError_t peer_region_create(size_t slot_bytes, void** region, cudaIpcMemHandle_t* handle);
