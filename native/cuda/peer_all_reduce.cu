@@ -95,24 +95,43 @@ __device__ __forceinline__ void sum_over_ranks(const PeerAllReduceParams& p, int
   }
 }
 
+// Where call `call`'s staging slot starts in a region (the two slots alternate with the calls).
+__device__ __forceinline__ int64_t slot_start(const PeerAllReduceParams& p, uint32_t call) {
+  return kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
+}
+
+// The 16-byte vectors of a message that this thread takes (a grid stride over the fixed grid: the same ones in every
+// call of the same size, on every rank), and where this call's slot starts in a region.
+struct VectorShare {
+  int64_t num_vectors, first, stride, slot_offset;
+  bool block_has_work;
+};
+
+__device__ __forceinline__ VectorShare vector_share(const PeerAllReduceParams& p, uint32_t call) {
+  VectorShare share;
+  share.num_vectors = p.num_bytes / 16;
+  share.first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  share.stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  share.slot_offset = slot_start(p, call);
+  share.block_has_work = static_cast<int64_t>(blockIdx.x) * kThreads < share.num_vectors;
+  return share;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduceParams p) {
   constexpr int kPerVector = 16 / sizeof(T);
   const int block = blockIdx.x;
   __shared__ uint32_t call_shared;
   const uint32_t call = block_call(p, &call_shared);
-  const int64_t num_vectors = p.num_bytes / 16;
-  if (static_cast<int64_t>(block) * kThreads < num_vectors) {
-    const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-    const int64_t first = static_cast<int64_t>(block) * kThreads + threadIdx.x;
+  const VectorShare v = vector_share(p, call);
+  if (v.block_has_work) {
     uint4* data = reinterpret_cast<uint4*>(p.data);
-    uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + slot_offset);
-    for (int64_t i = first; i < num_vectors; i += stride) own_slot[i] = data[i];
+    uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + v.slot_offset);
+    for (int64_t i = v.first; i < v.num_vectors; i += v.stride) own_slot[i] = data[i];
     signal_and_wait(p, call);
-    for (int64_t i = first; i < num_vectors; i += stride) {
+    for (int64_t i = v.first; i < v.num_vectors; i += v.stride) {
       float acc[kPerVector];
-      sum_over_ranks<T>(p, slot_offset, i, acc);
+      sum_over_ranks<T>(p, v.slot_offset, i, acc);
       uint4 out;
       T* values = reinterpret_cast<T*>(&out);
 #pragma unroll
@@ -129,20 +148,16 @@ __global__ void __launch_bounds__(kThreads) peer_broadcast_kernel(PeerAllReduceP
   const int block = blockIdx.x;
   __shared__ uint32_t call_shared;
   const uint32_t call = block_call(p, &call_shared);
-  const int64_t num_vectors = p.num_bytes / 16;
-  if (static_cast<int64_t>(block) * kThreads < num_vectors) {
-    const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-    const int64_t first = static_cast<int64_t>(block) * kThreads + threadIdx.x;
+  const VectorShare v = vector_share(p, call);
+  if (v.block_has_work) {
     uint4* data = reinterpret_cast<uint4*>(p.data);
+    uint4* root_slot = reinterpret_cast<uint4*>(p.regions[0] + v.slot_offset);
     if (p.rank == 0) {
-      uint4* own_slot = reinterpret_cast<uint4*>(p.regions[0] + slot_offset);
-      for (int64_t i = first; i < num_vectors; i += stride) own_slot[i] = data[i];
+      for (int64_t i = v.first; i < v.num_vectors; i += v.stride) root_slot[i] = data[i];
     }
     signal_and_wait(p, call);
     if (p.rank != 0) {
-      const uint4* root_slot = reinterpret_cast<const uint4*>(p.regions[0] + slot_offset);
-      for (int64_t i = first; i < num_vectors; i += stride) data[i] = __ldcg(root_slot + i);
+      for (int64_t i = v.first; i < v.num_vectors; i += v.stride) data[i] = __ldcg(root_slot + i);
     }
   }
   if (threadIdx.x == 0) p.call_counts[block] = call;
@@ -161,9 +176,9 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_norm_kernel(PeerAllR
   const uint32_t call = block_call(p, &call_shared);
   const int64_t row_vectors = n.hidden_size / kPerVector;
   if (block < n.num_rows) {
-    const int64_t slot_offset = kFlagBytes + static_cast<int64_t>(call & 1u) * p.slot_bytes;
+    const int64_t slot = slot_start(p, call);
     uint4* data = reinterpret_cast<uint4*>(p.data);
-    uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + slot_offset);
+    uint4* own_slot = reinterpret_cast<uint4*>(p.regions[p.rank] + slot);
     uint4* residual = reinterpret_cast<uint4*>(n.residual);
     const uint4* weight = reinterpret_cast<const uint4*>(n.weight);
     for (int64_t row = block; row < n.num_rows; row += gridDim.x) {
@@ -177,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_norm_kernel(PeerAllR
       for (int64_t v = threadIdx.x; v < row_vectors; v += kThreads) {
         const int64_t i = row * row_vectors + v;
         float acc[kPerVector];
-        sum_over_ranks<T>(p, slot_offset, i, acc);
+        sum_over_ranks<T>(p, slot, i, acc);
         uint4 raw = residual[i];
         T* values = reinterpret_cast<T*>(&raw);
 #pragma unroll
