@@ -36,9 +36,10 @@ others in a collective that never completes: the process group's timeout ends th
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,22 +72,39 @@ class Op(IntEnum):
 
 
 class Channel:
-    """Rank 0's messages to the other ranks of its group, over broadcasts of tensors on `device`."""
+    """Rank 0's messages to the other ranks of its group, over broadcasts of tensors on `device`.
+
+    Headers through the gloo group are handed to gloo's thread and not waited for: rank 0 goes on to launch its step
+    while the bytes leave, instead of spending its host time, which bounds a large batch's step, on the send's round
+    trip. At most MAX_PENDING_HEADERS are in flight; beyond that the oldest is waited for, and `flush` waits for all
+    (a failed send raises there). Headers still arrive in order: gloo matches a group's broadcasts by sequence."""
+
+    MAX_PENDING_HEADERS = 32
 
     def __init__(self, tp: TensorParallel, device: torch.device) -> None:
         self.tp, self.device = tp, device
+        self._pending: deque[tuple[Any, torch.Tensor]] = deque()  # (gloo's work, the header it sends)
 
     def send(self, op: Op, *args: int, tensors: Sequence[torch.Tensor] = ()) -> None:
         if len(args) >= HEADER_LEN:
             raise ValueError(f"{op.name} has {len(args)} arguments; a header holds {HEADER_LEN - 1}")
         header = [int(op), *args] + [0] * (HEADER_LEN - 1 - len(args))
         if self.tp.header_group is not None:  # (host to host: waits for no GPU)
-            dist.broadcast(torch.tensor(header, dtype=torch.int64), src=self.tp.driver_rank,
-                           group=self.tp.header_group)
+            values = torch.tensor(header, dtype=torch.int64)
+            work = dist.broadcast(values, src=self.tp.driver_rank, group=self.tp.header_group, async_op=True)
+            self._pending.append((work, values))
+            while self._pending and (len(self._pending) > self.MAX_PENDING_HEADERS
+                                     or self._pending[0][0].is_completed()):
+                self._pending.popleft()[0].wait()  # (raises if that send failed)
         else:
             self.tp.broadcast(to_device(header, torch.int64, self.device))
         for tensor in tensors:
             self.tp.broadcast(tensor.contiguous())
+
+    def flush(self) -> None:
+        """Wait until every header handed to gloo has been sent."""
+        while self._pending:
+            self._pending.popleft()[0].wait()
 
     def receive(self) -> tuple[Op, list[int]]:
         if self.tp.header_group is not None:
@@ -203,6 +221,7 @@ class Driver:
         """End the workers' loops (once); the cache can no longer be written after it."""
         if not self.closed:
             self._send(Op.SHUTDOWN)
+            self.channel.flush()
             self.closed = True
 
     def _send(self, op: Op, *args: int, tensors: Sequence[torch.Tensor] = ()) -> None:
