@@ -27,7 +27,7 @@ from folio.model.tensor_parallel import (
     vocab_shard_size,
 )
 from folio.tp_launch import launch, replica_main
-from folio.tp_worker import Op, decode_batch, encode_batch
+from folio.tp_worker import HEADER_LEN, Channel, Op, decode_batch, encode_batch
 
 TP = 2
 PAGE_SIZE = 16
@@ -177,6 +177,58 @@ def test_a_forward_batch_crosses_the_channel_whole(prefill):
             assert theirs.dtype == mine.dtype and torch.equal(theirs, mine), field.name
         else:
             assert theirs == mine, field.name
+
+
+def _headers_in_a_burst(tp, count, stall_s):
+    """Rank 0 sends `count` headers at once while rank 1 is busy for stall_s: rank 0's sends return without waiting
+    for rank 1 (at most MAX_PENDING_HEADERS in flight); rank 1 then reads them all, in order."""
+    import time
+
+    channel = Channel(tp, torch.device("cpu"))
+    if tp.rank == 0:
+        started = time.monotonic()
+        most_pending = 0
+        for i in range(count):
+            channel.send(Op.COPY_SLOTS, i, i + 1, 7)
+            most_pending = max(most_pending, len(channel._pending))
+        sent_s = time.monotonic() - started
+        channel.flush()
+        return sent_s, most_pending, len(channel._pending)
+    time.sleep(stall_s)  # (busy: rank 0's headers wait in gloo)
+    return [channel.receive() for _ in range(count)]
+
+
+def test_headers_are_handed_to_gloo_and_arrive_in_order():
+    count, stall_s = Channel.MAX_PENDING_HEADERS // 2, 3.0
+    sent_s, most_pending, left = launch(_headers_in_a_burst, TP, (count, stall_s), **LAUNCH)
+    assert sent_s < stall_s / 2, f"rank 0 waited {sent_s:.2f} s for a busy peer"  # (wide margin: a loaded machine)
+    assert 1 <= most_pending <= Channel.MAX_PENDING_HEADERS and left == 0
+
+
+def _headers_received(tp, count):
+    channel = Channel(tp, torch.device("cpu"))
+    if tp.rank == 0:
+        for i in range(count):
+            channel.send(Op.COPY_SLOTS, i, i + 1, 7)
+        channel.flush()
+        return None
+    return [channel.receive() for _ in range(count)]
+
+
+def test_more_headers_than_may_be_in_flight_arrive_in_order():
+    count = 3 * Channel.MAX_PENDING_HEADERS + 5
+    received = launch(_each_rank_result, TP, (_headers_received, count), **LAUNCH)
+    assert received == [(Op.COPY_SLOTS, [i, i + 1, 7] + [0] * (HEADER_LEN - 4)) for i in range(count)]
+
+
+def _each_rank_result(tp, fn, *args):
+    """fn's result on rank 1, returned from rank 0 (launch returns rank 0's)."""
+    import torch.distributed as dist
+
+    mine = fn(tp, *args)
+    everyone = [None] * tp.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone[1]
 
 
 # --- (d) what cannot be split ---------------------------------------------------------------------------------------
