@@ -235,6 +235,8 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
     choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
     modes = [(m, h) for m in args.tp_all_reduce.split(",") for h in args.tp_headers.split(",")]
+    run_ranks = functools.partial(launch, rank_main, args.tp, backend="nccl" if args.device == "cuda" else "gloo",
+                                  timeout_s=1800, num_threads=1 if args.device == "cpu" else None)
     if args.device == "cuda":
         progress("all-reduce per call: launching")
         result["all_reduce_us"] = launch(all_reduce_times, args.tp, (config.hidden_size,), backend="nccl",
@@ -246,10 +248,7 @@ def main(argv=None) -> dict:
             key = ("tp_run" if not graphs else "tp_run_graphs") + (f"_{mode}_{headers}" if len(modes) > 1 else "")
             progress(f"{label}: launching")
             try:
-                result[key] = launch(rank_main, args.tp,
-                                     (args.shape, args.device, names, cache_tokens, graphs, mode, headers),
-                                     backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
-                                     num_threads=1 if args.device == "cpu" else None)
+                result[key] = run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers))
             except RuntimeError as error:  # (reported, and the other runs still printed)
                 result[key + "_error"] = str(error)[-2000:]
                 print(f"{label}: FAILED\n{str(error)[-2000:]}")
@@ -265,10 +264,7 @@ def main(argv=None) -> dict:
         progress(f"kernel report ({mode}, headers {headers}, graphs {graphs}): launching")
         with tempfile.TemporaryDirectory() as report_dir:
             try:
-                launch(rank_main, args.tp, (args.shape, args.device, names, cache_tokens, graphs, mode, headers,
-                                            report_dir),
-                       backend="nccl" if args.device == "cuda" else "gloo", timeout_s=1800,
-                       num_threads=1 if args.device == "cpu" else None)
+                run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers, report_dir))
                 result["kernel_report"] = {"mode": mode, "headers": headers, "graphs": graphs,
                                            "ranks": print_report(report_dir, args.tp)}
             except RuntimeError as error:

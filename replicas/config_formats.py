@@ -4,6 +4,7 @@ their names, checks and flag help. The names repeat folio.model.fp8_checkpoint.W
 
 from __future__ import annotations
 
+from folio.options import TP_ALL_REDUCE_MODES  # (folio.options imports no torch)
 from folio.serve.config_values import ConfigError, positive
 
 WEIGHT_FORMATS = ("fp8", "dense")
@@ -12,7 +13,6 @@ KV_FORMATS = ("bf16", "fp16", "fp32", "fp8", "q8", "q4", "q4h")
 KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # q4h has no CUDA kernel: only the reference ops run it, which a served replica never selects on a GPU.
 CPU_ONLY_KV_FORMATS = ("q4h",)
-TP_ALL_REDUCE_MODES = ("auto", "peer", "nccl")  # folio.options.TP_ALL_REDUCE_MODES
 
 # Help of the flags whose values a name alone does not tell (the others: ServeConfig's docstring).
 FLAG_HELP = {

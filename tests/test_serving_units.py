@@ -86,10 +86,6 @@ def test_config_format_names_are_the_engines():
     assert set(KV_FORMATS) == set(kv_formats.UNQUANTIZED_DTYPES) | set(kv_formats.QUANTIZED_FORMATS)
     for dtype, short in KV_FORMAT_OF_DTYPE.items():
         assert kv_formats.UNQUANTIZED_DTYPES[short] == getattr(torch, dtype)
-    from folio import options
-    from folio.serve.config_formats import TP_ALL_REDUCE_MODES
-
-    assert TP_ALL_REDUCE_MODES == options.TP_ALL_REDUCE_MODES
 
 
 def test_config_accepts_formats_as_serve_run_passes_them():

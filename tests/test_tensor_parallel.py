@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from tiny_models import make_hf_model
 
 import folio
@@ -182,8 +184,6 @@ def test_a_forward_batch_crosses_the_channel_whole(prefill):
 def _headers_in_a_burst(tp, count, stall_s):
     """Rank 0 sends `count` headers at once while rank 1 is busy for stall_s: rank 0's sends return without waiting
     for rank 1 (at most MAX_PENDING_HEADERS in flight); rank 1 then reads them all, in order."""
-    import time
-
     channel = Channel(tp, torch.device("cpu"))
     if tp.rank == 0:
         started = time.monotonic()
@@ -223,8 +223,6 @@ def test_more_headers_than_may_be_in_flight_arrive_in_order():
 
 def _each_rank_result(tp, fn, *args):
     """fn's result on rank 1, returned from rank 0 (launch returns rank 0's)."""
-    import torch.distributed as dist
-
     mine = fn(tp, *args)
     everyone = [None] * tp.world_size
     dist.all_gather_object(everyone, mine)

@@ -48,12 +48,9 @@ class PeerAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (`takes(x)` must hold)."""
-        if x.is_contiguous() and x.data_ptr() % 16 == 0:
-            self.native.all_reduce(x)
-            return x
-        y = x.clone(memory_format=torch.contiguous_format)  # a view: through a fresh (aligned) copy
+        y = _aligned(x)
         self.native.all_reduce(y)
-        return x.copy_(y)
+        return x if y is x else x.copy_(y)
 
     def broadcast(self, x: torch.Tensor) -> bool:
         """Rank 0's x into every rank's x, in place, where the kernel takes it (bytes of any type, whole 16-byte
@@ -62,11 +59,9 @@ class PeerAllReduce:
         num_bytes = x.numel() * x.element_size()
         if not (x.is_cuda and 0 < num_bytes <= self.max_bytes and num_bytes % 16 == 0):
             return False
-        if x.is_contiguous() and x.data_ptr() % 16 == 0:
-            self.native.broadcast(x)
-        else:  # a view: through a fresh (aligned) copy
-            y = x.clone(memory_format=torch.contiguous_format)
-            self.native.broadcast(y)
+        y = _aligned(x)
+        self.native.broadcast(y)
+        if y is not x:
             x.copy_(y)
         return True
 
@@ -81,13 +76,17 @@ class PeerAllReduce:
                                 eps: float) -> torch.Tensor:
         """x summed over the ranks, residual += it, then x = RMSNorm(residual) * weight, in one kernel (the
         layer's sum and the fused add-and-norm after it; `takes_add_rms_norm` must hold). Returns x."""
-        views = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-                 for t in (x, residual, weight)]
+        views = [_aligned(t) for t in (x, residual, weight)]
         self.native.all_reduce_add_rms_norm(*views, eps)
         for original, used in zip((x, residual), views):
-            if used is not original:  # a view: through a fresh (aligned) copy
+            if used is not original:
                 original.copy_(used)
         return x
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t where the kernels take it as it is (dense, 16-byte aligned); else a fresh copy (a view's), to copy back."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def fits(num_bytes: int, dtype: torch.dtype, max_bytes: int) -> bool:

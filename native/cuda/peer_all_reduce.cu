@@ -228,19 +228,9 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_norm_kernel(PeerAllR
 size_t peer_region_bytes(size_t slot_bytes) { return kFlagBytes + 2 * slot_bytes; }
 
 cudaError_t peer_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::kFloat32:
-      peer_all_reduce_kernel<float><<<kPeerBlocks, kThreads, 0, stream>>>(p);
-      break;
-    case ScalarType::kFloat16:
-      peer_all_reduce_kernel<__half><<<kPeerBlocks, kThreads, 0, stream>>>(p);
-      break;
-    case ScalarType::kBFloat16:
-      peer_all_reduce_kernel<__nv_bfloat16><<<kPeerBlocks, kThreads, 0, stream>>>(p);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  dispatch_scalar(p.dtype, [&](auto tag) {
+    peer_all_reduce_kernel<decltype(tag)><<<kPeerBlocks, kThreads, 0, stream>>>(p);
+  });
   return cudaGetLastError();
 }
 
@@ -250,19 +240,9 @@ cudaError_t peer_broadcast(const PeerAllReduceParams& p, cudaStream_t stream) {
 }
 
 cudaError_t peer_all_reduce_add_rms_norm(const PeerAllReduceParams& p, const PeerNormParams& n, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::kFloat32:
-      peer_all_reduce_norm_kernel<float><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
-      break;
-    case ScalarType::kFloat16:
-      peer_all_reduce_norm_kernel<__half><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
-      break;
-    case ScalarType::kBFloat16:
-      peer_all_reduce_norm_kernel<__nv_bfloat16><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  dispatch_scalar(p.dtype, [&](auto tag) {
+    peer_all_reduce_norm_kernel<decltype(tag)><<<kPeerBlocks, kThreads, 0, stream>>>(p, n);
+  });
   return cudaGetLastError();
 }
 
