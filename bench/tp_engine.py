@@ -84,12 +84,13 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} pid {os.getpid()}] {message}", file=sys.stderr, flush=True)
 
 
-def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) -> dict:
-    """tok/s and ms per token of each workload, on a generator over `cache`."""
+def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool, max_seq_len: int = 512) -> dict:
+    """tok/s and ms per token of each workload, on a generator over `cache` (graphs captured for max_seq_len's
+    pages: a server's default is the model's whole context)."""
     out = {}
     tokenizer = synthetic_tokenizer(model.config.vocab_size)
     progress(f"generator, graphs {'on' if graphs else 'off'}: warming up")
-    gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=64, max_seq_len=512, cuda_graphs=graphs)
+    gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=64, max_seq_len=max_seq_len, cuda_graphs=graphs)
     gen.warmup()
     for name in names:
         streams, prompt, new = WORKLOADS[name]
@@ -119,18 +120,18 @@ def run_workloads(model: Model, cache: Cache, names: list[str], graphs: bool) ->
 
 
 def rank_main(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
-              graphs: bool, all_reduce: str = "auto", headers: str = "host", report_dir: str | None = None
-              ) -> dict | None:
+              graphs: bool, all_reduce: str = "auto", headers: str = "host", report_dir: str | None = None,
+              max_seq_len: int = 512) -> dict | None:
     """folio.tp_launch.launch's main: every rank makes its shard; rank 0 runs the workloads, the others serve.
     report_dir: each rank records its kernels (tp_kernel_report) and writes their summary there."""
     from tp_kernel_report import recorded
 
     with recorded(tp.rank, device_type, report_dir):
-        return _rank_run(tp, shape, device_type, names, cache_tokens, graphs, all_reduce, headers)
+        return _rank_run(tp, shape, device_type, names, cache_tokens, graphs, all_reduce, headers, max_seq_len)
 
 
 def _rank_run(tp: TensorParallel, shape: str, device_type: str, names: list[str], cache_tokens: int,
-              graphs: bool, all_reduce: str, headers: str) -> dict | None:
+              graphs: bool, all_reduce: str, headers: str, max_seq_len: int) -> dict | None:
     from folio.tp_worker import Driver, run_worker
 
     # A rank that hangs (a collective one rank never reaches, a capture that never ends) prints every thread's
@@ -148,7 +149,7 @@ def _rank_run(tp: TensorParallel, shape: str, device_type: str, names: list[str]
         return None
     driver = Driver(tp, Cache(model, num_tokens=cache_tokens, page_size=256 if device_type == "cuda" else 16))
     try:
-        return run_workloads(model, driver.cache, names, graphs=graphs)
+        return run_workloads(model, driver.cache, names, graphs=graphs, max_seq_len=max_seq_len)
     finally:
         driver.shutdown()
 
@@ -207,6 +208,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tp-headers", default="host",
                         help="comma-separated: how rank 0's message headers travel, 'host' (a gloo group, the "
                              "default) or 'device' (the model's group); one run each, with each all-reduce mode")
+    parser.add_argument("--max-seq-len", type=int, default=512,
+                        help="the generators' max_seq_len: decode graphs are captured for its pages (a server's "
+                             "default is the model's context, 131072 for the 8B shape)")
     parser.add_argument("--kernel-report", action="store_true",
                         help="one more tensor-parallel run (the first mode, graphs as the last run) with every "
                              "rank's kernels recorded: their times side by side (bench/tp_kernel_report.py)")
@@ -227,17 +231,18 @@ def main(argv=None) -> dict:
         model = random_model(config, torch.device(args.device), dtype, None)
         for graphs in ((True, False) if args.device == "cuda" else (False,)):
             cache = Cache(model, num_tokens=cache_tokens, page_size=256 if args.device == "cuda" else 16)
-            result[f"single_graphs_{graphs}"] = run_workloads(model, cache, names, graphs)
+            result[f"single_graphs_{graphs}"] = run_workloads(model, cache, names, graphs, args.max_seq_len)
             rows.append((f"1 process, graphs {'on' if graphs else 'off'}", result[f"single_graphs_{graphs}"]))
             del cache
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
     choice = args.tp_graphs or ("both" if args.device == "cuda" else "off")
-    modes = [(m, h) for m in args.tp_all_reduce.split(",") for h in args.tp_headers.split(",")]
+    # (--tp 1: the one-process runs alone)
+    modes = [(m, h) for m in args.tp_all_reduce.split(",") for h in args.tp_headers.split(",")] if args.tp > 1 else []
     run_ranks = functools.partial(launch, rank_main, args.tp, backend="nccl" if args.device == "cuda" else "gloo",
                                   timeout_s=1800, num_threads=1 if args.device == "cpu" else None)
-    if args.device == "cuda":
+    if args.device == "cuda" and args.tp > 1:
         progress("all-reduce per call: launching")
         result["all_reduce_us"] = launch(all_reduce_times, args.tp, (config.hidden_size,), backend="nccl",
                                          timeout_s=600)
@@ -248,13 +253,14 @@ def main(argv=None) -> dict:
             key = ("tp_run" if not graphs else "tp_run_graphs") + (f"_{mode}_{headers}" if len(modes) > 1 else "")
             progress(f"{label}: launching")
             try:
-                result[key] = run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers))
+                result[key] = run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers, None,
+                                         args.max_seq_len))
             except RuntimeError as error:  # (reported, and the other runs still printed)
                 result[key + "_error"] = str(error)[-2000:]
                 print(f"{label}: FAILED\n{str(error)[-2000:]}")
                 continue
             rows.append((label, result[key]))
-    if args.kernel_report:
+    if args.kernel_report and modes:
         import tempfile
 
         from tp_kernel_report import print_report
@@ -264,7 +270,8 @@ def main(argv=None) -> dict:
         progress(f"kernel report ({mode}, headers {headers}, graphs {graphs}): launching")
         with tempfile.TemporaryDirectory() as report_dir:
             try:
-                run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers, report_dir))
+                run_ranks((args.shape, args.device, names, cache_tokens, graphs, mode, headers, report_dir,
+                           args.max_seq_len))
                 result["kernel_report"] = {"mode": mode, "headers": headers, "graphs": graphs,
                                            "ranks": print_report(report_dir, args.tp)}
             except RuntimeError as error:
@@ -276,7 +283,7 @@ def main(argv=None) -> dict:
                               + config.vocab_size * config.hidden_size)
     floor_ms = 1e3 * weight_bytes / (args.tp * result["copy_GBps"] * 1e9) if "copy_GBps" in result else None
     print(f"\n{result.get('card', 'cpu')}, {args.shape} ({weight_bytes / 1e9:.1f} GB of weights), tensor parallel "
-          f"{args.tp}" + (f"; W1 floor {floor_ms:.2f} ms/token at {args.tp} x {result['copy_GBps']:.0f} GB/s"
+          f"{args.tp}, max_seq_len {args.max_seq_len}" + (f"; W1 floor {floor_ms:.2f} ms/token at {args.tp} x {result['copy_GBps']:.0f} GB/s"
                           if floor_ms else ""))
     print("| run | " + " | ".join(f"{n} tok/s | {n} ms/token" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))

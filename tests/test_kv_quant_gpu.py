@@ -211,6 +211,30 @@ def test_decode_replays_in_a_cuda_graph(_, name):
     assert torch.equal(out, eager), "the graph replay differs from the eager call (nondeterminism?)"
 
 
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA, id="cuda")])
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("q_heads,kv_heads", [(32, 8), (32, 1)], ids=["tensor-cores", "cuda-cores"])
+def test_decode_rows_far_shorter_than_the_table_in_a_graph(_, name, q_heads, kv_heads):
+    """A graph captured with tables 512 pages wide (8,192 keys), as a decode graph's are for max_seq_len, replayed as
+    the rows' lengths change: each row splits by its own length, and every replay gives the reference's answer."""
+    g = gen(23 + len(name) + kv_heads)
+    k_codes, v_codes, k_scales, v_scales, tables, lens = caches_for([8192] * 3, 16, kv_heads, 128, name, g)
+    q = randn(3, q_heads, 128, dtype=torch.bfloat16, device="cuda", g=g)
+    args = (q, k_codes, v_codes, k_scales, v_scales, tables, lens, 128**-0.5, 0, 0.0, CODES[name])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        NATIVE["cuda"].paged_attention_decode_quant(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = NATIVE["cuda"].paged_attention_decode_quant(*args)
+    for lengths in ([8192, 4000, 2049], [1, 700, 65], [300, 8192, 16]):
+        lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        assert_close(out, ref.paged_attention_decode_quant(*on_cpu(*args)), torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------------ prefill
 
 

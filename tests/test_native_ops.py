@@ -294,10 +294,11 @@ def test_rotary_cache_write_rejects_overlapping_layouts(device):
 # ---------------------------------------------------------------------------------------------- paged attention
 
 
-def make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, device, g):
-    """Random K/V caches and shuffled block tables holding each sequence's pages (padding: valid random pages)."""
+def make_paged_kv(context_lens, page_size, kv_heads, head_dim, dtype, device, g, width=None):
+    """Random K/V caches and shuffled block tables holding each sequence's pages (padding: valid random pages), `width`
+    pages wide (default: one more than the longest sequence's)."""
     blocks = [-(-c // page_size) for c in context_lens]
-    max_blocks = max(blocks) + 1
+    max_blocks = max(blocks) + 1 if width is None else width
     num_pages = sum(blocks) + 3
     perm = torch.randperm(num_pages, generator=g)
     block_tables = torch.randint(0, num_pages, (len(context_lens), max_blocks), generator=g, dtype=torch.int32)
@@ -362,6 +363,60 @@ def test_cuda_paged_attention_split_merge_repeats_and_replays(_):
         out.zero_()
         graph.replay()
         assert torch.equal(out, first)
+
+
+# Lengths of the same six rows in turn, under a table 512 pages of 16 wide (8,192 keys).
+WIDE_TABLE_LENGTHS = ([1, 64, 65, 300, 2049, 8192], [2, 700, 129, 8191, 16, 1000], [5000, 5000, 17, 1, 64, 8000])
+
+
+@pytest.mark.parametrize("device,dtype",
+                         cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16, torch.float32)))
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_paged_attention_decode_rows_far_shorter_than_the_table(device, dtype, head_dim):
+    """A decode graph's block tables are as wide as max_seq_len whatever its rows hold (on CUDA the splits are planned
+    for the width, and each row divides its keys into those its own length gets). One call, on CUDA captured in a
+    graph, replayed as the lengths change (and the workspace holds the last replay's partials): the reference's
+    answer every time. head_dim 128 in bfloat16 runs the tensor-core kernel, the others the CUDA-core one."""
+    g = gen(91 + head_dim)
+    k_cache, v_cache, tables, lens = make_paged_kv(WIDE_TABLE_LENGTHS[0], 16, 2, head_dim, dtype, device, g, width=512)
+    q = randn(len(lens), 8, head_dim, dtype=dtype, device=device, g=g)
+
+    def call():
+        return NATIVE[device].paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.1, 0, 0.0)
+
+    run = call
+    if device == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+
+        def run():
+            graph.replay()
+            return out
+
+    for lengths in WIDE_TABLE_LENGTHS:
+        lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        want = ref.paged_attention_decode(*on_cpu(q, k_cache, v_cache, tables, lens), 0.1, 0, 0.0)
+        assert_close(run(), want, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16,)))
+def test_paged_attention_prefill_rows_far_shorter_than_the_table(device, dtype):
+    """Prefill rows (the CUDA-core kernel, causal) under a table 256 pages of 16 wide: each row splits by its own
+    length."""
+    runs = [(3, 10), (40, 300), (1, 2000), (17, 17), (5, 4096)]
+    g = gen(404)
+    k_cache, v_cache, tables, lens = make_paged_kv([c for _, c in runs], 16, 2, 64, dtype, device, g, width=256)
+    q_lens = [n for n, _ in runs]
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    q = randn(sum(q_lens), 8, 64, dtype=dtype, device=device, g=g)
+    args = (q, k_cache, v_cache, tables, cu, lens, 0.125, max(q_lens), 0, 0.0)
+    assert_close(NATIVE[device].paged_attention(*args), ref.paged_attention(*on_cpu(*args)), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", cases(cpu_dtypes=(torch.float32,), cuda_dtypes=(torch.bfloat16,)))

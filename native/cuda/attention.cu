@@ -9,9 +9,10 @@
 // talk inside the main loop; at the end they merge through shuffles and shared memory.
 //
 // Long contexts are split over several blocks (flash-decoding). Each split writes an unnormalized partial
-// (accumulator, max, sum) to the workspace and `combine_kernel` merges them. The split sizes come from each
-// row's own context length, read on the device, so no host synchronization is needed; the number of splits
-// is fixed on the host from the block-table width (an upper bound of the context).
+// (accumulator, max, sum) to the workspace and `combine_kernel` merges them. The grid's number of splits is fixed
+// on the host from the block-table width (an upper bound of the context); each row takes the splits that the
+// plan gives its own length (AttentionPlan::by_length, read on the device with the row's context length, so no host
+// synchronization is needed) and sizes them from that length.
 //
 // Decode over 16-bit caches with head_dim 64 or 128 (every Llama shape) runs on tensor cores instead
 // (attention_mma.cu), writing the same partials; this kernel covers prefill rows, fp32 and other head dims.
@@ -39,13 +40,14 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxGroupTile = 8;
 constexpr int kMinSplitKeys = 64;  // below this, a split's fixed costs outweigh the parallelism it adds
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = 64;  // (AttentionPlan::by_length holds split counts in a byte)
 constexpr int64_t kSplitFixedKeys = 128;  // a split block's fixed cost in keys' time (splits_in_whole_waves)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct KernelArgs {
   PagedAttentionParams p;
-  int num_splits;
+  int num_splits;    // the grid's
+  SplitsByLength by_length;
   int group;         // Hq / Hkv
   int head_chunks;   // blocks along the query heads of one kv head: ceil(group / G_TILE)
   int page_shift;    // log2(page_size)
@@ -70,6 +72,16 @@ __device__ __forceinline__ void row_extent(const PagedAttentionParams& p, int64_
   seq = lo;
   const int64_t q_begin = p.cu_seqlens_q[lo], q_len = p.cu_seqlens_q[lo + 1] - q_begin;
   num_keys = p.context_lens[lo] - q_len + (row - q_begin) + 1;
+}
+
+// A row's keys, [first_key, num_keys) (from its window's start), clamped as decode_row_keys clamps them: malformed
+// index tensors (which only the CPU binding can afford to check) cannot make a kernel read past the block-table row.
+__device__ __forceinline__ void row_keys(const PagedAttentionParams& p, int64_t row, int page_shift, int64_t& seq,
+                                         int64_t& first_key, int64_t& num_keys) {
+  row_extent(p, row, seq, num_keys);
+  num_keys = min(num_keys, min(static_cast<int64_t>(p.context_lens[seq]), p.max_blocks << page_shift));
+  num_keys = max(num_keys, int64_t{0});
+  first_key = first_visible_key(p, num_keys - 1);
 }
 
 // cp.async (sm_80+): BYTES (4, 8, 16 or 32) from global to shared, or zeros without reading when !valid.
@@ -165,17 +177,12 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
   const int dim0 = (lane % LANES_PER_TOKEN) * 8;
   const bool lane_active = EXACT_D || dim0 < p.head_dim;
 
-  int64_t seq, num_keys;
-  row_extent(p, row, seq, num_keys);
-  // Clamped so that malformed index tensors (which only the CPU binding can afford to check) cannot make the
-  // kernel read past the block-table row.
-  num_keys = min(num_keys, min(static_cast<int64_t>(p.context_lens[seq]), p.max_blocks << a.page_shift));
-  num_keys = max(num_keys, int64_t{0});
-  const int64_t first_key = first_visible_key(p, num_keys - 1);  // the window's start: earlier pages are not read
-  const int64_t per_split = (num_keys - first_key + a.num_splits - 1) / a.num_splits;
-  const int64_t split_len = (per_split + kKeysPerIter - 1) / kKeysPerIter * kKeysPerIter;
-  const int64_t key_begin = first_key + split * split_len;
-  const int64_t key_end = min(num_keys, key_begin + split_len);
+  int64_t seq, first_key, num_keys;  // from the window's start: earlier pages are not read
+  row_keys(p, row, a.page_shift, seq, first_key, num_keys);
+  const int splits = row_splits(a.by_length, num_keys - first_key);
+  if (split >= splits) return;  // (this row's keys take fewer splits than the grid has)
+  int64_t key_begin, key_end;
+  split_keys(first_key, num_keys, splits, split, kKeysPerIter, key_begin, key_end);
   // Soft-capping in the scores' log2 units: c * tanh(s / c) with c = softcap * log2(e) (q carries scale * log2(e)).
   const float softcap2 = p.softcap * kLog2e;
   const float inv_softcap2 = p.softcap > 0.0f ? 1.0f / softcap2 : 0.0f;
@@ -367,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
       value += sm_acc[w][g][d] * scale;
     }
     const int64_t row_head = row * p.num_q_heads + head0 + g;
-    if (a.num_splits == 1) {
+    if (splits == 1) {
       static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(sum > 0.0f ? value / sum : 0.0f);
     } else {
       const int64_t part = row_head * a.num_splits + split;
@@ -380,25 +387,36 @@ __global__ void __launch_bounds__(kThreads, G_TILE * sizeof(T) >= 16 ? 2 : 4) at
   }
 }
 
-// grid (rows, Hq); merges the splits of one (row, head). Every split wrote its partial (empty ones: max -inf,
-// sum 0, accumulator 0), so nothing uninitialized is read.
+// grid (rows, Hq); merges the splits of one (row, head): those its row's length gave it (row_splits), each of which
+// wrote its partial (empty ones: max -inf, sum 0, accumulator 0), so nothing uninitialized is read. A row of one
+// split was written by its attention block. The partials' maxima and sums are read once, side by side, into shared
+// memory: read in the loops below, their loads would come one after another for every split.
 template <typename T>
 __global__ void combine_kernel(KernelArgs a) {
+  __shared__ float sm_ml[2 * kMaxSplits];
   grid_dependency_wait();
   allow_dependent_launch();
   const PagedAttentionParams& p = a.p;
-  const int64_t row_head = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
+  const int64_t row = blockIdx.x;
+  int64_t seq, first_key, num_keys;
+  row_keys(p, row, a.page_shift, seq, first_key, num_keys);
+  const int splits = row_splits(a.by_length, num_keys - first_key);
+  if (splits <= 1) return;
+  const int64_t row_head = row * p.num_q_heads + blockIdx.y;
   const float* ml = a.partial_ml + 2 * row_head * a.num_splits;
+  for (int i = threadIdx.x; i < 2 * splits; i += blockDim.x) sm_ml[i] = ml[i];
+  __syncthreads();
   float mx = -INFINITY;
-  for (int s = 0; s < a.num_splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, sm_ml[2 * s]);
   const float base = mx == -INFINITY ? 0.0f : mx;
   float sum = 0.0f;
-  for (int s = 0; s < a.num_splits; ++s) sum += ml[2 * s + 1] * exp2f(ml[2 * s] - base);
+  for (int s = 0; s < splits; ++s) sum += sm_ml[2 * s + 1] * exp2f(sm_ml[2 * s] - base);
   const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
   const float* acc = a.partial_acc + row_head * a.num_splits * p.head_dim;
   for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
     float value = 0.0f;
-    for (int s = 0; s < a.num_splits; ++s) value += acc[s * p.head_dim + d] * exp2f(ml[2 * s] - base);
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) value += acc[s * p.head_dim + d] * exp2f(sm_ml[2 * s] - base);
     static_cast<T*>(p.out)[row_head * p.head_dim + d] = from_float<T>(value * inv_sum);
   }
 }
@@ -479,22 +497,26 @@ AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int64_t num_ro
   const int64_t base_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads * head_chunks);
   // keys one row attends to at most: the block-table width, or the window
   const int64_t max_keys = p.window > 0 ? std::min(p.max_blocks * p.page_size, p.window) : p.max_blocks * p.page_size;
-  const int64_t by_length = (max_keys + kMinSplitKeys - 1) / kMinSplitKeys;
-  const int64_t max_splits = std::max<int64_t>(1, std::min(by_length, int64_t{kMaxSplits}));
   // The 16-bit tensor-core decode kernel (one block per row and kv head) is planned in whole waves of the blocks an
   // SM holds. The other kernels aim at about one full wave at 4 blocks an SM: the quantized-page kernel fills a
   // deeper copy ring at each block's start, and more splits made it slower (bench/RESULTS.md).
   const bool mma16 = decode_mma && p.quant.format == KvFormat::kNone && decode_attention_mma_applies(p);
   const int mma_per_sm = mma16 ? decode_attention_mma_blocks_per_sm(p) : 0;
-  int64_t splits = 0;
-  if (mma_per_sm > 0) {
-    const int64_t mma_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads);
-    splits = splits_in_whole_waves(mma_blocks, int64_t{mma_per_sm} * num_sms, max_keys, max_splits);
-  } else {
-    const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
-    splits = std::max<int64_t>(1, std::min(wanted, max_splits));
+  const int64_t mma_blocks = std::max<int64_t>(1, num_rows * p.num_kv_heads);
+  const int64_t wanted = (4 * static_cast<int64_t>(num_sms) + base_blocks - 1) / base_blocks;  // ~one full wave
+  // The splits for rows of `keys` keys, as if every row held that many.
+  auto splits_for = [&](int64_t keys) {
+    const int64_t by_length = (keys + kMinSplitKeys - 1) / kMinSplitKeys;
+    const int64_t max_splits = std::max<int64_t>(1, std::min(by_length, int64_t{kMaxSplits}));
+    if (mma_per_sm > 0) return splits_in_whole_waves(mma_blocks, int64_t{mma_per_sm} * num_sms, keys, max_splits);
+    return std::max<int64_t>(1, std::min(wanted, max_splits));
+  };
+  const int64_t splits = splits_for(max_keys);
+  AttentionPlan plan{static_cast<int>(splits), 0, {}};
+  for (int k = 0; k < kSplitLengthBuckets; ++k) {  // (a bucket at or past max_keys gets `splits` itself)
+    const int64_t keys = std::min(int64_t{64} << k, max_keys);
+    plan.by_length.splits[k] = static_cast<uint8_t>(std::min(splits, splits_for(keys)));
   }
-  AttentionPlan plan{static_cast<int>(splits), 0};
   if (splits > 1) plan.workspace_floats = num_rows * p.num_q_heads * splits * (p.head_dim + 2);
   return plan;
 }
@@ -506,6 +528,7 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   KernelArgs a{};
   a.p = p;
   a.num_splits = plan.num_splits;
+  a.by_length = plan.by_length;
   a.group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int g_tile = group_tile(a.group);
   a.head_chunks = (a.group + g_tile - 1) / g_tile;
@@ -524,7 +547,7 @@ cudaError_t paged_attention(const PagedAttentionParams& p, int64_t num_rows, con
   dispatch_scalar(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (mma) {
-      status = decode_attention_mma(p, num_rows, plan.num_splits, a.page_shift, a.partial_acc, a.partial_ml, launch);
+      status = decode_attention_mma(p, num_rows, plan, a.page_shift, a.partial_acc, a.partial_ml, launch);
     } else if (quant) {
       if constexpr (std::is_same_v<T, float>) {
         status = cudaErrorInvalidValue;  // attention_unsupported_reason() refuses float32 q first

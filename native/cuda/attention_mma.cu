@@ -36,7 +36,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 struct MmaArgs {
   PagedAttentionParams p;
-  int num_splits;
+  int num_splits;  // the grid's
+  SplitsByLength by_length;
   int group;        // Hq / Hkv
   int page_shift;   // log2(page_size)
   float* partial_acc;
@@ -128,14 +129,12 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   const int g = lane / 4, t = lane % 4;
   const int head0 = kv_head * a.group;
 
-  int64_t num_keys = p.context_lens[row];
-  num_keys = min(num_keys, p.max_blocks << a.page_shift);  // malformed inputs cannot read past the table row
-  num_keys = max(num_keys, int64_t{0});
-  const int64_t first_key = first_visible_key(p, num_keys - 1);  // the window's start: earlier pages are not read
-  const int64_t per_split = (num_keys - first_key + a.num_splits - 1) / a.num_splits;
-  const int64_t split_len = (per_split + kTileKeys - 1) / kTileKeys * kTileKeys;
-  const int64_t key_begin = first_key + split * split_len;
-  const int64_t key_end = min(num_keys, key_begin + split_len);
+  int64_t first_key, num_keys;  // from the window's start: earlier pages are not read
+  decode_row_keys(p, row, a.page_shift, first_key, num_keys);
+  const int splits = row_splits(a.by_length, num_keys - first_key);
+  if (split >= splits) return;  // (this row's keys take fewer splits than the grid has)
+  int64_t key_begin, key_end;
+  split_keys(first_key, num_keys, splits, split, kTileKeys, key_begin, key_end);
   const int num_tiles = key_end > key_begin ? static_cast<int>((key_end - key_begin + kTileKeys - 1) / kTileKeys) : 0;
 
   // Q as the A operand of S = Q K^T, loaded once: qa[s] covers dims 16s .. 16s + 15.
@@ -307,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
       value += sm_o[(w * kMaxGroup + h) * HEAD_DIM + d] * weight;
     }
     const int64_t row_head = row * p.num_q_heads + head0 + h;
-    if (a.num_splits == 1) {
+    if (splits == 1) {
       static_cast<T*>(p.out)[row_head * HEAD_DIM + d] = from_float<T>(sum > 0.0f ? value / sum : 0.0f);
     } else {
       const int64_t part = row_head * a.num_splits + split;
@@ -357,15 +356,16 @@ bool decode_attention_mma_applies(const PagedAttentionParams& p) {
   return p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 && p.num_q_heads / p.num_kv_heads <= kMaxGroup;
 }
 
-cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, int num_splits, int page_shift,
-                                 float* partial_acc, float* partial_ml, const Launch& launch) {
+cudaError_t decode_attention_mma(const PagedAttentionParams& p, int64_t num_rows, const AttentionPlan& plan,
+                                 int page_shift, float* partial_acc, float* partial_ml, const Launch& launch) {
   if (p.quant.format != KvFormat::kNone) {
-    return decode_attention_mma_quant(p, num_rows, num_splits, page_shift, partial_acc, partial_ml, launch);
+    return decode_attention_mma_quant(p, num_rows, plan, page_shift, partial_acc, partial_ml, launch);
   }
-  if (p.num_kv_heads > 65535 || num_splits > 65535) return cudaErrorInvalidValue;
+  if (p.num_kv_heads > 65535 || plan.num_splits > 65535) return cudaErrorInvalidValue;
   MmaArgs a{};
   a.p = p;
-  a.num_splits = num_splits;
+  a.num_splits = plan.num_splits;
+  a.by_length = plan.by_length;
   a.group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   a.page_shift = page_shift;
   a.partial_acc = partial_acc;

@@ -36,9 +36,19 @@ cudaError_t rotary_cache_write_quant(const RotaryCacheWriteParams& p, const Laun
 // (flash-decoding); their partial results go to `workspace` and a second kernel merges them. decode_mma: decode rows
 // run on the tensor-core kernel (attention_mma.cuh) where it applies, else on the CUDA-core one (EngineOptions.
 // decode_attention, for A/B timing); prefill rows always run on the CUDA-core kernel.
+//
+// The split is planned from the block-table width, which under CUDA graphs is max_seq_len's pages (131,072 keys for
+// a Llama 3 context) whatever the rows hold. So each row divides its keys into the splits that the plan's cost rule
+// gives a context of its length (splits_by_length, by the power-of-two bucket of its visible keys, at most
+// num_splits): its other blocks return at once and the merge reads only the partials written.
+constexpr int kSplitLengthBuckets = 16;  // bucket k: up to 64 << k visible keys (the last also takes longer rows)
+struct SplitsByLength {
+  uint8_t splits[kSplitLengthBuckets];
+};
 struct AttentionPlan {
-  int num_splits;                // thread blocks per (row, kv head group)
+  int num_splits;                // thread blocks per (row, kv head group): the most any row uses
   int64_t workspace_floats;      // floats of workspace needed (0 when num_splits == 1)
+  SplitsByLength by_length;      // splits of a row by its length (1 <= splits <= num_splits)
 };
 // Head-dim / alignment support of the CUDA kernels; returns nullptr when supported, else the reason.
 const char* attention_unsupported_reason(const PagedAttentionParams& p);
