@@ -9,6 +9,7 @@
 #   SUITE=tp   ...                         # 2 GPUs: tensor parallel 2 against 1: the engine (bench/tp_engine.py) and
 #                                          # through gRPC (1 stream and 256 streams)
 #   SUITE=four ...                         # 4 GPUs: W2-like at 1 and 4 replicas, chat under the three routers
+#   SUITE=flood ...                        # 1 GPU: the burst of 1,000 at one replica, twice (run 1 of SUITE=one)
 #   SUITE=tp4  ...                         # 4 GPUs: the 70B shape at tensor parallel 4 (engine, then through gRPC)
 # Ray from .raybundle/ (../shared/tools/ray-bundle-for-gpu.sh) when it is there; WHEELS=dir: more wheels to install
 # beside it (e.g. llguidance, py-spy). SHAPE (8B), BUDGET_S (570: the whole call), logs and JSON in $OUT.
@@ -67,12 +68,15 @@ w2_1="--workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --durati
 # replicas hold everything and no router can matter)
 chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 600 --no-engine --set ingress_replicas=2 \
 --cache-tokens 98304"
+flood="bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
+--duration 20 --clients 4"
 case "$SUITE" in
+  flood)
+    runs+=("$flood" "$flood");;
   one)
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 25 --rate 2 \
 --requests 40 --profile-s 10 --label w2-engine")
-    runs+=("bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
---duration 20 --clients 4")
+    runs+=("$flood")
     # through Serve's proxy actors (run 0 is direct, the default; with two ingress replicas direct ran the same)
     runs+=("$serve ${w2_1/ingress_replicas=2/ingress_replicas=1} --set ingress_mode=proxy --label w2-proxy");;
   two|four)
