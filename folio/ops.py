@@ -247,6 +247,13 @@ def native_key_index() -> type | None:
     return getattr(module, "KeyIndex", None) if module is not None else None
 
 
+def native_candidate_waits() -> Callable | None:
+    """The router's native pass over its candidates (folio._native_cpu.candidate_waits_least, see
+    folio.router.cost.LoadTable.least_waiting), or None when the CPU module was not built."""
+    module = load_native("cpu")
+    return getattr(module, "candidate_waits_least", None) if module is not None else None
+
+
 def peer_all_reduce_class() -> type | None:
     """The CUDA module's PeerAllReduce (native/bindings/peer_all_reduce.cpp; see folio.model.peer_all_reduce), or None
     when the CUDA module was not built."""

@@ -13,6 +13,7 @@ CPU_SOURCES = [
     "native/cpu/page_copy.cpp",
     "native/cpu/sampling.cpp",
     "native/cpu/key_index.cpp",
+    "native/cpu/route_waits.cpp",
 ]
 
 CUDA_MODULE = "folio._native_cuda"

@@ -26,12 +26,15 @@ requests between them. Each counts the routers sharing the fleet (num_routers: w
 against what it sent them, over the last half minute of reports) and weighs a request it routes that many times
 until the next report, since the others, seeing what it sees, send as many meanwhile.
 
-Per-replica values live in flat numpy arrays indexed by the index's slots, so wait() for every replica is a few
-vector operations, and the shortlist (the k replicas that wait least) is one argpartition.
+Per-replica values live in flat numpy arrays indexed by the index's slots. A decision's pass over every candidate
+(each one's wait, and the k that wait least: least_waiting) is one native call where folio's CPU module is built
+(folio._native_cpu.candidate_waits_least: a loop and a selection, where numpy paid its fixed cost on half a dozen
+whole-array operations and a partial sort), else the same in numpy.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable
@@ -234,6 +237,24 @@ class LoadTable:
         unshared += wait
         return wait, unshared
 
+    def least_waiting(self, rows: np.ndarray | slice, num_candidates: int, uncached_tokens: float, k: int,
+                      native: bool = True) -> tuple[np.ndarray, list[int]]:
+        """waits(rows, uncached_tokens)'s first vector (`wait`, one per candidate), and the positions of the k
+        candidates whose unshared waits are least, in increasing order of (unshared wait, position). rows: the
+        candidates' slots, or slice(0, num_candidates) where they are the first slots in order. native=False: the
+        numpy path (the native one's oracle in the tests)."""
+        scan = _native_scan() if native else None
+        if scan is None:
+            wait, unshared = self.waits(rows, uncached_tokens)
+            return wait, np.argsort(unshared, kind="stable")[:k].tolist()
+        self.refresh()
+        if isinstance(rows, slice):
+            assert rows.start in (0, None) and rows.stop == num_candidates and rows.step in (1, None), rows
+        wait = np.empty(num_candidates)
+        least = scan(self.busy_until, self.settled, self.one_job_s, self.fit_tokens,
+                     None if isinstance(rows, slice) else rows, self._clock(), float(uncached_tokens), k, wait)
+        return wait, least
+
     def wait_with_jobs(self, slot: int, jobs: float) -> float:
         """waits() of one slot with a current job count (e.g. Ray's queue-length cache) in place of the reports'
         plus what was routed since."""
@@ -247,6 +268,15 @@ class LoadTable:
         self.refresh()
         return (self.eff_prefill.item(slot), max(self.busy_until.item(slot) - self._clock(), 0.0),
                 self.fit_tokens.item(slot), self.one_job_s.item(slot))
+
+
+@functools.cache
+def _native_scan() -> Callable | None:
+    """folio._native_cpu.candidate_waits_least, or None where the CPU module is not built (imported here, on first
+    use: the router's modules import neither torch nor compiled code until they need it)."""
+    from folio.ops import native_candidate_waits
+
+    return native_candidate_waits()
 
 
 def _median(values: np.ndarray) -> float:

@@ -246,8 +246,14 @@ class PrefixRouterPolicy:
         num_reusable = geometry.num_reusable_keys(prompt_len, depths)
         slots, position_of, rows = self._slots(candidate_ids)
         loads = self.loads
-        # Chosen by what a request sharing nothing would wait there, page shortfall included.
-        wait, unshared = loads.waits(rows, prompt_len)
+        # Several routers choosing at once from the same view spread over as many times the candidates, each scoring
+        # a random draw of them. A router alone knows every request sent since the reports (its own) and scores the
+        # least waiting: a draw would leave a replica idle while it sends to busier ones (on a few replicas, a new
+        # prefix's home), as power-of-two choices does. Least by what a request sharing nothing would wait there,
+        # page shortfall included; among equal waits, the earlier candidate.
+        routers = loads.num_routers
+        k = min(len(slots), round(self.config.shortlist_size * routers))
+        wait, least = loads.least_waiting(rows, len(slots), prompt_len, k)
         matches = self.index.match(keys[:num_reusable]) if num_reusable else {}
         shortlist = {}
         for slot, match in matches.items():
@@ -260,16 +266,9 @@ class PrefixRouterPolicy:
             deepest = max(match.num_blocks for match in shortlist.values())
             num_copies = sum(match.num_blocks == deepest for match in shortlist.values())
             shortlist = self._least_waiting_per_depth(shortlist, wait)
-        # Several routers choosing at once from the same view spread over as many times the candidates, each scoring
-        # a random draw of them. A router alone knows every request sent since the reports (its own) and scores the
-        # least waiting: a draw would leave a replica idle while it sends to busier ones (on a few replicas, a new
-        # prefix's home), as power-of-two choices does.
-        routers = loads.num_routers
-        k = min(len(slots), round(self.config.shortlist_size * routers))
-        least = (np.argpartition(unshared, k)[:k] if len(slots) > k else np.arange(len(slots))).tolist()
         sampled = min(self.config.sampled, len(least))
         if routers < 1.5:
-            picks = sorted(least, key=unshared.item)[:sampled]
+            picks = least[:sampled]
         else:
             picks = self._rng.sample(least, sampled)
         for pos in picks:

@@ -13,6 +13,7 @@
 
 #include "../cpu/key_index.h"
 #include "../cpu/kernels.h"
+#include "../cpu/route_waits.h"
 #include "op_args.h"
 #include "op_signatures.h"
 
@@ -212,6 +213,61 @@ std::pair<const uint64_t*, int64_t> u64_items(const pybind11::buffer_info& info,
   return {static_cast<const uint64_t*>(info.ptr), info.shape[0]};
 }
 
+// The router's load table columns and candidate rows (numpy float64 / int64): one-dimensional, contiguous, of the
+// given item kind ('d': double, 'q' / 'l': 64-bit int).
+const void* items_of(const pybind11::buffer_info& info, const char* what, const char* kinds, int64_t& length) {
+  const std::string& f = info.format;
+  const char kind = f.empty() ? '?' : f.back();
+  const bool prefix_ok = f.size() == 1 || (f.size() == 2 && (f[0] == '<' || f[0] == '=' || f[0] == '@'));
+  if (info.ndim != 1 || info.itemsize != 8 || !prefix_ok || std::string(kinds).find(kind) == std::string::npos ||
+      (info.shape[0] > 1 && info.strides[0] != 8)) {
+    throw std::invalid_argument(std::string(what) + " must be a contiguous 1-d buffer of 8-byte '" + kinds +
+                                "' items, got format '" + f + "', itemsize " + std::to_string(info.itemsize));
+  }
+  length = info.shape[0];
+  return info.ptr;
+}
+
+// folio.router.cost.LoadTable.least_waiting's pass over the candidates: fills wait_out (one per candidate) and
+// returns the positions of the k least `unshared` waits (native/cpu/route_waits.h).
+pybind11::list candidate_waits_least(const pybind11::buffer& busy_until, const pybind11::buffer& settled,
+                                     const pybind11::buffer& one_job_s, const pybind11::buffer& fit_tokens,
+                                     const pybind11::object& rows, double now, double uncached_tokens, int64_t k,
+                                     const pybind11::buffer& wait_out) {
+  const pybind11::buffer_info b = busy_until.request(), s = settled.request(), o = one_job_s.request(),
+                              f = fit_tokens.request(), w = wait_out.request(true);
+  int64_t num_slots = 0, length = 0, n = 0;
+  const auto* busy = static_cast<const double*>(items_of(b, "busy_until", "d", num_slots));
+  const auto* settled_s = static_cast<const double*>(items_of(s, "settled", "d", length));
+  num_slots = std::min(num_slots, length);
+  const auto* one_job = static_cast<const double*>(items_of(o, "one_job_s", "d", length));
+  num_slots = std::min(num_slots, length);
+  const auto* fit = static_cast<const double*>(items_of(f, "fit_tokens", "d", length));
+  num_slots = std::min(num_slots, length);
+  auto* wait = static_cast<double*>(const_cast<void*>(items_of(w, "wait_out", "d", n)));
+  const int64_t* row_of = nullptr;
+  pybind11::buffer_info r;
+  if (!rows.is_none()) {
+    r = pybind11::reinterpret_borrow<pybind11::buffer>(rows).request();
+    int64_t num_rows = 0;
+    row_of = static_cast<const int64_t*>(items_of(r, "rows", "qlL", num_rows));
+    if (num_rows != n) throw std::invalid_argument("rows and wait_out differ in length");
+    for (int64_t i = 0; i < n; ++i) {
+      if (row_of[i] < 0 || row_of[i] >= num_slots) throw std::invalid_argument("a row is outside the load table");
+    }
+  } else if (n > num_slots) {
+    throw std::invalid_argument("more candidates than load-table rows");
+  }
+  k = std::clamp<int64_t>(k, 0, n);
+  std::vector<double> unshared(static_cast<size_t>(n));
+  std::vector<int64_t> least(static_cast<size_t>(k));
+  cpu::candidate_waits(busy, settled_s, one_job, fit, row_of, n, now, uncached_tokens, wait, unshared.data());
+  cpu::least_k(unshared.data(), n, k, least.data());
+  pybind11::list out(k);
+  for (int64_t i = 0; i < k; ++i) out[i] = pybind11::int_(least[i]);
+  return out;
+}
+
 // One cache-event batch of a routing report, decoded: [seq, stored, evicted] or [seq, stored, evicted, moved]
 // (folio.router.digest; moved keys stay held, so they change nothing here).
 struct DecodedBatch {
@@ -396,4 +452,9 @@ PYBIND11_MODULE(_native_cpu, m) {
             return self.match(keys.data(), static_cast<int64_t>(keys.size()));
           },
           py::arg("keys"));
+  m.def("candidate_waits_least", &candidate_waits_least, py::arg("busy_until"), py::arg("settled"),
+        py::arg("one_job_s"), py::arg("fit_tokens"), py::arg("rows"), py::arg("now"), py::arg("uncached_tokens"),
+        py::arg("k"), py::arg("wait_out"),
+        "The router's candidate waits into wait_out and the positions of the k least unshared waits, by (wait, "
+        "position) (folio.router.cost.LoadTable.least_waiting).");
 }
