@@ -149,7 +149,7 @@ class DynamicJob:
         self.state = JobState.NEW
         self.new_tokens = 0
         self.generated_ids: list[int] = []
-        self.full_completion = ""
+        self._completion: list[str] = []  # released text, piece by piece (full_completion joins it)
         self._tokenizer: Tokenizer | None = None
         self._text: TextStream | None = None
         self._held: deque[TokenExtras] = deque()
@@ -174,6 +174,12 @@ class DynamicJob:
     @property
     def heals(self) -> bool:
         return self._healing is not None
+
+    @property
+    def full_completion(self) -> str:
+        """The text released so far (kept in pieces: appended to one string, it cost a copy of itself per token)."""
+        self._completion[:] = ["".join(self._completion)]
+        return self._completion[0]
 
     @property
     def max_sampled_tokens(self) -> int:
@@ -256,11 +262,6 @@ class DynamicJob:
     def cached_pages(self) -> int:
         return self.sequence.num_prefix_hit_pages if self.sequence is not None else 0
 
-    @property
-    def blocked_tokens(self) -> frozenset[int]:
-        """Tokens the sampler must not pick for this job's next token."""
-        return frozenset(self.blocked_ids_at(self.new_tokens))
-
     def started_result(self) -> StartedResult:
         return StartedResult(job=self, serial=self.serial, identifier=self.identifier)
 
@@ -340,7 +341,7 @@ class DynamicJob:
 
     def _released(self, text: str, token_ids: list[int]) -> StreamingResult:
         extras = [self._held.popleft() for _ in token_ids]
-        self.full_completion += text
+        self._completion.append(text)
         result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier,
                                  text=text, token_ids=list(token_ids))
         if self.return_probs:
