@@ -283,8 +283,8 @@ def main(argv=None) -> dict:
                               + config.vocab_size * config.hidden_size)
     floor_ms = 1e3 * weight_bytes / (args.tp * result["copy_GBps"] * 1e9) if "copy_GBps" in result else None
     print(f"\n{result.get('card', 'cpu')}, {args.shape} ({weight_bytes / 1e9:.1f} GB of weights), tensor parallel "
-          f"{args.tp}, max_seq_len {args.max_seq_len}" + (f"; W1 floor {floor_ms:.2f} ms/token at {args.tp} x {result['copy_GBps']:.0f} GB/s"
-                          if floor_ms else ""))
+          f"{args.tp}, max_seq_len {args.max_seq_len}"
+          + (f"; W1 floor {floor_ms:.2f} ms/token at {args.tp} x {result['copy_GBps']:.0f} GB/s" if floor_ms else ""))
     print("| run | " + " | ".join(f"{n} tok/s | {n} ms/token" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))
     for label, runs in rows:

@@ -14,6 +14,6 @@ Router side (one per process holding a handle to the generator deployment):
     policy.py     the decision: prompt keys, matches, shortlist, ranking
     ray_router.py Ray Serve's RequestRouter around the policy
 
-Imports folio.hashing and, for the native key index and candidate pass, folio.ops (the one module that loads compiled code); no Ray
-except ray_router.py.
+Imports folio.hashing and, for the native key index and candidate pass, folio.ops (the one module that loads
+compiled code); no Ray except ray_router.py.
 """

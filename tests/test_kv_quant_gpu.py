@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_ops import NATIVE, TOLERANCE, _marks, gen, on_cpu, poison_next_alloc, randn, rel_err, same_bits
+from test_native_ops import (
+    NATIVE,
+    TOLERANCE,
+    _marks,
+    captured,
+    gen,
+    on_cpu,
+    poison_next_alloc,
+    randn,
+    rel_err,
+    same_bits,
+)
 
 from folio import kv_formats
 from folio import reference_ops as ref
@@ -198,14 +209,7 @@ def test_decode_replays_in_a_cuda_graph(_, name):
     q = randn(3, 32, 128, dtype=torch.bfloat16, device="cuda", g=g)
     args = (q, k_codes, v_codes, k_scales, v_scales, tables, lens, 128**-0.5, 0, 0.0, CODES[name])
     eager = NATIVE["cuda"].paged_attention_decode_quant(*args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        NATIVE["cuda"].paged_attention_decode_quant(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = NATIVE["cuda"].paged_attention_decode_quant(*args)
+    graph, out = captured(lambda: NATIVE["cuda"].paged_attention_decode_quant(*args))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "the graph replay differs from the eager call (nondeterminism?)"
@@ -221,14 +225,7 @@ def test_decode_rows_far_shorter_than_the_table_in_a_graph(_, name, q_heads, kv_
     k_codes, v_codes, k_scales, v_scales, tables, lens = caches_for([8192] * 3, 16, kv_heads, 128, name, g)
     q = randn(3, q_heads, 128, dtype=torch.bfloat16, device="cuda", g=g)
     args = (q, k_codes, v_codes, k_scales, v_scales, tables, lens, 128**-0.5, 0, 0.0, CODES[name])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        NATIVE["cuda"].paged_attention_decode_quant(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = NATIVE["cuda"].paged_attention_decode_quant(*args)
+    graph, out = captured(lambda: NATIVE["cuda"].paged_attention_decode_quant(*args))
     for lengths in ([8192, 4000, 2049], [1, 700, 65], [300, 8192, 16]):
         lens.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()

@@ -365,6 +365,20 @@ def test_cuda_paged_attention_split_merge_repeats_and_replays(_):
         assert torch.equal(out, first)
 
 
+def captured(call):
+    """`call()` captured in a CUDA graph (after a warm-up call on a side stream): the graph, and the tensor it
+    returned, which each replay rewrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 # Lengths of the same six rows in turn, under a table 512 pages of 16 wide (8,192 keys).
 WIDE_TABLE_LENGTHS = ([1, 64, 65, 300, 2049, 8192], [2, 700, 129, 8191, 16, 1000], [5000, 5000, 17, 1, 64, 8000])
 
@@ -386,14 +400,7 @@ def test_paged_attention_decode_rows_far_shorter_than_the_table(device, dtype, h
 
     run = call
     if device == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = captured(call)
 
         def run():
             graph.replay()

@@ -129,12 +129,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_mma_kernel(MmaAr
   const int g = lane / 4, t = lane % 4;
   const int head0 = kv_head * a.group;
 
-  int64_t first_key, num_keys;  // from the window's start: earlier pages are not read
-  decode_row_keys(p, row, a.page_shift, first_key, num_keys);
-  const int splits = row_splits(a.by_length, num_keys - first_key);
-  if (split >= splits) return;  // (this row's keys take fewer splits than the grid has)
-  int64_t key_begin, key_end;
-  split_keys(first_key, num_keys, splits, split, kTileKeys, key_begin, key_end);
+  int64_t key_begin = 0, key_end = 0;
+  const int splits = decode_split(p, a.by_length, row, split, a.page_shift, kTileKeys, key_begin, key_end);
+  if (splits == 0) return;
   const int num_tiles = key_end > key_begin ? static_cast<int>((key_end - key_begin + kTileKeys - 1) / kTileKeys) : 0;
 
   // Q as the A operand of S = Q K^T, loaded once: qa[s] covers dims 16s .. 16s + 15.

@@ -36,6 +36,20 @@ __device__ __forceinline__ void split_keys(int64_t first_key, int64_t num_keys, 
   key_end = min(num_keys, key_begin + split_len);
 }
 
+// The keys [key_begin, key_end) of split `split` of decode row `row` (whole runs of `granule`, from the window's start:
+// earlier pages are not read); returns the row's number of splits, or 0 when `split` is past them (that block has
+// nothing to do: the row's keys take fewer splits than the grid has).
+__device__ __forceinline__ int decode_split(const PagedAttentionParams& p, const SplitsByLength& by_length,
+                                            int64_t row, int split, int page_shift, int64_t granule,
+                                            int64_t& key_begin, int64_t& key_end) {
+  int64_t first_key, num_keys;
+  decode_row_keys(p, row, page_shift, first_key, num_keys);
+  const int splits = row_splits(by_length, num_keys - first_key);
+  if (split >= splits) return 0;
+  split_keys(first_key, num_keys, splits, split, granule, key_begin, key_end);
+  return splits;
+}
+
 // Decode rows (p.cu_seqlens_q == nullptr), head_dim 64 or 128, 16-bit types, at most 16 query heads per kv head.
 // (Whether the caller wants this kernel at all is its own argument: paged_attention's decode_mma.)
 bool decode_attention_mma_applies(const PagedAttentionParams& p);
