@@ -248,10 +248,11 @@ def native_key_index() -> type | None:
 
 
 def native_candidate_waits() -> Callable | None:
-    """The router's native pass over its candidates (folio._native_cpu.candidate_waits_least, see
+    """The router's native pass over its candidates (folio._native_cpu.CandidateWaits.least, see
     folio.router.cost.LoadTable.least_waiting), or None when the CPU module was not built."""
     module = load_native("cpu")
-    return getattr(module, "candidate_waits_least", None) if module is not None else None
+    holder = getattr(module, "CandidateWaits", None) if module is not None else None
+    return holder.least if holder is not None else None
 
 
 def peer_all_reduce_class() -> type | None:

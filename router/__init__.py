@@ -10,7 +10,7 @@ Router side (one per process holding a handle to the generator deployment):
     index.py      which replica holds which keys: exact from the batches, plus what this router routed recently
     held_keys.py  the key -> replicas store behind it (folio._native_cpu.KeyIndex when built, else Python)
     cost.py       predicted time to first token per replica, in seconds (each decision's pass over every
-                  candidate: folio._native_cpu.candidate_waits_least when built, else numpy)
+                  candidate: folio._native_cpu.CandidateWaits.least when built, else numpy)
     policy.py     the decision: prompt keys, matches, shortlist, ranking
     ray_router.py Ray Serve's RequestRouter around the policy
 

@@ -28,7 +28,7 @@ until the next report, since the others, seeing what it sees, send as many meanw
 
 Per-replica values live in flat numpy arrays indexed by the index's slots. A decision's pass over every candidate
 (each one's wait, and the k that wait least: least_waiting) is one native call where folio's CPU module is built
-(folio._native_cpu.candidate_waits_least: a loop and a selection, where numpy paid its fixed cost on half a dozen
+(folio._native_cpu.CandidateWaits.least: a loop and a selection, where numpy paid its fixed cost on half a dozen
 whole-array operations and a partial sort), else the same in numpy.
 """
 
@@ -272,7 +272,7 @@ class LoadTable:
 
 @functools.cache
 def _native_scan() -> Callable | None:
-    """folio._native_cpu.candidate_waits_least, or None where the CPU module is not built (imported here, on first
+    """folio._native_cpu.CandidateWaits.least, or None where the CPU module is not built (imported here, on first
     use: the router's modules import neither torch nor compiled code until they need it)."""
     from folio.ops import native_candidate_waits
 

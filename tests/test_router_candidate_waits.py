@@ -1,5 +1,5 @@
 """The router's pass over its candidates (folio.router.cost.LoadTable.least_waiting): the native loop
-(folio._native_cpu.candidate_waits_least) against the numpy expression it replaces, as the oracle: the same waits,
+(folio._native_cpu.CandidateWaits.least) against the numpy expression it replaces, as the oracle: the same waits,
 bit for bit, and the same k least in the same order of (unshared wait, position), over random load tables with
 ties, infinities and NaN; and whole policies on the two paths making the same decisions."""
 

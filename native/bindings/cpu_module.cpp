@@ -228,6 +228,8 @@ const void* items_of(const pybind11::buffer_info& info, const char* what, const 
   return info.ptr;
 }
 
+struct CandidateWaits {};  // the namespace of candidate_waits_least in the module
+
 // folio.router.cost.LoadTable.least_waiting's pass over the candidates: fills wait_out (one per candidate) and
 // returns the positions of the k least `unshared` waits (native/cpu/route_waits.h).
 pybind11::list candidate_waits_least(const pybind11::buffer& busy_until, const pybind11::buffer& settled,
@@ -452,9 +454,11 @@ PYBIND11_MODULE(_native_cpu, m) {
             return self.match(keys.data(), static_cast<int64_t>(keys.size()));
           },
           py::arg("keys"));
-  m.def("candidate_waits_least", &candidate_waits_least, py::arg("busy_until"), py::arg("settled"),
-        py::arg("one_job_s"), py::arg("fit_tokens"), py::arg("rows"), py::arg("now"), py::arg("uncached_tokens"),
-        py::arg("k"), py::arg("wait_out"),
-        "The router's candidate waits into wait_out and the positions of the k least unshared waits, by (wait, "
-        "position) (folio.router.cost.LoadTable.least_waiting).");
+  // (a class, as KeyIndex: the module's functions are the ops of op_signatures.h, each with a reference)
+  py::class_<CandidateWaits>(m, "CandidateWaits", "The router's pass over its candidates (folio.router.cost)")
+      .def_static("least", &candidate_waits_least, py::arg("busy_until"), py::arg("settled"), py::arg("one_job_s"),
+                  py::arg("fit_tokens"), py::arg("rows"), py::arg("now"), py::arg("uncached_tokens"), py::arg("k"),
+                  py::arg("wait_out"),
+                  "The candidates' waits into wait_out, and the positions of the k least unshared waits in order "
+                  "of (wait, position) (folio.router.cost.LoadTable.least_waiting).");
 }
