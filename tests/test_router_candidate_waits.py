@@ -72,16 +72,15 @@ def test_native_pass_refuses_rows_outside_the_table():
     table = LoadTable(clock=Clock(), capacity=8)
     with pytest.raises(ValueError, match="outside the load table"):
         table.least_waiting(np.array([0, 8], dtype=np.int64), 2, 10, 2)
-    with pytest.raises(ValueError, match="8-byte"):
+    with pytest.raises(ValueError, match="int64"):
         table.least_waiting(np.array([0, 1], dtype=np.int32), 2, 10, 2)
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native, id="native"),
+                                    pytest.param(False, id="numpy")])
 def test_among_equal_waits_the_earlier_candidates_are_scored(native):
     """Idle replicas that report alike wait alike: a router alone scores the first two candidates in the order
     given (on either path), and as it routes there they wait longer and the next ones take their place."""
-    if native and _native_scan() is None:
-        pytest.skip("folio._native_cpu is not built")
     clock = Clock()
     policy = PrefixRouterPolicy(PolicyConfig(**GEOMETRY), clock=clock)
     policy.loads.least_waiting = functools.partial(LoadTable.least_waiting, policy.loads, native=native)

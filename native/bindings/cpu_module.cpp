@@ -199,33 +199,28 @@ void mask_tokens(const at::Tensor& logits,      // [B, V] float32, modified in p
   run_items(p.num_rows, p.num_ids, [&](int64_t b, int64_t e) { cpu::mask_tokens(p, b, e); });
 }
 
-// The router's key index takes batches of keys as buffers of unsigned 64-bit ints (array('Q'), numpy uint64):
-// one-dimensional, contiguous, 8-byte unsigned items.
-std::pair<const uint64_t*, int64_t> u64_items(const pybind11::buffer_info& info, const char* what) {
-  const std::string& f = info.format;
-  const char kind = f.empty() ? '?' : f.back();
-  const bool prefix_ok = f.size() == 1 || (f.size() == 2 && (f[0] == '<' || f[0] == '=' || f[0] == '@'));
-  if (info.ndim != 1 || info.itemsize != 8 || !prefix_ok || (kind != 'Q' && kind != 'L' && kind != 'K') ||
-      (info.shape[0] > 1 && info.strides[0] != 8)) {
-    throw std::invalid_argument(std::string(what) + " must be a contiguous 1-d buffer of uint64, got format '" + f +
-                                "', itemsize " + std::to_string(info.itemsize));
-  }
-  return {static_cast<const uint64_t*>(info.ptr), info.shape[0]};
-}
-
-// The router's load table columns and candidate rows (numpy float64 / int64): one-dimensional, contiguous, of the
-// given item kind ('d': double, 'q' / 'l': 64-bit int).
-const void* items_of(const pybind11::buffer_info& info, const char* what, const char* kinds, int64_t& length) {
+// The router's buffers: one-dimensional, contiguous, 8-byte items of one of the struct-format kinds `kinds` (keys:
+// 'Q' / 'L' / 'K' unsigned; load-table columns: 'd' double; candidate rows: 'q' / 'l' 64-bit int), as numpy
+// arrays and array('Q') give them.
+const void* items_of(const pybind11::buffer_info& info, const char* what, const char* kinds, const char* type_name,
+                     int64_t& length) {
   const std::string& f = info.format;
   const char kind = f.empty() ? '?' : f.back();
   const bool prefix_ok = f.size() == 1 || (f.size() == 2 && (f[0] == '<' || f[0] == '=' || f[0] == '@'));
   if (info.ndim != 1 || info.itemsize != 8 || !prefix_ok || std::string(kinds).find(kind) == std::string::npos ||
       (info.shape[0] > 1 && info.strides[0] != 8)) {
-    throw std::invalid_argument(std::string(what) + " must be a contiguous 1-d buffer of 8-byte '" + kinds +
-                                "' items, got format '" + f + "', itemsize " + std::to_string(info.itemsize));
+    throw std::invalid_argument(std::string(what) + " must be a contiguous 1-d buffer of " + type_name +
+                                ", got format '" + f + "', itemsize " + std::to_string(info.itemsize));
   }
   length = info.shape[0];
   return info.ptr;
+}
+
+// The router's key index takes batches of keys as buffers of unsigned 64-bit ints (array('Q'), numpy uint64).
+std::pair<const uint64_t*, int64_t> u64_items(const pybind11::buffer_info& info, const char* what) {
+  int64_t length = 0;
+  const auto* keys = static_cast<const uint64_t*>(items_of(info, what, "QLK", "uint64", length));
+  return {keys, length};
 }
 
 struct CandidateWaits {};  // the namespace of candidate_waits_least in the module
@@ -238,21 +233,22 @@ pybind11::list candidate_waits_least(const pybind11::buffer& busy_until, const p
                                      const pybind11::buffer& wait_out) {
   const pybind11::buffer_info b = busy_until.request(), s = settled.request(), o = one_job_s.request(),
                               f = fit_tokens.request(), w = wait_out.request(true);
-  int64_t num_slots = 0, length = 0, n = 0;
-  const auto* busy = static_cast<const double*>(items_of(b, "busy_until", "d", num_slots));
-  const auto* settled_s = static_cast<const double*>(items_of(s, "settled", "d", length));
-  num_slots = std::min(num_slots, length);
-  const auto* one_job = static_cast<const double*>(items_of(o, "one_job_s", "d", length));
-  num_slots = std::min(num_slots, length);
-  const auto* fit = static_cast<const double*>(items_of(f, "fit_tokens", "d", length));
-  num_slots = std::min(num_slots, length);
-  auto* wait = static_cast<double*>(const_cast<void*>(items_of(w, "wait_out", "d", n)));
+  int64_t num_slots = std::numeric_limits<int64_t>::max(), n = 0;
+  auto column = [&num_slots](const pybind11::buffer_info& info, const char* what) {  // (rows: the shortest's)
+    int64_t length = 0;
+    const auto* values = static_cast<const double*>(items_of(info, what, "d", "float64", length));
+    num_slots = std::min(num_slots, length);
+    return values;
+  };
+  const double *busy = column(b, "busy_until"), *settled_s = column(s, "settled"), *one_job = column(o, "one_job_s"),
+               *fit = column(f, "fit_tokens");
+  auto* wait = static_cast<double*>(const_cast<void*>(items_of(w, "wait_out", "d", "float64", n)));
   const int64_t* row_of = nullptr;
   pybind11::buffer_info r;
   if (!rows.is_none()) {
     r = pybind11::reinterpret_borrow<pybind11::buffer>(rows).request();
     int64_t num_rows = 0;
-    row_of = static_cast<const int64_t*>(items_of(r, "rows", "qlL", num_rows));
+    row_of = static_cast<const int64_t*>(items_of(r, "rows", "ql", "int64", num_rows));
     if (num_rows != n) throw std::invalid_argument("rows and wait_out differ in length");
     for (int64_t i = 0; i < n; ++i) {
       if (row_of[i] < 0 || row_of[i] >= num_slots) throw std::invalid_argument("a row is outside the load table");

@@ -10,9 +10,9 @@ void candidate_waits(const double* busy_until, const double* settled, const doub
                      double* wait, double* unshared) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = rows != nullptr ? rows[i] : i;
-    // numpy: w = busy_until[rows] - now; np.maximum(w, 0.0, out=w); w += settled[rows]  (maximum propagates NaN)
+    // numpy: w = busy_until[rows] - now; np.maximum(w, 0.0, out=w); w += settled[rows]  (NaN and -0.0 stay)
     double w = busy_until[r] - now;
-    if (!(w >= 0.0) && !std::isnan(w)) w = 0.0;
+    if (w < 0.0) w = 0.0;
     w += settled[r];
     wait[i] = w;
     // numpy: one_job_s[rows] * (uncached > fit_tokens[rows]) + w
