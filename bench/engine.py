@@ -704,8 +704,8 @@ def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq
         profiler.disable()
         log(f"  {workload} host profile (cProfile; times inflated by it):")
         stats = pstats.Stats(profiler, stream=sys.stdout)
-        stats.sort_stats("tottime").print_stats(20)
-        stats.sort_stats("cumtime").print_stats(r"folio/", 25)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumtime").print_stats(r"folio/", 45)
     del gen, cache
     return res, gpu_ms
 

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from folio.serve.loadgen import CallRecord, closed_loop, flood, percentile, short_request, tokens_per_s  # noqa: E402
 
@@ -89,6 +90,8 @@ def main() -> int:
                             "folio serve's demo deployment's on a CPU, the config's on a GPU)")
     parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                         help="any other ServeConfig option, e.g. ingress_mode=proxy (repeatable)")
+    parser.add_argument("--profile-s", type=float, default=0.0,
+                        help="py-spy the Serve processes this long in the closed loop (bench/serving_profile.py)")
     args = parser.parse_args()
 
     from fakes import free_port
@@ -116,8 +119,16 @@ def main() -> int:
     try:
         local.deploy(config)
         closed_loop(target, config.app_name, make, num_streams=8, duration_s=3.0)  # warm every path
+        profile = None
+        if args.profile_s > 0:
+            from serving_profile import RayProfile
+
+            profile = RayProfile(min(args.profile_s, args.duration), Path(tempfile.mkdtemp()) / "profile")
+            threading.Timer(1.0, profile.__enter__).start()  # (once the loop runs: py-spy's start takes a while)
         loop_records = closed_loop(target, config.app_name, make, num_streams=args.streams,
                                    duration_s=args.duration)
+        if profile is not None:
+            profile.__exit__(None, None, None)
         loop_start = min(r.start_s for r in loop_records)
         loop_tps = tokens_per_s(loop_records, loop_start, loop_start + args.duration)
         samples: list = []
@@ -150,6 +161,8 @@ def main() -> int:
     print(f"  admitted throughput {flood_tps:.0f} tok/s = {flood_tps / max(loop_tps, 1e-9):.2f} x the closed loop")
     print(f"  timeline: {timeline(flood_records)}")
     print(f"  replica idle while admitted requests waited: {idle_s:.2f} s ({len(samples)} samples)")
+    if profile is not None:
+        print(f"profile of the closed loop ({profile.out_dir}):\n{profile.report(top=25)}")
     others = sorted(set(codes) - {"OK", "RESOURCE_EXHAUSTED"})
     for code in others:
         example = next(r for r in flood_records if r.code == code)

@@ -127,9 +127,18 @@ def tokens_within(records: list[CallRecord], start_s: float, end_s: float) -> in
 
 
 def summarize(label: str, records: list[CallRecord], slo_ttft_ms: float, slo_itl_ms: float,
-              client_cpu_s: list[float] | None = None, steady_s: float | None = None) -> dict:
+              client_cpu_s: list[float] | None = None, steady_s: float | None = None, warmup_s: float = 0.0) -> dict:
     """steady_s (a closed loop's duration): output tok/s counts the tokens that arrived within it from the first
-    send, not the drain of the requests still running at its end."""
+    send (plus warmup_s), not the drain of the requests still running at its end. warmup_s: the loop's first
+    seconds count for nothing (every stream starts at once: a wave of prompts, then a wave of decoding, before
+    arrivals spread out); latencies are those of the requests sent after them."""
+    if warmup_s and records:
+        start = min(r.start_s for r in records)
+        steady = [r for r in records if r.start_s >= start + warmup_s]
+        row = summarize(label, steady or records, slo_ttft_ms, slo_itl_ms, client_cpu_s)
+        row["output_tok_s"] = tokens_within(records, start + warmup_s, start + warmup_s + steady_s) / steady_s
+        row["warmup_s"] = warmup_s
+        return row
     ok = [r for r in records if r.code == "OK"]
     window_s = (max(r.end_s for r in records) - min(r.start_s for r in records)) if records else 0.0
     tokens = sum(r.completion_tokens for r in ok)
@@ -313,6 +322,8 @@ def parse_args(argv):
     parser.add_argument("--concurrency", type=_counts, default=[8],
                         help="closed-loop streams, or a list (1,256: one loop each; 0: no closed loop)")
     parser.add_argument("--duration", type=float, default=10.0, help="closed-loop seconds")
+    parser.add_argument("--warmup-s", type=float, default=0.0,
+                        help="closed loops run this much longer, their first seconds not counted (steady state)")
     parser.add_argument("--rate", type=float, default=0.0, help="open-loop Poisson requests/s (0: no open loop)")
     parser.add_argument("--requests", type=int, default=32, help="open-loop requests")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
@@ -380,14 +391,15 @@ def run_server(config, args, work: Workload, reports: list[str]) -> list[dict]:
             if args.profile_s and streams == max(args.concurrency):
                 profile = RayProfile(args.profile_s, Path(os.environ.get("OUT") or tempfile.mkdtemp(), "profile"))
             with profile:
+                warmup_s = args.warmup_s if streams > 1 else 0.0  # (one stream has no wave to wait out)
                 records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
-                                      num_streams=streams, duration_s=args.duration,
+                                      num_streams=streams, duration_s=warmup_s + args.duration,
                                       num_processes=args.clients, stream=True, client_cpu_s=cpu)
             if isinstance(profile, RayProfile):
                 reports.append(f"py-spy, closed loop of {streams} streams (its first {args.profile_s:g} s):\n"
                                + profile.report())
             rows.append(summarize(f"server closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms, cpu,
-                                  steady_s=args.duration))
+                                  steady_s=args.duration, warmup_s=warmup_s))
         if args.rate:
             cpu = []
             records = open_loop(target, config.app_name, open_requests(work, args.requests, args.conversations),
@@ -405,9 +417,10 @@ def run_engine(config, args, work: Workload) -> list[dict]:
     engine, rows = EngineAlone(config), []
     try:
         for streams in args.concurrency:
-            records = engine.closed(functools.partial(closed_request, work), streams, args.duration)
+            warmup_s = args.warmup_s if streams > 1 else 0.0
+            records = engine.closed(functools.partial(closed_request, work), streams, warmup_s + args.duration)
             rows.append(summarize(f"engine closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms,
-                                  steady_s=args.duration))
+                                  steady_s=args.duration, warmup_s=warmup_s))
         if args.rate:
             records = engine.open(open_requests(work, args.requests, args.conversations), args.rate, args.seed)
             rows.append(summarize("engine open", records, args.slo_ttft_ms, args.slo_itl_ms))

@@ -8,6 +8,9 @@
 #                                          # two choices and Ray's PrefixCacheAffinityRouter at the same arrivals
 #   SUITE=tp   ...                         # 2 GPUs: tensor parallel 2 against 1: the engine (bench/tp_engine.py) and
 #                                          # through gRPC (1 stream and 256 streams)
+#   SUITE=tp-serve ...                     # 2 GPUs: tensor parallel 2 against 1 through gRPC only, W2-like in steady
+#                                          # state (10 s warm-up), then both again with $TP_AB set (an A/B of a
+#                                          # ServeConfig option, default gather_prompt_rows=0: prompts not gathered)
 #   SUITE=four ...                         # 4 GPUs: W2-like at 1 and 4 replicas, chat under the three routers
 #   SUITE=flood ...                        # 1 GPU: the burst of 1,000 at one replica, twice (run 1 of SUITE=one)
 #   SUITE=tp4  ...                         # 4 GPUs: the 70B shape at tensor parallel 4 (engine, then through gRPC)
@@ -93,6 +96,13 @@ case "$SUITE" in
 --label tp-1")
     runs+=("$serve --workload w2 --replicas 1 --tensor-parallel-size 2 --cuda-graphs \${TP_GRAPHS:-off} \
 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine --label tp-2");;
+  tp-serve)
+    steady="--workload w2 --replicas 1 --max-batch-size 256 --duration 20 --warmup-s 10 --no-engine"
+    ab="--set ${TP_AB:-gather_prompt_rows=0}"
+    runs+=("$serve $steady --tensor-parallel-size 2 --cuda-graphs on --concurrency 1,256 --label tp-2")
+    runs+=("$serve $steady --concurrency 1,256 --label tp-1")
+    runs+=("$serve $steady --tensor-parallel-size 2 --cuda-graphs on --concurrency 256 $ab --label tp-2-ab")
+    runs+=("$serve $steady --concurrency 256 $ab --label tp-1-ab");;
   tp4)
     runs+=("bench/tp_engine.py --shape 70B --tp 4 --no-single --tp-graphs both");;
   *) echo "serving_gpu.sh: unknown SUITE $SUITE"; exit 2;;

@@ -21,7 +21,7 @@ from folio.job import DynamicJob, JobState
 from folio.results import Result
 from folio.stats import StepStats
 
-_END = object()  # pushed to a job's queue when it ends without a final result (cancelled, generator closed)
+_END = object()  # put in a job's results when it ends without a final result (cancelled, generator closed)
 
 
 class GeneratorClosed(RuntimeError):
@@ -189,7 +189,7 @@ class DynamicGeneratorAsync:
                 continue
             if result.eos:
                 del self._jobs[result.job]
-            by_loop.setdefault(ajob._loop, []).append((ajob._queue, result))
+            by_loop.setdefault(ajob._loop, []).append((ajob, result))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -221,9 +221,9 @@ class DynamicGeneratorAsync:
         self.generator.clear_queue()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[DynamicJobAsync, Any]]) -> None:
+    for ajob, item in items:
+        ajob._put(item)
 
 
 def _resolve(future: asyncio.Future) -> None:
@@ -241,38 +241,74 @@ def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> 
 
 
 class DynamicJobAsync:
-    """Create inside a running event loop; `async for result in job` streams its results until eos."""
+    """Create inside a running event loop; `async for result in job` streams its results until eos, and
+    `await job.next_results()` takes every result that has arrived at once.
+
+    Results wait in the job's own list and wake its consumer only when it waits for them: a step's results reach
+    the loop in one call (see _deliver_all), so a consumer that takes them in batches (a server pacing its
+    messages) costs the loop a list append per token, not a task switch."""
 
     def __init__(self, generator: DynamicGeneratorAsync, **job_kwargs: Any):
         self.generator = generator
         self.job = DynamicJob(**job_kwargs)
         self.cancelled = False
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque[Any] = deque()  # results, errors and _END, in order (event loop only)
+        self._waiter: asyncio.Future | None = None  # set while the consumer waits for an item
         self._ended = False
         generator.enqueue(self)
 
     def _push(self, item: Any) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: Any) -> None:  # event loop
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> DynamicJobAsync:
         return self
 
     async def __anext__(self) -> Result:
-        if self._ended:
+        results = await self.next_results(limit=1)
+        if not results:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
-            self._ended = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._ended = True
-            raise item
-        if item.eos:
-            self._ended = True
-            if item.error is not None:
-                raise item.error
-        return item
+        return results[0]
+
+    async def next_results(self, limit: int | None = None) -> list[Result]:
+        """The results that have arrived (at most `limit`), waiting until there is one; [] once the job has
+        ended (where `async for` stops). Raises what `async for` raises (the job's error), after the results that
+        came before it have been returned."""
+        while not self._ended and not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.ready_results(limit)
+
+    def ready_results(self, limit: int | None = None) -> list[Result]:
+        """The results that have arrived (at most `limit`) without waiting: [] when none has (or the job
+        ended); raises as next_results."""
+        out: list[Result] = []
+        items = self._items
+        while items and not self._ended and (limit is None or len(out) < limit):
+            item = items[0]
+            failure = item if isinstance(item, BaseException) else (
+                item.error if item is not _END and item.eos else None)
+            if failure is not None and out:
+                break  # (raised by the next call, after these)
+            items.popleft()
+            if item is _END:
+                self._ended = True
+                break
+            if failure is not None:
+                self._ended = True
+                raise failure
+            out.append(item)
+            self._ended = item.eos
+        return out
 
     async def cancel(self) -> None:
         if self.job.state in (JobState.FINISHED, JobState.CANCELLED):

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from folio import cfg, convenience, isolation, job_binding
+from folio import cfg, convenience, isolation, job_binding, sizing
 from folio.cache.manager import CacheSnapshot, KVCacheManager, PrefixCacheStats
 from folio.constrain.gate import HostGate
 from folio.constrain.masks import MaskWorker
@@ -65,6 +65,9 @@ class DynamicGenerator:
     prefix_cache: False never shares or keeps pages between jobs (to measure what the prefix cache is worth).
     cuda_graphs: capture decode steps in CUDA graphs (None: on a CUDA device, unless the ops are the reference's).
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
+    gather_prompt_rows, gather_prompt_steps: while that many jobs decode, prompt tokens wait up to that many steps
+        for a whole max_chunk_size of them (folio.scheduler.Scheduler). None: 64 rows and 4 steps with CUDA graphs,
+        where a step with a prompt chunk costs the host an eager forward instead of a graph replay; else off.
     options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
     max_loras, max_lora_rank: most LoRA adapters loaded at once and their largest rank (folio.lora.slots).
     host_cache_bytes: host memory keeping pages evicted from the cache, brought back on a prefix hit
@@ -85,7 +88,9 @@ class DynamicGenerator:
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  max_queued_jobs: int | None = None, paged: bool = True, prefix_cache: bool = True,
                  cuda_graphs: bool | None = None, overlap_emit: bool | None = None, decode_ahead: bool | None = None,
-                 prefill_ahead: bool = True, options: EngineOptions | None = None, draft_model: Model | None = None,
+                 prefill_ahead: bool = True, gather_prompt_rows: int | None = None,
+                 gather_prompt_steps: int | None = None, options: EngineOptions | None = None,
+                 draft_model: Model | None = None,
                  draft_cache: Cache | None = None, num_draft_tokens: int = 4, use_ngram_draft: bool = False,
                  max_ngram: int = 4, adaptive_draft: bool = True, draft_step_token_budget: int | None = 256,
                  max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
@@ -132,6 +137,10 @@ class DynamicGenerator:
         if self.speculator is not None and self.speculator.draft_runner is not None:
             self.runner.on_forward = self.speculator.draft_runner.mirror
         graphs = self.runner.graphs is not None
+        self.scheduler.gather_rows = sizing.resolve_gather(
+            gather_prompt_rows, sizing.DEFAULT_GATHER_PROMPT_ROWS * graphs, "gather_prompt_rows")
+        self.scheduler.gather_steps = sizing.resolve_gather(
+            gather_prompt_steps, sizing.DEFAULT_GATHER_PROMPT_STEPS * graphs, "gather_prompt_steps")
         self.pipeline = LaunchAhead(decode_ahead=graphs if decode_ahead is None else bool(decode_ahead),
                                     prefill_ahead=bool(prefill_ahead),
                                     overlap_emit=graphs if overlap_emit is None else bool(overlap_emit))

@@ -97,7 +97,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_chunk_size: int):
+    """gather_rows, gather_steps: while at least gather_rows sequences decode, prompt tokens wait (at most
+    gather_steps steps in a row) until a whole max_chunk_size of them is ready, so that fewer steps carry prompt
+    chunks: those cannot replay a decode graph, and the eager forward's host cost, paid once per such step, is
+    what bounds a large batch once the decode rows run from graphs. 0: prompt chunks every step."""
+
+    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_chunk_size: int, gather_rows: int = 0,
+                 gather_steps: int = 0):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_chunk_size < 1:
@@ -106,6 +112,10 @@ class Scheduler:
         self.page_size = cache.page_size
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
+        if gather_rows < 0 or gather_steps < 0:
+            raise ValueError(f"gather_rows and gather_steps must be >= 0, got {gather_rows}, {gather_steps}")
+        self.gather_rows, self.gather_steps = gather_rows, gather_steps
+        self.num_gathering_steps = 0  # steps in a row whose prompt tokens waited
         self.num_preemptions = 0
         self.pending: deque[Sequence] = deque()
         self.active: list[Sequence] = []  # in admission order
@@ -170,7 +180,7 @@ class Scheduler:
         len(token_ids)."""
         plan = StepPlan(copies=self.cache.take_copies())
         self._admit(plan)
-        budget = self.max_chunk_size
+        budget = self._prompt_budget(sampling)
         now = time.monotonic()
         for seq in list(self.active):
             if seq.status is not SeqStatus.RUNNING:
@@ -207,6 +217,22 @@ class Scheduler:
             if chunk.seq.time_first_chunk is None:
                 chunk.seq.time_first_chunk = now
         return plan.take_transfers(self.cache)
+
+    def _prompt_budget(self, sampling: set[Sequence]) -> int:
+        """This step's prompt tokens: max_chunk_size, or 0 while they are gathered (see the class)."""
+        if not self.gather_rows or not self.gather_steps:
+            return self.max_chunk_size
+        num_decoding, num_prompt = len(sampling), 0
+        for seq in self.active:
+            uncached = seq.num_uncached_tokens if seq not in sampling else 0
+            num_decoding += uncached == 1
+            num_prompt += uncached if uncached > 1 else 0
+        if (num_prompt and num_decoding >= self.gather_rows and num_prompt < self.max_chunk_size
+                and self.num_gathering_steps < self.gather_steps):
+            self.num_gathering_steps += 1
+            return 0
+        self.num_gathering_steps = 0
+        return self.max_chunk_size
 
     def commit(self, plan: StepPlan) -> None:
         """The forward pass of `plan` ran: its tokens' K/V are in the cache."""

@@ -11,6 +11,11 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CHUNK_TOKENS = 2048
 MAX_DERIVED_BATCH_SIZE = 256
+# Prompt gathering's defaults with CUDA graphs (DynamicGenerator's gather_prompt_rows / gather_prompt_steps): from
+# this many decoding rows a step's host time is mostly per row, and an eager forward adds several milliseconds;
+# a few steps of waiting cost a prompt little of its time to first token at such a load.
+DEFAULT_GATHER_PROMPT_ROWS = 64
+DEFAULT_GATHER_PROMPT_STEPS = 4
 # Device memory that CUDA libraries take at their first use beside torch's tensors, kept free with the activations
 # (activation_reserve_bytes): cuBLAS's workspaces (32 MiB a handle on Hopper), cuDNN's plans and the code of
 # kernels loaded lazily at their first launch.
@@ -68,4 +73,13 @@ def resolve_max_batch_size(max_batch_size: int | None, paged: bool, num_pages: i
 def positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def resolve_gather(value: int | None, default: int, name: str) -> int:
+    """A prompt-gathering setting: the given one (an integer >= 0, 0: off), or `default`."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value

@@ -74,7 +74,8 @@ def _build(config: ServeConfig, max_queued_jobs: int | None, ranks: tp_launch.Lo
         ranks.attach(cache)
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                  max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                 max_chunk_size=config.max_chunk_size,
+                                 max_chunk_size=config.max_chunk_size, gather_prompt_rows=config.gather_prompt_rows,
+                                 gather_prompt_steps=config.gather_prompt_steps,
                                  # Serve sends a replica at most max_batch_size + max_queue_size requests; jobs
                                  # wait in the engine's queue until a step takes them in, even with free rows,
                                  # so the queue holds them all: the engine never refuses what was admitted.

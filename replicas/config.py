@@ -70,6 +70,7 @@ class ServeConfig:
     max_batch_size: sequences one replica runs at once. cuda_graphs: capture decode steps in CUDA graphs (None: on
         for a CUDA replica, under tensor parallelism too: every rank captures in lockstep).
     max_chunk_size: prompt tokens ingested per step (None: the engine's default); a multiple of page_size.
+    gather_prompt_rows, gather_prompt_steps: DynamicGenerator's (None: its defaults; 0: off).
     max_seq_len: longest prompt + max_new_tokens of a request (None: the model's context).
     max_queue_size: requests waiting inside one replica's engine; beyond it the request fails RESOURCE_EXHAUSTED.
     admission_limit: requests the application sends to its generator replicas at once, over all its ingress
@@ -141,6 +142,8 @@ class ServeConfig:
     max_batch_size: int = 64
     cuda_graphs: bool | None = None
     max_chunk_size: int | None = None
+    gather_prompt_rows: int | None = None
+    gather_prompt_steps: int | None = None
     max_seq_len: int | None = None
     max_queue_size: int = 64
     max_queued_requests: int | None = None
@@ -229,8 +232,9 @@ class ServeConfig:
         if self.max_chunk_size is not None and (self.max_chunk_size <= 0 or self.max_chunk_size % self.page_size):
             raise ConfigError(f"max_chunk_size: must be a positive multiple of page_size ({self.page_size}), "
                               f"got {self.max_chunk_size}")
-        if self.max_seq_len is not None:
-            positive("max_seq_len", self.max_seq_len)
+        for name in ("gather_prompt_rows", "gather_prompt_steps", "max_seq_len"):
+            if getattr(self, name) is not None:
+                positive(name, getattr(self, name), allow_zero=name != "max_seq_len")
         positive("max_queue_size", self.max_queue_size)
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests: must be >= 0 (or unset: one replica's worth), got "

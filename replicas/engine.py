@@ -58,7 +58,6 @@ from folio.serve.schema import (
 
 logger = logging.getLogger(__name__)
 
-_END = object()
 
 
 @dataclass
@@ -235,51 +234,31 @@ class Engine:
         waited its turn (folio.serve.pacing: a replica bounds the messages it streams per second), are merged into
         one Chunk. Leaving early (the caller was cancelled or closed the stream) cancels the job, releasing its
         pages."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(_pump(job, queue))
         last_sent_s: float | None = None  # the first tokens go at once
         try:
             with self.pacer.stream():
                 while True:
-                    items = [await queue.get()]
-                    hold_s = self.pacer.hold_s(last_sent_s)
-                    if hold_s > 0 and not _ends(items[-1]):
-                        await asyncio.sleep(hold_s)
-                    while not queue.empty():
-                        items.append(queue.get_nowait())
-                    chunk, ended = self._merge(items, arrival_s, job)
+                    try:
+                        results = await job.next_results()
+                        hold_s = self.pacer.hold_s(last_sent_s)
+                        if hold_s > 0 and results and not results[-1].eos:
+                            await asyncio.sleep(hold_s)
+                            results += job.ready_results()
+                    except asyncio.CancelledError:
+                        raise
+                    except BaseException as error:  # noqa: BLE001 - the job's error, as the request's
+                        raise request_error(error, job) from None
+                    if not results:  # ended without a final result (cancelled, or the engine stopped)
+                        raise ReplicaUnavailable("the replica stopped before the request finished; retry")
+                    chunk = merged_chunk(results, arrival_s)
                     if chunk is not None:
                         yield chunk
                         last_sent_s = time.monotonic()
-                    if ended:
+                    if chunk is not None and chunk.finish is not None:
                         return
         finally:
-            pump.cancel()
             if job.job.state not in (JobState.FINISHED, JobState.CANCELLED):
                 await _cancel(job)
-
-    def _merge(self, items: list[Any], arrival_s: float, job: DynamicJobAsync) -> tuple[Chunk | None, bool]:
-        merged: Chunk | None = None
-        for item in items:
-            if item is _END:
-                if merged is None or merged.finish is None:
-                    raise ReplicaUnavailable("the replica stopped before the request finished; retry")
-                return merged, True
-            if isinstance(item, BaseException):
-                raise request_error(item, job)
-            if item.stage != Stage.STREAMING:
-                continue
-            chunk = chunk_of(item, arrival_s)
-            if merged is None:
-                merged = chunk
-            else:
-                merged.extend(chunk)
-            if chunk.finish is not None:
-                return merged, True
-        if (merged is not None and not merged.token_ids and not merged.text and not merged.suppressed_text
-                and merged.finish is None):
-            merged = None  # text held back (UTF-8, a possible stop or banned string): nothing to send yet
-        return merged, False
 
     async def close(self, drain_timeout_s: float) -> None:
         """Let running jobs finish (at most drain_timeout_s), then stop the engine thread."""
@@ -290,23 +269,6 @@ class Engine:
             logger.warning("closing the generator with %d unfinished jobs", self.num_remaining)
         await self.runner.close()
         close_tensor_parallel(self.cache)  # (a tensor-parallel replica's other ranks; nothing otherwise)
-
-
-def _ends(item: Any) -> bool:
-    """Whether a stream's item is its last (a final result, an error, the end marker): never held back."""
-    return item is _END or isinstance(item, BaseException) or bool(getattr(item, "eos", False))
-
-
-async def _pump(job: DynamicJobAsync, queue: asyncio.Queue) -> None:
-    try:
-        async for result in job:
-            queue.put_nowait(result)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as error:  # noqa: BLE001 — handed to the consumer, which raises it there
-        queue.put_nowait(error)
-        return
-    queue.put_nowait(_END)
 
 
 async def _cancel(job: DynamicJobAsync) -> None:
@@ -321,6 +283,32 @@ async def _cancel(job: DynamicJobAsync) -> None:
 def num_prefill_tokens(generator: DynamicGenerator) -> int:
     """Prompt tokens the engine has still to prefill, over running and queued jobs. Engine thread only."""
     return generator.num_prefill_tokens()
+
+
+def merged_chunk(results: list[Any], arrival_s: float) -> Chunk | None:
+    """One Chunk of a stream's results (its streaming ones, in order; None when they release nothing yet: text
+    held back for UTF-8, a possible stop or banned string)."""
+    streaming = [r for r in results if r.stage == Stage.STREAMING]
+    if not streaming:
+        return None
+    merged = chunk_of(streaming[0], arrival_s) if len(streaming) == 1 else _merged_results(streaming, arrival_s)
+    if not merged.token_ids and not merged.text and not merged.suppressed_text and merged.finish is None:
+        return None
+    return merged
+
+
+def _merged_results(results: list[StreamingResult], arrival_s: float) -> Chunk:
+    """chunk_of for several results: those carrying per-token extras (probabilities, top tokens) or undone text
+    go through Chunk.extend; the usual ones (text and ids only) are joined once instead of chunk by chunk."""
+    if any(r.token_probs is not None or r.top_k_tokens is not None or r.suppressed_text for r in results):
+        merged = chunk_of(results[0], arrival_s)
+        for result in results[1:]:
+            merged.extend(chunk_of(result, arrival_s))
+        return merged
+    last = chunk_of(results[-1], arrival_s)  # (its finish, if any)
+    last.text = "".join(r.text for r in results)
+    last.token_ids = [t for r in results for t in r.token_ids]
+    return last
 
 
 def chunk_of(result: StreamingResult, arrival_s: float) -> Chunk:

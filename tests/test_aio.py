@@ -130,6 +130,55 @@ def test_error_in_one_job_fails_only_that_job(peaked, monkeypatch):
     assert in_use == 0
 
 
+def test_next_results_takes_what_arrived_in_order_and_raises_after_it(peaked):
+    """Results taken in batches (a server pacing its messages) are the ones `async for` yields, in the same order;
+    a job's error comes after the results that preceded it, and the job then ends."""
+    async def main():
+        generator = make_async(peaked)
+        kwargs = dict(input_ids=[5, 6, 7], max_new_tokens=12, gen_settings=GREEDY, stop_conditions=[])
+        expected = await collect(folio.DynamicJobAsync(generator, **kwargs))
+        job = folio.DynamicJobAsync(generator, **kwargs)
+        assert job.ready_results() == []  # nothing has arrived yet: no waiting
+        batches = []
+        while True:
+            await asyncio.sleep(0.02)  # (several steps' results pile up meanwhile)
+            batch = await job.next_results()
+            if not batch:
+                break
+            batches.append(batch)
+        assert await job.next_results() == [] and job.ready_results() == []  # ended: stays ended
+
+        failing = folio.DynamicJobAsync(generator, **kwargs)
+        original = failing.job.receive_token
+
+        def explode(token_id, extras, *rest):
+            if failing.job.new_tokens == 3:
+                raise RuntimeError("filter blew up")
+            return original(token_id, extras, *rest)
+
+        failing.job.receive_token = explode
+        await asyncio.sleep(0.3)  # (the error and the results before it have all arrived)
+        before = await failing.next_results()
+        with pytest.raises(RuntimeError, match="filter blew up"):
+            await failing.next_results()
+        after = await failing.next_results()
+        await generator.close()
+        return expected, batches, before, after
+
+    expected, batches, before, after = asyncio.run(main())
+    taken = [r for batch in batches for r in batch]
+    assert [(r.stage, r.token_ids if r.stage == Stage.STREAMING else None, r.eos) for r in taken] == [
+        (r.stage, r.token_ids if r.stage == Stage.STREAMING else None, r.eos) for r in expected]
+    assert any(len(batch) > 1 for batch in batches)  # (otherwise this did not test batching)
+    assert taken[-1].eos and taken[-1].eos_reason == EosReason.MAX_NEW_TOKENS
+    assert [r.stage for r in before[:1]] == [Stage.STARTED]
+    # the three tokens before the failing fourth (fewer where text is held back), as the job without the error
+    released = [t for r in before if r.stage == Stage.STREAMING for t in r.token_ids]
+    expected_ids = [t for r in expected if r.stage == Stage.STREAMING for t in r.token_ids]
+    assert 1 <= len(released) <= 3 and released == expected_ids[:len(released)]
+    assert after == []
+
+
 def test_event_loop_stays_free_while_generating(peaked):
     async def main():
         generator = make_async(peaked)

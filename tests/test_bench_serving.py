@@ -15,6 +15,27 @@ pytest.importorskip("ray.serve")
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+def test_warmup_window_counts_steady_tokens_and_latencies(monkeypatch):
+    """--warmup-s: tokens that arrived in [start + warmup, + duration) over the duration; TTFT from the requests
+    sent after the warm-up only."""
+    monkeypatch.syspath_prepend(ROOT)
+    bench = importlib.import_module("bench.serving")
+    from folio.serve.loadgen import CallRecord
+
+    def call(start, first, times, tokens):
+        return CallRecord(start, times[-1], "OK", completion_tokens=sum(tokens), message_s=[first, *times[1:]],
+                          message_tokens=tokens)
+
+    records = [call(100.0, 100.9, [100.9, 101.5, 103.0], [1, 4, 5]),  # the wave: slow first token
+               call(101.5, 101.52, [101.52, 102.0, 104.5], [1, 3, 6])]  # sent after a 1 s warm-up
+    row = bench.summarize("closed", records, 1e9, 1e9, steady_s=2.0, warmup_s=1.0)
+    # in [101, 103): 4 (101.5) + 1 (101.52) + 3 (102.0); 103.0 is the window's end, excluded
+    assert row["output_tok_s"] == pytest.approx(8 / 2.0)
+    assert row["ttft_p50_ms"] == pytest.approx(20.0) and row["requests"] == 1 and row["warmup_s"] == 1.0
+    whole = bench.summarize("closed", records, 1e9, 1e9, steady_s=2.0)
+    assert whole["requests"] == 2 and whole["output_tok_s"] == pytest.approx((1 + 4 + 1) / 2.0)  # [100, 102)
+
+
 @pytest.mark.ray
 def test_serving_bench_tiny(tmp_path, monkeypatch, capsys):
     # imported by name (bench/ as a namespace package): the client processes (spawned) unpickle its functions

@@ -525,6 +525,33 @@ def test_decode_ahead_gives_the_same_results(demo, overlap):
     assert_same_runs(runs[True, True], runs[False, True])
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_gathering_prompts_gives_the_same_results_in_fewer_prompt_steps(demo, ahead):
+    """Prompt tokens held back while rows decode (gather_prompt_rows / _steps) change no token, text or result;
+    queued jobs' prompts then share steps, so fewer steps carry prompt tokens."""
+    runs, prompt_steps = {}, {}
+    for rows, steps in ((0, 0), (2, 12)):
+        gen = demo.generator(num_tokens=2048, page_size=16, max_batch_size=4, decode_ahead=ahead,
+                             overlap_emit=ahead, max_chunk_size=32, gather_prompt_rows=rows,
+                             gather_prompt_steps=steps)
+        stats = []
+        runs[rows] = _summary(run_to_end(gen, _overlap_jobs(demo.tokenizer), stats=stats))
+        prompt_steps[rows] = sum(1 for s in stats if s.num_prompt_tokens)
+        assert gen.cache_manager.num_in_use == 0 and gen.num_remaining_jobs() == 0
+    assert_same_runs(runs[2], runs[0])
+    assert prompt_steps[2] < prompt_steps[0]
+
+
+def test_gathering_settings_are_checked_and_default_to_off_without_graphs(peaked):
+    gen = peaked.generator()
+    assert (gen.scheduler.gather_rows, gen.scheduler.gather_steps) == (0, 0)  # (no CUDA graphs on the CPU)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gather_prompt_rows"):
+            peaked.generator(gather_prompt_rows=bad)
+        with pytest.raises(ValueError, match="gather_prompt_steps"):
+            peaked.generator(gather_prompt_steps=bad)
+
+
 def test_decode_ahead_with_a_small_cache_and_cancel(demo):
     """Too few free pages for a step ahead means planning the usual way (which may preempt); a cancel between
     steps drops the cancelled job's row of the step already launched."""

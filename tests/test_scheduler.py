@@ -34,12 +34,13 @@ class Harness:
     ahead when the step is taken, and chunks of sequences that left in between are dropped."""
 
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int = 8, max_chunk_size: int = 32,
-                 prefix_cache: bool = True, ahead: bool = False, num_host_pages: int = 0, write_through: bool = False):
+                 prefix_cache: bool = True, ahead: bool = False, num_host_pages: int = 0, write_through: bool = False,
+                 gather_rows: int = 0, gather_steps: int = 0):
         # inspected by check(); the manager is its only user
         self.pool = PagePool(num_pages, page_size, num_host_pages=num_host_pages, host_write_through=write_through)
         self.host_slots: dict[tuple[int, int], int] = {}  # (host slot, slot) -> token copied there
         self.cache = KVCacheManager(num_pages, page_size, prefix_cache, pool=self.pool)
-        self.sched = Scheduler(self.cache, max_batch_size, max_chunk_size)
+        self.sched = Scheduler(self.cache, max_batch_size, max_chunk_size, gather_rows, gather_steps)
         self.slots: dict[tuple[int, int], int] = {}  # (page, slot) -> token written there
         self.finished = 0
         self.ahead = ahead
@@ -220,10 +221,12 @@ TestHostTierSchedulerMachine.settings = settings(max_examples=80, stateful_step_
 
 
 @pytest.mark.parametrize("num_pages", [40, 400])
-def test_planning_ahead_changes_no_output(num_pages):
+@pytest.mark.parametrize("gather", [0, 3])
+def test_planning_ahead_changes_no_output(num_pages, gather):
     """Every next step planned before the sampled tokens are known (prefill, admission, prefix reuse, partial
     copies included) gives each job the tokens that planning after them gives; with a small pool, planning
-    ahead falls back to plan() (which may preempt) rather than preempting itself."""
+    ahead falls back to plan() (which may preempt) rather than preempting itself. Gathering prompt tokens
+    (gather rows and steps of 3) changes when prompts are fed, never what any job gets."""
     rng = random.Random(3)
     jobs = []
     for _ in range(60):
@@ -232,7 +235,8 @@ def test_planning_ahead_changes_no_output(num_pages):
                      rng.randrange(1, 9)))
     outputs = {}
     for ahead in (False, True):
-        h = Harness(num_pages=num_pages, page_size=4, max_batch_size=8, max_chunk_size=16, ahead=ahead)
+        h = Harness(num_pages=num_pages, page_size=4, max_batch_size=8, max_chunk_size=16, ahead=ahead,
+                    gather_rows=gather, gather_steps=gather)
         seqs = []
         for prompt, new in jobs:
             seqs.append(h.enqueue(prompt, new))
@@ -246,6 +250,56 @@ def test_planning_ahead_changes_no_output(num_pages):
         assert (h.num_steps_ahead > 0) is ahead
         outputs[ahead] = [h.outputs[seq] for seq in seqs]
     assert outputs[True] == outputs[False]
+
+
+def _decoding(h: Harness, count: int) -> list[Sequence]:
+    """`count` sequences of 4-token prompts, stepped until all of them decode."""
+    seqs = [h.enqueue([1, 2, 3, k], 100) for k in range(count)]
+    while not all(s.num_sampled for s in seqs):
+        h.step()
+    return seqs
+
+
+@pytest.mark.parametrize("prompt_len, num_decoding, waits", [
+    (8, 3, 3),    # a short prompt beside 3 decoding rows waits the step limit, then is fed
+    (16, 3, 0),   # a whole chunk is ready: fed at once
+    (8, 1, 0),    # fewer decoding rows than gather_rows: fed at once
+])
+def test_gathered_prompts_wait_for_a_whole_chunk_or_the_step_limit(prompt_len, num_decoding, waits):
+    h = Harness(num_pages=64, page_size=4, max_chunk_size=16, gather_rows=2, gather_steps=3)
+    decoding = _decoding(h, num_decoding)
+    prompt = h.enqueue(list(range(5, 5 + prompt_len)), 4)
+    steps_without = 0
+    while prompt.num_cached_tokens == 0:
+        before = [s.num_sampled for s in decoding]
+        h.step()
+        h.check()
+        assert [s.num_sampled for s in decoding] == [n + 1 for n in before]  # decoding goes on meanwhile
+        steps_without += prompt.num_cached_tokens == 0
+        assert steps_without <= 3
+    assert steps_without == waits
+    # the first prompt now decodes too (so at least two rows do): a second short one waits the whole limit anew
+    second = h.enqueue(list(range(30, 38)), 4)
+    for _ in range(3):
+        h.step()
+        assert second.num_cached_tokens == 0
+    h.step()
+    assert second.num_cached_tokens == 8
+
+
+def test_gathering_feeds_the_prompts_that_came_meanwhile_together():
+    """Prompts arriving one a step while rows decode are fed in one step once a chunk's worth has come."""
+    h = Harness(num_pages=64, page_size=4, max_chunk_size=16, gather_rows=2, gather_steps=8)
+    _decoding(h, 3)
+    prompts, fed_at = [], {}
+    for step in range(6):
+        if step < 3:
+            prompts.append(h.enqueue([40 + step] * 6, 4))  # 6 tokens each: 18 >= 16 after the third
+        h.step()
+        for k, seq in enumerate(prompts):
+            if seq.num_cached_tokens and k not in fed_at:
+                fed_at[k] = step
+    assert fed_at == {0: 2, 1: 2, 2: 2}
 
 
 def test_ten_thousand_jobs_leak_no_page():
