@@ -27,13 +27,13 @@ requests (the busiest one's over the mean; each streamed call's replica comes in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -387,17 +387,19 @@ def run_server(config, args, work: Workload, reports: list[str]) -> list[dict]:
         flood(target, config.app_name, [request(work, -1 - i, 0) for i in range(2 * args.replicas)], stream=True)
         for streams in args.concurrency:
             cpu: list[float] = []
-            profile = contextlib.nullcontext()
+            warmup_s = args.warmup_s if streams > 1 else 0.0  # (one stream has no wave to wait out)
+            profile = None
             if args.profile_s and streams == max(args.concurrency):
                 profile = RayProfile(args.profile_s, Path(os.environ.get("OUT") or tempfile.mkdtemp(), "profile"))
-            with profile:
-                warmup_s = args.warmup_s if streams > 1 else 0.0  # (one stream has no wave to wait out)
-                records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
-                                      num_streams=streams, duration_s=warmup_s + args.duration,
-                                      num_processes=args.clients, stream=True, client_cpu_s=cpu)
-            if isinstance(profile, RayProfile):
-                reports.append(f"py-spy, closed loop of {streams} streams (its first {args.profile_s:g} s):\n"
-                               + profile.report())
+                # from the end of the warm-up (py-spy takes a moment to attach)
+                threading.Timer(warmup_s + 1.0, profile.__enter__).start()
+            records = closed_loop(target, config.app_name, functools.partial(closed_request, work),
+                                  num_streams=streams, duration_s=warmup_s + args.duration,
+                                  num_processes=args.clients, stream=True, client_cpu_s=cpu)
+            if profile is not None:
+                profile.__exit__(None, None, None)
+                reports.append(f"py-spy, closed loop of {streams} streams ({args.profile_s:g} s after "
+                               f"{warmup_s + 1.0:g} s):\n" + profile.report(top=20))
             rows.append(summarize(f"server closed {streams}", records, args.slo_ttft_ms, args.slo_itl_ms, cpu,
                                   steady_s=args.duration, warmup_s=warmup_s))
         if args.rate:

@@ -10,7 +10,8 @@
 #                                          # through gRPC (1 stream and 256 streams)
 #   SUITE=tp-serve ...                     # 2 GPUs: tensor parallel 2 against 1 through gRPC only, W2-like in steady
 #                                          # state (10 s warm-up), then both again with $TP_AB set (an A/B of a
-#                                          # ServeConfig option, default gather_prompt_rows=0: prompts not gathered)
+#                                          # ServeConfig option, default gather_prompt_rows=0: prompts not gathered);
+#                                          # TP_SIZES ("2 1"), TP_STREAMS (1,256), PROFILE_S (0) narrow it
 #   SUITE=four ...                         # 4 GPUs: W2-like at 1 and 4 replicas, chat under the three routers
 #   SUITE=flood ...                        # 1 GPU: the burst of 1,000 at one replica, twice (run 1 of SUITE=one)
 #   SUITE=tp4  ...                         # 4 GPUs: the 70B shape at tensor parallel 4 (engine, then through gRPC)
@@ -98,11 +99,14 @@ case "$SUITE" in
 --max-batch-size 256 --concurrency 1,256 --duration 10 --no-engine --label tp-2");;
   tp-serve)
     steady="--workload w2 --replicas 1 --max-batch-size 256 --duration 20 --warmup-s 10 --no-engine"
-    ab="--set ${TP_AB:-gather_prompt_rows=0}"
-    runs+=("$serve $steady --tensor-parallel-size 2 --cuda-graphs on --concurrency 1,256 --label tp-2")
-    runs+=("$serve $steady --concurrency 1,256 --label tp-1")
-    runs+=("$serve $steady --tensor-parallel-size 2 --cuda-graphs on --concurrency 256 $ab --label tp-2-ab")
-    runs+=("$serve $steady --concurrency 256 $ab --label tp-1-ab");;
+    for size in ${TP_SIZES:-2 1}; do  # (PROFILE_S: py-spy the first run's replica processes, WHEELS with py-spy)
+      graphs=""; [ "$size" -gt 1 ] && graphs="--tensor-parallel-size $size --cuda-graphs on"
+      runs+=("$serve $steady $graphs --concurrency ${TP_STREAMS:-1,256} --profile-s ${PROFILE_S:-0} --label tp-$size")
+    done
+    for size in ${TP_SIZES:-2 1}; do
+      graphs=""; [ "$size" -gt 1 ] && graphs="--tensor-parallel-size $size --cuda-graphs on"
+      runs+=("$serve $steady $graphs --concurrency 256 --set ${TP_AB:-gather_prompt_rows=0} --label tp-$size-ab")
+    done;;
   tp4)
     runs+=("bench/tp_engine.py --shape 70B --tp 4 --no-single --tp-graphs both");;
   *) echo "serving_gpu.sh: unknown SUITE $SUITE"; exit 2;;
