@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from folio import cfg
 from folio.constrain.base import FilterError
-from folio.job import DynamicJob, JobState, TokenExtras
+from folio.job import NO_EXTRAS, DynamicJob, JobState, TokenExtras
 from folio.results import Result
 from folio.runner import ModelRunner, SampledTokens
 from folio.sampling.state import observe_sampled
@@ -44,16 +44,20 @@ class Emitter:
 
     def stage_all(self, chunks: list[Chunk], sampled: SampledTokens) -> list[StagedToken]:
         staged = []
+        plain = sampled.probs is None and sampled.top_tokens is None and not sampled.logits
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             if not seq.is_live:
                 continue  # ended (stop string, error, cancel) while this step ran: its token is dropped
-            k = seq.job.return_top_tokens
-            extras = TokenExtras(
-                prob=sampled.probs[i] if sampled.probs is not None else None,
-                top_k_tokens=sampled.top_tokens[i][:k] if k else None,
-                top_k_probs=sampled.top_probs[i][:k] if k else None,
-                logits=sampled.logits.get(i))
+            if plain:  # (the usual step: no row reports anything but its token)
+                extras = NO_EXTRAS
+            else:
+                k = seq.job.return_top_tokens
+                extras = TokenExtras(
+                    prob=sampled.probs[i] if sampled.probs is not None else None,
+                    top_k_tokens=sampled.top_tokens[i][:k] if k else None,
+                    top_k_probs=sampled.top_probs[i][:k] if k else None,
+                    logits=sampled.logits.get(i))
             staged.append(self.stage(seq, sampled.token_ids[i], extras))
             if self.speculator is not None and seq.is_live:
                 self.speculator.observe(seq)
@@ -72,7 +76,7 @@ class Emitter:
         position = len(seq.token_ids)
         staged = []
         for token_id in token_ids:
-            staged.append(self.stage(seq, token_id, TokenExtras(None, None, None, None)))
+            staged.append(self.stage(seq, token_id, NO_EXTRAS))
             if staged[-1].failure is not None or seq.status is not SeqStatus.RUNNING:
                 break
         if seq.status is SeqStatus.RUNNING:

@@ -52,6 +52,9 @@ class TokenExtras:
     logits: torch.Tensor | None
 
 
+NO_EXTRAS = TokenExtras(None, None, None, None)  # (shared: nothing changes a token's extras once made)
+
+
 class DynamicJob:
     """One generation request.
 
@@ -141,6 +144,8 @@ class DynamicJob:
         self.banned_strings = validate_banned_strings(banned_strings)
         self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
         self._healing = HealingFilter(self.healing_token_id) if self.healing_token_id is not None else None
+        self.heals = self._healing is not None  # (read per token, as the next line)
+        self.max_sampled_tokens = max_new_tokens + self.heals  # what the engine samples at most: the healed token too
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
         self._stop_on_eos = stop_conditions is None
 
@@ -152,7 +157,8 @@ class DynamicJob:
         self._completion: list[str] = []  # released text, piece by piece (full_completion joins it)
         self._tokenizer: Tokenizer | None = None
         self._text: TextStream | None = None
-        self._held: deque[TokenExtras] = deque()
+        self._held: deque[TokenExtras] = deque()  # extras of tokens held back, for a job that reports or bans
+        self._keeps_extras = bool(return_probs or return_top_tokens or return_logits or self._banned)
         self.time_enqueue: float | None = None
         self.time_first_prefill: float | None = None
         self.time_first_token: float | None = None
@@ -172,19 +178,10 @@ class DynamicJob:
         return self.filters
 
     @property
-    def heals(self) -> bool:
-        return self._healing is not None
-
-    @property
     def full_completion(self) -> str:
         """The text released so far (kept in pieces: appended to one string, it cost a copy of itself per token)."""
         self._completion[:] = ["".join(self._completion)]
         return self._completion[0]
-
-    @property
-    def max_sampled_tokens(self) -> int:
-        """Tokens the engine samples for this job at most: max_new_tokens, plus the healed token."""
-        return self.max_new_tokens + self.heals
 
     @property
     def rolls_back(self) -> bool:
@@ -297,7 +294,8 @@ class DynamicJob:
             reason = EosReason.END_FILTER if filter_ended else EosReason.STOP_TOKEN
             return self._finish(result, reason, token_id=token_id)
 
-        self._held.append(extras)
+        if self._keeps_extras:  # (until the text releases the token)
+            self._held.append(extras)
         healed = self.heals and self.new_tokens == 1
         event = self._text.push(token_id, self._healing.num_skipped_bytes() if healed else 0)
         if event.suppressed_token_ids:
@@ -340,10 +338,11 @@ class DynamicJob:
         return result
 
     def _released(self, text: str, token_ids: list[int]) -> StreamingResult:
-        extras = [self._held.popleft() for _ in token_ids]
         self._completion.append(text)
-        result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier,
-                                 text=text, token_ids=list(token_ids))
+        result = StreamingResult.released(self, self.serial, self.identifier, text, list(token_ids))
+        if not self._keeps_extras:
+            return result
+        extras = [self._held.popleft() for _ in token_ids]
         if self.return_probs:
             result.token_probs = [e.prob for e in extras]
         if self.return_top_tokens:

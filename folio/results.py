@@ -97,3 +97,13 @@ class StreamingResult(Result):
 
     def __post_init__(self) -> None:
         self.stage = Stage.STREAMING
+
+    @classmethod
+    def released(cls, job: DynamicJob, serial: int, identifier: Any, text: str, token_ids: list[int]
+                 ) -> StreamingResult:
+        """A result of released text and ids alone: one per job and step, so made without the generated __init__'s
+        two dozen assignments (its other fields read their class defaults until set)."""
+        result = object.__new__(cls)
+        result.__dict__.update(job=job, serial=serial, identifier=identifier, stage=Stage.STREAMING, text=text,
+                               token_ids=token_ids, suppressed_tokens=[])
+        return result

@@ -241,7 +241,7 @@ class SamplerSettings:
     def dynamic_temperature(self) -> bool:
         return self.max_temp > self.min_temp
 
-    @property
+    @functools.cached_property  # (asked per row and step)
     def dry_active(self) -> bool:
         return self.dry_multiplier > 0.0
 
