@@ -70,7 +70,8 @@ class Chunk:
     @property
     def is_prompt(self) -> bool:
         """Prompt tokens (several, or one whose logits nobody wants), as opposed to a decode or verify row."""
-        return not self.verify and (self.num_tokens > 1 or not self.wants_logits)
+        # (asked of every row a few times a step: spelled out; a row that is not a verify row has no drafts)
+        return not self.verify and (self.end - self.start > 1 or self.end != len(self.seq.token_ids))
 
 
 @dataclass

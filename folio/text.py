@@ -110,6 +110,11 @@ class TextStream:
         once per sampled token of most jobs, which mostly releases the token's text at once. The same as `_append`
         and `_settle`, without their bookkeeping where it would be undone at once."""
         data = self._bytes_of(token_id)[skip_bytes:]
+        if data.isascii():  # (the decoder holds no bytes here: ASCII decodes alone, a char a byte)
+            self._num_bytes += len(data)
+            self._num_chars += len(data)
+            self._num_released_chars = self._num_chars
+            return TextEvent(data.decode("ascii"), [token_id])
         byte_start, char_start = self._num_bytes, self._num_chars
         new_text = self._decoder.decode(data)
         self._num_bytes += len(data)

@@ -264,7 +264,8 @@ class KVCacheManager:
             self._pool.set_ready(seq.block_table[page_idx], seq.page_hashes[page_idx], parent, tokens,
                                  namespace=seq.namespace)
             seq.claimed_page_idx.discard(page_idx)
-        release_before_window(self._pool, seq, self.window, self.page_size)
+        if self.window:  # (called per row and step: most models have no window)
+            release_before_window(self._pool, seq, self.window, self.page_size)
 
     # --- giving pages back ---
 
