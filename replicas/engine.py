@@ -59,7 +59,6 @@ from folio.serve.schema import (
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class StepTotals:
     """Running sums of the engine's StepStats: added on the engine thread (DynamicGeneratorAsync's on_step),

@@ -23,6 +23,18 @@ async def collect(job) -> list:
     return [r async for r in job]
 
 
+def fail_at_fourth_token(job) -> None:
+    """The job's fourth sampled token raises in its own handling (as a filter that blows up would)."""
+    original = job.job.receive_token
+
+    def explode(token_id, extras, *rest):
+        if job.job.new_tokens == 3:
+            raise RuntimeError("filter blew up")
+        return original(token_id, extras, *rest)
+
+    job.job.receive_token = explode
+
+
 def test_32_concurrent_jobs_from_separate_tasks(peaked):
     tok = peaked.tokenizer
     prompt_ids = [tok.encode(f"Story {i}: the tide came in") for i in range(32)]
@@ -109,14 +121,7 @@ def test_error_in_one_job_fails_only_that_job(peaked, monkeypatch):
                                      stop_conditions=[])
         bad = folio.DynamicJobAsync(generator, input_ids=[8, 9], max_new_tokens=20, gen_settings=GREEDY,
                                     stop_conditions=[])
-        original = bad.job.receive_token
-
-        def explode(token_id, extras, *rest):
-            if bad.job.new_tokens == 3:
-                raise RuntimeError("filter blew up")
-            return original(token_id, extras, *rest)
-
-        bad.job.receive_token = explode
+        fail_at_fourth_token(bad)
         good_task = asyncio.create_task(collect(good))
         with pytest.raises(RuntimeError, match="filter blew up"):
             await collect(bad)
@@ -149,14 +154,7 @@ def test_next_results_takes_what_arrived_in_order_and_raises_after_it(peaked):
         assert await job.next_results() == [] and job.ready_results() == []  # ended: stays ended
 
         failing = folio.DynamicJobAsync(generator, **kwargs)
-        original = failing.job.receive_token
-
-        def explode(token_id, extras, *rest):
-            if failing.job.new_tokens == 3:
-                raise RuntimeError("filter blew up")
-            return original(token_id, extras, *rest)
-
-        failing.job.receive_token = explode
+        fail_at_fourth_token(failing)
         await asyncio.sleep(0.3)  # (the error and the results before it have all arrived)
         before = await failing.next_results()
         with pytest.raises(RuntimeError, match="filter blew up"):

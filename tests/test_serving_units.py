@@ -1137,3 +1137,42 @@ def test_a_streamed_request_sent_again_takes_a_fresh_token_channel_entry(fake_ra
 
     texts, open_entries, request_ids = asyncio.run(run())
     assert texts == ["ok"] and open_entries == {} and request_ids[1] == f"{request_ids[0]}.retry1"
+
+
+def test_merged_chunk_equals_the_results_chunks_one_after_another():
+    """A stream's batch of results becomes one Chunk, the one their Chunks extended one by one make (the oracle):
+    plain text and ids joined at once, results with probabilities or dropped text through Chunk.extend."""
+    from folio.results import EosReason, StartedResult, StreamingResult
+    from folio.serve.engine import chunk_of, merged_chunk
+
+    job = SimpleNamespace(time_first_token=None)
+
+    def result(text, ids, **fields):
+        r = StreamingResult(job=job, serial=0, identifier=None, text=text, token_ids=list(ids))
+        for name, value in fields.items():
+            setattr(r, name, value)
+        return r
+
+    last = dict(eos=True, eos_reason=EosReason.MAX_NEW_TOKENS, new_tokens=4, prompt_tokens=3)
+    batches = [
+        [StartedResult(job=job, serial=0, identifier=None), result("ab", [1]), result("", []), result("c", [2, 3])],
+        [result("x", [5], token_probs=[0.5]), result("y", [6], token_probs=[0.25]), result("z", [7], **last)],
+        [result("p", [8]), result("", [], suppressed_text="q"), result("r", [9], **last)],
+    ]
+    for results in batches:
+        want = None
+        for r in results:
+            if r.stage.value != "streaming":
+                continue
+            if want is None:
+                want = chunk_of(r, 0.0)
+            else:
+                want.extend(chunk_of(r, 0.0))
+        got = merged_chunk(results, 0.0)
+        assert (got.text, got.token_ids, got.token_probs, got.suppressed_text) == (
+            want.text, want.token_ids, want.token_probs, want.suppressed_text)
+        assert (got.finish is None) == (want.finish is None)
+        if got.finish is not None:
+            assert (got.finish.reason, got.finish.usage) == (want.finish.reason, want.finish.usage)
+    assert merged_chunk([StartedResult(job=job, serial=0, identifier=None)], 0.0) is None
+    assert merged_chunk([result("", [])], 0.0) is None  # text held back: nothing to send
