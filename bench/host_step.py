@@ -1,0 +1,101 @@
+"""Host time of a decode step per phase, on the CPU: the Python that bounds a large batch on a GPU, measured where
+the device's share is small (a one-layer cut of the demo model) with the GPU's pipeline modes on (decode_ahead,
+overlap_emit), so the step runs the same host code as there apart from the forward's and the sampler's kernels.
+
+    .venv/bin/python bench/host_step.py [--batch 256] [--steps 80] [--runs 3] [--profile]
+
+Prints each run's milliseconds per step by phase (folio.stats.PHASES): emit (tokens to jobs: text, results) and
+wait_tokens (staging, on the CPU the sync is free) are host work alone; sample and launch_ahead include the CPU's
+kernels. --profile: one more run under cProfile, the folio functions by their own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import folio  # noqa: E402
+from folio.demo import write_demo_model  # noqa: E402
+
+
+def one_layer_demo(directory: Path) -> Path:
+    """The demo model with its first layer only (a checkpoint folio loads like any other)."""
+    from safetensors.torch import load_file, save_file
+
+    full = write_demo_model(directory / "full")
+    cut = directory / "one-layer"
+    cut.mkdir()
+    for item in full.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            (cut / item.name).write_bytes(item.read_bytes())
+    config = json.loads((full / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (cut / "config.json").write_text(json.dumps(config))
+    tensors = {k: v for k, v in load_file(full / "model.safetensors").items()
+               if not k.startswith("model.layers.") or k.split(".")[2] == "0"}
+    save_file(tensors, cut / "model.safetensors", metadata={"format": "pt"})
+    return cut
+
+
+def run(model, tokenizer, batch: int, steps: int, profiler: cProfile.Profile | None = None) -> dict[str, float]:
+    """ms per step by phase over `steps` steps in which all `batch` rows decode."""
+    cache = folio.Cache(model, num_tokens=batch * 512, page_size=16)
+    gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=batch,
+                                 decode_ahead=True, overlap_emit=True)
+    rng = random.Random(0)
+    for _ in range(batch):
+        prompt = [rng.randrange(5, tokenizer.vocab_size) for _ in range(64)]
+        gen.enqueue(folio.DynamicJob(input_ids=prompt, max_new_tokens=steps + 64, stop_conditions=[]))
+    while gen.step().stats.num_decode_rows != batch:
+        pass
+    for _ in range(5):
+        gen.step()
+    totals: dict[str, float] = {}
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(steps):
+        stats = gen.step().stats
+        for phase, seconds in stats.host_s.items():
+            totals[phase] = totals.get(phase, 0.0) + seconds
+        totals["step"] = totals.get("step", 0.0) + stats.total_s
+    if profiler is not None:
+        profiler.disable()
+    return {phase: round(1e3 * seconds / steps, 3) for phase, seconds in totals.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = one_layer_demo(Path(tmp))
+        model = folio.Model.from_pretrained(path, progress=False)
+        tokenizer = folio.Tokenizer.from_pretrained(path)
+    print(f"{args.batch} decoding rows, one-layer demo model, CPU; ms per step by phase")
+    for k in range(args.runs):
+        print(f"run {k}: {run(model, tokenizer, args.batch, args.steps)}")
+    if args.profile:
+        profiler = cProfile.Profile()
+        run(model, tokenizer, args.batch, args.steps, profiler)
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(r"/folio/", 30)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
