@@ -237,12 +237,12 @@ class ModelRunner:
         """Decode and verify rows through a captured graph: a verify row of n tokens runs as n one-token rows over
         the same pages, row j attending to positions <= start + j (its K/V and those before are all written by
         the same forward before attention reads them)."""
-        known, positions, tables = [], [], []
-        for k, c in enumerate(rows):
-            if k >= num_fed:
-                known.extend(c.token_ids)
-            positions.extend(range(c.start, c.stop))
-            tables.extend([c.seq.block_table] * c.num_tokens)
+        known = [t for c in rows[num_fed:] for t in c.token_ids]
+        if any(c.verify for c in rows):
+            positions = [p for c in rows for p in range(c.start, c.stop)]
+            tables = [c.seq.block_table for c in rows for _ in range(c.num_tokens)]
+        else:  # one token a row, the usual step (per row: kept to the plainest loops)
+            positions, tables = [c.start for c in rows], [c.seq.block_table for c in rows]
         row_slots = None if adapters is None else [self.loras.slot_of(a) for a, c in zip(adapters, rows)
                                                    for _ in range(c.num_tokens)]
         if num_fed == 0:

@@ -65,10 +65,11 @@ class Sequence:
     # --- classifier-free guidance (folio.cfg): a CFG job's two sequences name each other ---
     cfg_partner: Sequence | None = None
     cfg_negative: bool = False  # the negative prompt's: fed and cached like any other, it samples and emits nothing
+    prompt_len: int = field(init=False, default=0)
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.job.cfg_negative_ids) if self.cfg_negative else self.job.prompt_tokens
+    def __post_init__(self) -> None:
+        # (read per row and step; a prompt never changes once its sequence exists)
+        self.prompt_len = len(self.job.cfg_negative_ids) if self.cfg_negative else self.job.prompt_tokens
 
     @property
     def num_uncached_tokens(self) -> int:

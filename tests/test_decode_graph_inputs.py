@@ -52,3 +52,42 @@ def test_a_prefix_carries_every_input_of_its_rows(rows):
     assert torch.equal(target.tables[:rows], source.tables[:rows])
     if rows + 1 < ROWS:  # a prefix stops within the next table row: the rows after it are not sent
         assert (target.tables[rows + 1:] == 0).all()
+
+
+class _Recorder:
+    """Stands in for DecodeGraphs in ModelRunner._replay: records what a replay would be given."""
+
+    lora_slots = None
+
+    def run(self, ids, positions, tables, row_slots=None):
+        self.got = (ids.tolist() if isinstance(ids, torch.Tensor) else list(ids), list(positions),
+                    [list(t) for t in tables], row_slots)
+        return torch.zeros(len(positions), 4)
+
+
+@pytest.mark.parametrize("num_fed, verify", [(0, False), (2, False), (3, False), (0, True), (1, True)])
+def test_a_replay_gets_each_row_s_ids_positions_and_tables(num_fed, verify):
+    """ModelRunner._replay packs decode rows (one token each) and verify rows (n tokens: n one-token rows over the
+    same table) as the per-row loop it replaced did (the oracle here); rows fed from the device come first."""
+    from folio.runner import ModelRunner
+    from folio.scheduler import Chunk
+    from folio.sequence import Sequence
+
+    class Job:
+        prompt_tokens, cfg_negative_ids = 3, ()
+
+    seqs = [Sequence(job=Job(), token_ids=[10 * k + j for j in range(6 + k)], block_table=[k, 7 + k]) for k in range(3)]
+    rows = [Chunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
+    if verify:  # the last row drafts three tokens
+        rows[2] = Chunk(seqs[2], len(seqs[2].token_ids) - 1, len(seqs[2].token_ids), verify=True, drafts=(1, 2, 3))
+    fed = torch.arange(100, 100 + num_fed) if num_fed else None
+    runner = object.__new__(ModelRunner)
+    runner.graphs = _Recorder()
+    ModelRunner._replay(runner, rows, fed, num_fed, None)
+    known, positions, tables = [], [], []
+    for k, c in enumerate(rows):
+        if k >= num_fed:
+            known.extend(c.token_ids)
+        positions.extend(range(c.start, c.stop))
+        tables.extend([c.seq.block_table] * c.num_tokens)
+    assert runner.graphs.got == (list(range(100, 100 + num_fed)) + known, positions, tables, None)
