@@ -155,15 +155,27 @@ def test_next_results_takes_what_arrived_in_order_and_raises_after_it(peaked):
 
         failing = folio.DynamicJobAsync(generator, **kwargs)
         fail_at_fourth_token(failing)
-        await asyncio.sleep(0.3)  # (the error and the results before it have all arrived)
-        before = await failing.next_results()
+        before = []
         with pytest.raises(RuntimeError, match="filter blew up"):
-            await failing.next_results()
+            while True:  # (however the results and the error are batched on their way)
+                batch = await failing.next_results()
+                assert batch, "the job ended without its error"
+                before += batch
         after = await failing.next_results()
+        # an error that arrived with results before it, in one batch: the results first, then the error
+        pile = folio.DynamicJobAsync(generator, **kwargs)
+        await collect(pile)
+        pile._ended = False  # (reopened, fed by hand as _deliver_all feeds it)
+        for item in (expected[1], expected[2], RuntimeError("late"), expected[3]):
+            pile._put(item)
+        piled = await pile.next_results()
+        with pytest.raises(RuntimeError, match="late"):
+            pile.ready_results()
+        assert await pile.next_results() == [] and pile.ready_results() == []  # the error ended it
         await generator.close()
-        return expected, batches, before, after
+        return expected, batches, before, after, piled
 
-    expected, batches, before, after = asyncio.run(main())
+    expected, batches, before, after, piled = asyncio.run(main())
     taken = [r for batch in batches for r in batch]
     assert [(r.stage, r.token_ids if r.stage == Stage.STREAMING else None, r.eos) for r in taken] == [
         (r.stage, r.token_ids if r.stage == Stage.STREAMING else None, r.eos) for r in expected]
@@ -175,6 +187,7 @@ def test_next_results_takes_what_arrived_in_order_and_raises_after_it(peaked):
     expected_ids = [t for r in expected if r.stage == Stage.STREAMING for t in r.token_ids]
     assert 1 <= len(released) <= 3 and released == expected_ids[:len(released)]
     assert after == []
+    assert piled == expected[1:3]
 
 
 def test_event_loop_stays_free_while_generating(peaked):
