@@ -66,7 +66,7 @@ class DynamicGenerator:
     cuda_graphs: capture decode steps in CUDA graphs (None: on a CUDA device, unless the ops are the reference's).
     overlap_emit, decode_ahead, prefill_ahead: the launch-ahead modes (folio.pipeline); None: on with CUDA graphs.
     gather_prompt_rows, gather_prompt_steps: while that many jobs decode, prompt tokens wait up to that many steps
-        for a whole max_chunk_size of them (folio.scheduler.Scheduler). None: 64 rows and 4 steps with CUDA graphs,
+        for a whole max_chunk_size of them (folio.scheduler.Scheduler). None: 128 rows and 4 steps with CUDA graphs,
         where a step with a prompt chunk costs the host an eager forward instead of a graph replay; else off.
     options: the engine's switches (folio.EngineOptions); they are the model's (None, or equal to them).
     max_loras, max_lora_rank: most LoRA adapters loaded at once and their largest rank (folio.lora.slots).

@@ -12,9 +12,11 @@ if TYPE_CHECKING:
 DEFAULT_MAX_CHUNK_TOKENS = 2048
 MAX_DERIVED_BATCH_SIZE = 256
 # Prompt gathering's defaults with CUDA graphs (DynamicGenerator's gather_prompt_rows / gather_prompt_steps): from
-# this many decoding rows a step's host time is mostly per row, and an eager forward adds several milliseconds;
-# a few steps of waiting cost a prompt little of its time to first token at such a load.
-DEFAULT_GATHER_PROMPT_ROWS = 64
+# this many decoding rows a step's host time is mostly per row, and an eager forward adds several milliseconds; a
+# few steps of waiting cost a prompt little of its time to first token at such a load. (Below it, at a chat
+# replica's few dozen rows, an 8B step is bound by its weights' bytes whether eager or not: waiting would only
+# add to time to first token.)
+DEFAULT_GATHER_PROMPT_ROWS = 128
 DEFAULT_GATHER_PROMPT_STEPS = 4
 # Device memory that CUDA libraries take at their first use beside torch's tensors, kept free with the activations
 # (activation_reserve_bytes): cuBLAS's workspaces (32 MiB a handle on Hopper), cuDNN's plans and the code of
