@@ -134,9 +134,8 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         width = penalty_windows.shape[1]
     if width > _MAX_NATIVE_PENALTY_WINDOW:
         return None
-    per_row, u, _ = _per_row_settings(rows, lambda st: (
-        *_truncation(st), st.token_repetition_penalty, st.token_frequency_penalty, st.token_presence_penalty,
-        st.token_repetition_range if st.token_repetition_range >= 0 else width, st.token_repetition_decay), device)
+    per_row, u, _ = _per_row_settings(rows, _native_entry, device,
+                                      adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
     floats = per_row.float()
     ints = per_row.int()
 
@@ -246,25 +245,45 @@ class _PickParams:
     extended: ExtendedParams | None = None  # the extended samplers' parameters (None: no row uses any)
 
 
-def _per_row_settings(rows: Sequence[RowParams], entry, device: torch.device
+def _per_row_settings(rows: Sequence[RowParams], entry, device: torch.device, adjust=None
                       ) -> tuple[torch.Tensor, torch.Tensor, list[tuple]]:
-    """Per-row numbers derived from each row's settings, on the device: one table entry per distinct settings
-    object (rows often share one), gathered per row there; the table, the draws and the row -> entry index travel
-    in a single transfer. Returns [B, E] float64 per row, the draws [B] float32, and the host table."""
-    table_index: dict[int, int] = {}
-    table: list[tuple] = []
+    """Per-row numbers derived from each row's settings, on the device: one table entry per distinct value of
+    entry(settings) (a server's jobs each have their own settings object, mostly of a few values), gathered per row
+    there; the table, the draws and the row -> entry index travel in a single transfer. entry: a module-level
+    function of the settings (its value is kept on each settings object: it is asked per row and step); adjust:
+    applied to each table entry after (what depends on the call). Returns [B, E] float64 per row, the draws [B]
+    float32, and the host table."""
+    table_index: dict[tuple, int] = {}
     row_index: list[int] = []
     for row in rows:
-        key = id(row.settings)
-        if key not in table_index:
-            table_index[key] = len(table)
-            table.append(entry(row.settings))
-        row_index.append(table_index[key])
+        values = _entry_of(row.settings, entry)
+        k = table_index.get(values)
+        if k is None:
+            k = table_index[values] = len(table_index)
+        row_index.append(k)
+    table = list(table_index) if adjust is None else [adjust(t) for t in table_index]
     flat = [v for t in table for v in t]
     packed = to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
     num_rows, table_size = len(rows), len(flat)
     per_row = packed[:table_size].view(len(table), -1)[packed[table_size + num_rows:].long()]
     return per_row, packed[table_size: table_size + num_rows].float(), table
+
+
+def _entry_of(settings: SamplerSettings, entry) -> tuple:
+    """entry(settings), computed once per settings object (frozen: its value never changes) and kept on it the way
+    functools.cached_property keeps its values."""
+    cache = settings.__dict__.setdefault("_row_entries", {})
+    values = cache.get(entry)
+    if values is None:
+        values = cache[entry] = entry(settings)
+    return values
+
+
+def _native_entry(s: SamplerSettings) -> tuple:
+    """The native kernels' per-row numbers: truncation, then the penalties (a range of -1, the whole window, is
+    resolved per call by _sample_native)."""
+    return (*_truncation(s), s.token_repetition_penalty, s.token_frequency_penalty, s.token_presence_penalty,
+            s.token_repetition_range, s.token_repetition_decay)
 
 
 def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.device) -> _PickParams:
@@ -273,7 +292,7 @@ def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.devi
     top_ks = [t[3] for t in table]
     return _PickParams(temperature=columns[0], top_p=columns[1], min_p=columns[2],
                        top_k=torch.where(columns[3] == 0, float(num_columns), columns[3]), u=u[:, None],
-                       any_greedy=any(t is _GREEDY for t in table),
+                       any_greedy=any(t == _GREEDY for t in table),
                        max_top_k=None if 0 in top_ks else max(top_ks),
                        extended=extended_params(rows, _per_row_settings, num_columns, device))
 

@@ -264,7 +264,7 @@ class SamplerSettings:
     def top_p_active(self) -> bool:
         return 0.0 < self.top_p < 1.0
 
-    @property
+    @functools.cached_property  # (asked per row and step)
     def penalty_window(self) -> int | None:
         """How many of the most recent tokens the penalties look at (None: the whole history; 0: penalties off)."""
         if (self.token_repetition_penalty == 1.0 and self.token_frequency_penalty == 0.0
