@@ -92,6 +92,8 @@ def main() -> int:
                         help="any other ServeConfig option, e.g. ingress_mode=proxy (repeatable)")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy the Serve processes this long in the closed loop (bench/serving_profile.py)")
+    parser.add_argument("--profile-flood", action="store_true",
+                        help="with --profile-s: profile the flood instead (from just before it is sent)")
     args = parser.parse_args()
 
     from fakes import free_port
@@ -123,12 +125,17 @@ def main() -> int:
         if args.profile_s > 0:
             from serving_profile import RayProfile
 
-            profile = RayProfile(min(args.profile_s, args.duration), Path(tempfile.mkdtemp()) / "profile")
-            threading.Timer(1.0, profile.__enter__).start()  # (once the loop runs: py-spy's start takes a while)
+            seconds = args.profile_s if args.profile_flood else min(args.profile_s, args.duration)
+            profile = RayProfile(seconds, Path(tempfile.mkdtemp()) / "profile")
+            if not args.profile_flood:
+                threading.Timer(1.0, profile.__enter__).start()  # (once the loop runs: py-spy takes a while to start)
         loop_records = closed_loop(target, config.app_name, make, num_streams=args.streams,
                                    duration_s=args.duration)
-        if profile is not None:
+        if profile is not None and not args.profile_flood:
             profile.__exit__(None, None, None)
+        if profile is not None and args.profile_flood:
+            profile.__enter__()
+            time.sleep(1.0)  # (py-spy attaching)
         loop_start = min(r.start_s for r in loop_records)
         loop_tps = tokens_per_s(loop_records, loop_start, loop_start + args.duration)
         samples: list = []
@@ -139,6 +146,8 @@ def main() -> int:
                               num_processes=args.clients)
         stop.set()
         sampler.join(timeout=10)
+        if profile is not None and args.profile_flood:
+            profile.__exit__(None, None, None)
     finally:
         local.shutdown()
 
@@ -162,7 +171,8 @@ def main() -> int:
     print(f"  timeline: {timeline(flood_records)}")
     print(f"  replica idle while admitted requests waited: {idle_s:.2f} s ({len(samples)} samples)")
     if profile is not None:
-        print(f"profile of the closed loop ({profile.out_dir}):\n{profile.report(top=25)}")
+        print(f"profile of the {'flood' if args.profile_flood else 'closed loop'} ({profile.out_dir}):\n"
+              f"{profile.report(top=25)}")
     others = sorted(set(codes) - {"OK", "RESOURCE_EXHAUSTED"})
     for code in others:
         example = next(r for r in flood_records if r.code == code)
