@@ -57,8 +57,9 @@ def run(model, tokenizer, batch: int, steps: int, profiler: cProfile.Profile | N
     for _ in range(batch):
         prompt = [rng.randrange(5, tokenizer.vocab_size) for _ in range(64)]
         gen.enqueue(folio.DynamicJob(input_ids=prompt, max_new_tokens=steps + 64, stop_conditions=[]))
-    while gen.step().stats.num_decode_rows != batch:
-        pass
+    stats = gen.step().stats
+    while stats.num_decode_rows != batch:  # (the prompts' steps, until every row decodes)
+        stats = gen.step().stats
     for _ in range(5):
         gen.step()
     totals: dict[str, float] = {}

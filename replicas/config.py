@@ -1,9 +1,9 @@
 """ServeConfig: everything a folio deployment is configured by, in one frozen dataclass validated at the edge.
 
 Load it from a dict (`serve run folio.serve.app:build_app key=value ...` passes strings, YAML passes typed values),
-a YAML file, or command-line flags (`add_arguments` / `from_args`). Values known only at run time (the number of
-cache pages a GPU's free memory holds, the derived batch size) are not here: each replica reports them (ModelInfo).
-This module imports neither Ray nor torch.
+a YAML file, or command-line flags (`add_arguments` / `from_args`; files and flags are read by
+folio.serve.config_sources). Values known only at run time (the number of cache pages a GPU's free memory holds, the
+derived batch size) are not here: each replica reports them (ModelInfo). This module imports neither Ray nor torch.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from folio.serve import config_sources
 from folio.serve.config_formats import (  # noqa: F401 (KV_FORMAT_OF_DTYPE, KV_FORMATS, WEIGHT_FORMATS re-exported)
-    FLAG_HELP,
     KV_FORMAT_OF_DTYPE,
     KV_FORMATS,
     WEIGHT_FORMATS,
@@ -351,47 +351,23 @@ class ServeConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServeConfig:
-        import yaml
-
         try:
-            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        try:
-            return cls.from_dict(values or {})
+            return cls.from_dict(config_sources.read_yaml(path))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
-        """One flag per option (--model-path, --cache-tokens, ...) plus --config FILE; unset flags keep the file's
-        or the default value (`defaults`: the caller's, shown in the help, as from_args applies them)."""
-        defaults = defaults or {}
-        group = parser.add_argument_group("deployment options (also settable in a --config YAML file)")
-        group.add_argument("--config", type=Path, default=None, metavar="FILE", help="YAML file of options")
-        for field in dataclasses.fields(ServeConfig):
-            flag = "--" + field.name.replace("_", "-")
-            text = FLAG_HELP.get(field.name, "")
-            group.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
-                               help=f"{text + ' ' if text else ''}(default: {defaults.get(field.name, field.default)})")
+        """One flag per option plus --config FILE (folio.serve.config_sources); `defaults`: the caller's, shown in
+        the help, as from_args applies them."""
+        config_sources.add_arguments(ServeConfig, parser, defaults or {})
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **defaults: Any) -> ServeConfig:
-        """Defaults (the caller's), then the --config file, then the flags given. Giving one of the cache sizes
-        (cache_tokens, cache_memory_fraction) drops a default for the other."""
-        explicit: dict[str, Any] = {}
-        if getattr(args, "config", None) is not None:
-            explicit.update(cls.from_yaml(args.config).explicit_values())
-        explicit.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                         if getattr(args, f.name, None) is not None})
-        values = dict(defaults)
-        for one, other in (("cache_tokens", "cache_memory_fraction"), ("cache_memory_fraction", "cache_tokens")):
-            if one in explicit:
-                values.pop(other, None)
-        values.update(explicit)
-        return cls.from_dict(values)
+        """Defaults (the caller's), then the --config file, then the flags given."""
+        config = getattr(args, "config", None)
+        file_values = cls.from_yaml(config).explicit_values() if config is not None else {}
+        return cls.from_dict(config_sources.layered(cls, args, file_values, defaults))
 
     def explicit_values(self) -> dict[str, Any]:
         """Options that differ from the defaults."""
