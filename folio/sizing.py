@@ -72,16 +72,12 @@ def resolve_max_batch_size(max_batch_size: int | None, paged: bool, num_pages: i
     return positive_int("max_batch_size", max_batch_size)
 
 
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def positive_int(name: str, value: object, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     return value
 
 
 def resolve_gather(value: int | None, default: int, name: str) -> int:
     """A prompt-gathering setting: the given one (an integer >= 0, 0: off), or `default`."""
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return value
+    return default if value is None else positive_int(name, value, least=0)
