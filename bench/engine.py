@@ -25,6 +25,7 @@ repetition penalty 1.025 over the whole history) and, for the peer, do_sample wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -57,6 +58,7 @@ from folio.lora import apply as lora_apply  # noqa: E402
 from folio.lora import random_adapter  # noqa: E402
 from folio.model import flash  # noqa: E402
 from folio.options import EngineOptions  # noqa: E402
+from folio.runner import ModelRunner  # noqa: E402
 from folio.stats import PHASES  # noqa: E402
 
 SHAPES = {
@@ -634,14 +636,19 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
     if OPTIONS.get("chunk_size"):
         note += f", max_chunk_size {OPTIONS['chunk_size']}"
     row = None
-    variants = [(p, 0, None) for p in OPTIONS.get("prefill_ahead") or [True]]  # several: an A/B in one process
+    # several prefill-ahead settings or sampler paths: an A/B in one process
+    variants = [(p, 0, None, path) for path in args.sampler_paths.split(",")
+                for p in OPTIONS.get("prefill_ahead") or [True]]
     if workload == "W2" and args.loras:  # the same workload again, its jobs spread over random LoRA adapters
-        variants += [(True, args.loras, form) for form in args.lora_prompt_update.split(",")]
-    for prefill_ahead, loras, form in variants:
+        variants += [(True, args.loras, form, "plain") for form in args.lora_prompt_update.split(",")]
+    for prefill_ahead, loras, form, path in variants:
         if form is not None:  # how prompt chunks of several adapters are updated (folio.lora.apply)
             lora_apply.MASKED_MAX_COLUMNS = {"masked": DEFAULT_MASKED_MAX_COLUMNS, "in-place": 0}[form]
-        res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead, loras)
+        with sampler_path(path):
+            res, gpu_ms = run_throughput(workload, pair, args, prompts, new_tokens, max_seq_len, prefill_ahead,
+                                         loras)
         label = ("" if prefill_ahead else ", prefill ahead off") + (
+            ", sampler's general path only" if path == "general" else "") + (
             f", {loras} LoRA adapters r{args.lora_rank} q/k/v/o/gate/up/down" if loras else "") + (
             f", prompt update {form}" if form is not None and "," in args.lora_prompt_update else "")
         variant = Row(workload, "folio", note + label, res.tokens_per_s,
@@ -668,6 +675,23 @@ def throughput(workload: str, pair: Pair, args, rows: list, prompts, new_tokens,
                             median_ms(peer.ttft_s), median_ms(peer.tpot_s), vs_limit=peer.tokens_per_s / limit,
                             extra={"wall_s": peer.wall_s, "tokens": peer.output_tokens}))
             row.vs_peer = row.tok_s / peer.tokens_per_s
+
+
+@contextlib.contextmanager
+def sampler_path(path: str):
+    """path "general": every step samples through the sampler's general path (the runner's plain path refused),
+    for an A/B of folio.sampling.plain in one process; "plain": as the engine runs."""
+    if path not in ("plain", "general"):
+        raise ValueError(f"--sampler-paths: plain or general, got {path!r}")
+    if path == "plain":
+        yield
+        return
+    original = ModelRunner._plain_rows
+    ModelRunner._plain_rows = lambda self, *args: None
+    try:
+        yield
+    finally:
+        ModelRunner._plain_rows = original
 
 
 def run_throughput(workload: str, pair: Pair, args, prompts, new_tokens, max_seq_len: int,
@@ -849,6 +873,8 @@ def main() -> None:
     parser.add_argument("--prefill-ahead", default="on", help="W2/W3: DynamicGenerator(prefill_ahead=...); a "
                         "comma list (e.g. on,off,on,off) runs the workload once per entry, an A/B in one process")
     parser.add_argument("--profile-host", action="store_true", help="W2/W3: one more run under cProfile")
+    parser.add_argument("--sampler-paths", default="plain", help="W2/W3: plain (as the engine runs), general (the "
+                        "sampler's plain path off), or both comma-separated: an A/B in one process")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the script)")
     parser.add_argument("--loras", type=int, default=0, help="W2: run it again with its jobs spread over this many "
                         "random LoRA adapters on q/k/v/o/gate/up/down (e.g. 8)")

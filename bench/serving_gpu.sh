@@ -10,7 +10,8 @@
 #                                          # through gRPC (1 stream and 256 streams)
 #   SUITE=tp-serve ...                     # 2 GPUs: tensor parallel 2 against 1 through gRPC only, W2-like in steady
 #                                          # state (10 s warm-up), then both again with $TP_AB set (an A/B of a
-#                                          # ServeConfig option, default gather_prompt_rows=0: prompts not gathered);
+#                                          # ServeConfig option, default gather_prompt_rows=0: prompts not gathered;
+#                                          # TP_AB=none: no A/B);
 #                                          # TP_SIZES ("2 1"), TP_STREAMS (1,256), PROFILE_S (0) narrow it
 #   SUITE=four ...                         # 4 GPUs: W2-like at 1 and 4 replicas, chat under the three routers
 #   SUITE=flood ...                        # 1 GPU: the burst of 1,000 at one replica, twice (run 1 of SUITE=one)
@@ -104,6 +105,7 @@ case "$SUITE" in
       runs+=("$serve $steady $graphs --concurrency ${TP_STREAMS:-1,256} --profile-s ${PROFILE_S:-0} --label tp-$size")
     done
     for size in ${TP_SIZES:-2 1}; do
+      [ "${TP_AB:-}" = none ] && break
       graphs=""; [ "$size" -gt 1 ] && graphs="--tensor-parallel-size $size --cuda-graphs on"
       runs+=("$serve $steady $graphs --concurrency 256 --set ${TP_AB:-gather_prompt_rows=0} --label tp-$size-ab")
     done;;

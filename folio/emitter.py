@@ -10,7 +10,8 @@ from folio import cfg
 from folio.constrain.base import FilterError
 from folio.job import NO_EXTRAS, DynamicJob, JobState, TokenExtras
 from folio.results import Result
-from folio.runner import ModelRunner, SampledTokens
+from folio.runner import ModelRunner
+from folio.sampled import SampledTokens
 from folio.sampling.state import observe_sampled
 from folio.scheduler import Chunk, Scheduler, StepPlan
 from folio.sequence import SeqStatus, Sequence

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
@@ -22,96 +21,22 @@ from folio.lora.slots import LoraSlots
 from folio.model.batch import ForwardBatch, SeqChunk
 from folio.model.decode_graphs import DecodeGraphs
 from folio.model.model import Model
+from folio.sampled import SampledStep, VerifiedStep
 from folio.sampling import RowParams, sample
 from folio.sampling.device_history import DeviceHistories
 from folio.sampling.distribution import probabilities
 from folio.sampling.dry import breakers_for
 from folio.sampling.host import to_device
 from folio.sampling.penalties import window_size
+from folio.sampling.plain import PlainRows, plain_rows, sample_plain
 from folio.sampling.rng import uniforms
-from folio.sampling.sampler import SampleOutput, _plain_greedy_width
+from folio.sampling.sampler import _plain_greedy_width
 from folio.scheduler import Chunk, StepPlan
 from folio.sequence import Sequence
-from folio.speculative.acceptance import Verdicts, greedy_verdicts, num_accepted, verdicts
+from folio.speculative.acceptance import greedy_verdicts, verdicts
 from folio.speculative.streams import accept_counter, residual_counter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledTokens:
-    """A step's sampled tokens on the host, one entry per sampled row."""
-
-    token_ids: list[int]
-    probs: list[float] | None
-    top_tokens: list[list[int]] | None
-    top_probs: list[list[float]] | None
-    logits: dict[int, torch.Tensor]  # row -> processed logits, fp32 on the CPU (rows that asked for them)
-
-
-class SampledStep:
-    """A step's sampler outputs: `token_ids` stays on the device (a step launched ahead feeds on it); what the
-    host reads is copied as soon as it is computed, on CUDA into pinned memory without blocking."""
-
-    def __init__(self, output: SampleOutput, probs: bool, top: bool, logits_rows: list[int]):
-        self.token_ids = output.token_ids
-        device = output.token_ids.device
-        self._event = None
-        self._logits_rows = logits_rows
-        self._host = [self._fetch(output.token_ids),
-                      self._fetch(output.token_probs) if probs else None,
-                      self._fetch(output.top_k_tokens) if top else None,
-                      self._fetch(output.top_k_probs) if top else None]
-        self._logits = None
-        if logits_rows:
-            rows = logits_rows if len(logits_rows) < output.logits.shape[0] else slice(None)
-            if isinstance(rows, list):
-                rows = to_device(rows, torch.int64, device)
-            self._logits = self._fetch(output.logits[rows])
-        if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    @staticmethod
-    def _fetch(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cuda":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
-
-    def read(self) -> SampledTokens:
-        """The one intended host sync of a step: the sampled ids decide what every job does next."""
-        if self._event is not None:
-            self._event.synchronize()
-        ids, probs, top_ids, top_probs = (None if t is None else t.tolist() for t in self._host)
-        logits = {row: self._logits[k].to(torch.float32, copy=True) for k, row in enumerate(self._logits_rows)}
-        return SampledTokens(ids, probs, top_ids, top_probs, logits)
-
-
-class VerifiedStep:
-    """The verdicts of a step's verify rows, on the device until `read`."""
-
-    def __init__(self, chunks: Seq[Chunk], verdicts: Verdicts):
-        self.chunks = chunks
-        self._host = [SampledStep._fetch(verdicts.accepted), SampledStep._fetch(verdicts.emitted_ids)]
-        self._event = None
-        if verdicts.accepted.device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def read(self) -> list[list[int]]:
-        """Per verify row, the tokens it yields: its accepted drafts, then the token drawn where it stopped (a
-        host sync: these decide what each job does next)."""
-        if self._event is not None:
-            self._event.synchronize()
-        accepted, emitted = (t.tolist() for t in self._host)
-        num_drafts = [len(c.drafts) for c in self.chunks]
-        tokens, offset = [], 0
-        for chunk, n in zip(self.chunks, num_accepted(accepted, num_drafts)):
-            tokens.append(list(chunk.drafts[:n]) + [emitted[offset + n]])
-            offset += len(chunk.drafts) + 1
-        return tokens
 
 
 class ModelRunner:
@@ -260,6 +185,11 @@ class ModelRunner:
         sampled ids are appended to the penalty histories on the device. masks_later (see masks_can_come_later):
         the device waits for the masks' worker thread; the caller calls `release_masks` before the next step."""
         seqs = [c.seq for c in chunks]
+        plain = self._plain_rows(seqs, logits, masks_later)
+        if plain is not None:
+            output = sample_plain(logits, plain, seqs, self._histories, self.vocab_size, self.model.ops)
+            self._record_sampled(seqs, output.token_ids, plain.history_rows)
+            return SampledStep(output, plain.return_probs, False, [])
         jobs = [s.job for s in seqs]
         draws = uniforms([j.seed for j in jobs], [s.num_sampled for s in seqs])
         rows = [self._row_params(s, u, s.num_sampled) for s, u in zip(seqs, draws)]
@@ -278,6 +208,14 @@ class ModelRunner:
         except BaseException:
             self.release_masks()  # (the device must not wait for ever; the caller samples row by row)
             raise
+
+    def _plain_rows(self, seqs: list[Sequence], logits: torch.Tensor, masks_later: bool) -> PlainRows | None:
+        """The rows on the sampler's plain path (folio.sampling.plain), or None: where the general path would take
+        the native kernels too (CUDA and the kernels there) and no row's filter has masks being made."""
+        if (masks_later or logits.device.type != "cuda" or self.model.ops.native("sample_rows", "cuda") is None
+                or self.model.ops.native("apply_penalties", "cuda") is None):
+            return None
+        return plain_rows(seqs, self._histories)
 
     def masks_can_come_later(self, seqs: list[Sequence]) -> bool:
         """Whether the step may queue its sampler before its masks are made (folio.constrain.gate): a gate on this
@@ -327,10 +265,11 @@ class ModelRunner:
             return None
         return history.windows(keys, lengths, sizes, num_columns)
 
-    def _record_sampled(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
+    def _record_sampled(self, seqs: list[Sequence], token_ids: torch.Tensor, rows: list[int] | None = None) -> None:
         """Append each sampled id to its sequence's device history, on the device (a sequence that turns out to
-        have ended leaves a harmless extra id past its end)."""
-        rows = [i for i, s in enumerate(seqs) if s in self._histories]
+        have ended leaves a harmless extra id past its end). rows: those of seqs that keep one (None: found here)."""
+        if rows is None:
+            rows = [i for i, s in enumerate(seqs) if s in self._histories]
         if not rows:
             return
         if len(rows) < len(seqs):

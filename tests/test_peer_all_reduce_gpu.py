@@ -31,8 +31,9 @@ pytestmark = [
 LAUNCH = dict(backend="nccl", timeout_s=120)
 STACKS_AFTER_S = 50  # a rank still running then prints its threads' stacks (where a hang waits)
 # element counts: one vector, a decode row of hidden 4096, rows of several blocks, a size that leaves blocks idle,
-# the largest message the slots take (8 MiB in float32), one over it (NCCL)
-SIZES = [8, 4096, 64 * 4096 + 8, 3 * 512 * 8, peer_all_reduce.MAX_BYTES // 4, peer_all_reduce.MAX_BYTES // 4 + 8]
+# the largest message the slots take between two ranks (32 MiB in float32), one over it (NCCL)
+MAX_BYTES = peer_all_reduce.max_bytes_for(TP)
+SIZES = [8, 4096, 64 * 4096 + 8, 3 * 512 * 8, MAX_BYTES // 4, MAX_BYTES // 4 + 8]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -117,7 +118,7 @@ def test_sums_equal_the_oracle_on_every_rank():
     for dtype in DTYPES:
         for numel in SIZES:
             took, got, want = rank0[(str(dtype), numel)]
-            assert took == (numel * torch.empty((), dtype=dtype).element_size() <= peer_all_reduce.MAX_BYTES)
+            assert took == (numel * torch.empty((), dtype=dtype).element_size() <= MAX_BYTES)
             # two ranks: a + b rounded once, as the oracle: equal bits
             assert torch.equal(got, want), f"{dtype} {numel}: {(got.float() - want.float()).abs().max()}"
     for took, everyone, want in rank0["broadcasts"]:

@@ -212,3 +212,47 @@ def test_masked_rows_pick_on_cuda_what_they_pick_on_the_cpu(top_k):
     cpu = sample(logits, rows, allowed=masks).token_ids
     cuda = sample(logits.cuda(), rows, allowed=masks.cuda()).token_ids.cpu()
     assert (cpu == cuda).float().mean().item() >= 0.98
+
+
+def test_generator_plain_path_equals_the_general_path(demo_dir, monkeypatch):
+    """A batch on the sampler's plain path (folio.sampling.plain: settings, draws and penalty windows only) gives
+    the tokens and probabilities the general path gives the same jobs; the plain path did run."""
+    import folio
+    from folio.runner import ModelRunner
+
+    settings = [SamplerSettings(), SamplerSettings(temperature=1.2, top_k=0, top_p=0.9, token_repetition_range=8,
+                                                    token_repetition_decay=4, token_frequency_penalty=0.2),
+                SamplerSettings(token_repetition_penalty=1.0, min_p=0.05), SamplerSettings.greedy()]
+
+    def run(plain: bool):
+        calls = []
+        original = ModelRunner._plain_rows
+
+        def counted(self, *args):
+            rows = original(self, *args) if plain else None
+            calls.append(rows is not None)
+            return rows
+
+        monkeypatch.setattr(ModelRunner, "_plain_rows", counted)
+        model = folio.Model.from_pretrained(demo_dir, device="cuda", dtype=torch.bfloat16, progress=False)
+        cache = folio.Cache(model, num_tokens=8192, page_size=16)
+        gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=folio.Tokenizer.from_pretrained(demo_dir),
+                                     max_batch_size=16)
+        rng = random.Random(0)
+        jobs = [folio.DynamicJob(input_ids=[rng.randrange(5, 1000) for _ in range(rng.randrange(4, 60))],
+                                 max_new_tokens=40, stop_conditions=[], gen_settings=settings[i % len(settings)],
+                                 seed=i, return_probs=True) for i in range(12)]
+        gen.enqueue(jobs)
+        probs = {job: [] for job in jobs}
+        while gen.num_remaining_jobs():
+            for result in gen.iterate():
+                probs[result.job] += getattr(result, "token_probs", None) or []
+        monkeypatch.undo()
+        return [(j.generated_ids, probs[j]) for j in jobs], calls
+
+    plain, plain_calls = run(True)
+    general, general_calls = run(False)
+    assert sum(plain_calls) >= 30 and not any(general_calls)
+    for (ids, probs), (want_ids, want_probs) in zip(plain, general):
+        assert ids == want_ids and len(ids) == 40
+        assert probs == want_probs and len(probs) == 40

@@ -25,8 +25,17 @@ if TYPE_CHECKING:
     from folio.model.tensor_parallel import TensorParallel
 
 # Two staging slots of this size per GPU (calls alternate between them). 8 MiB holds a decode step's message up to
-# 1,024 rows of hidden 4096 in bf16; longer prefill chunks go to NCCL.
+# 1,024 rows of hidden 4096 in bf16; longer prefill chunks go to NCCL. Between two ranks the slots hold 32 MiB: a
+# prompt step's 2,304 rows (a 2,048-token chunk beside 256 decode rows) of hidden 4096, whose NCCL calls cost rank 0's
+# host more than the step's kernels (a profile of a served replica). Each rank reads every other rank's slot, so with
+# more ranks the bytes each one reads grow with their number, and large messages stay with NCCL's ring.
 MAX_BYTES = 8 << 20
+MAX_BYTES_TWO_RANKS = 32 << 20
+
+
+def max_bytes_for(world_size: int) -> int:
+    """The largest message (bytes) the peers' memory takes in a group of world_size ranks."""
+    return MAX_BYTES_TWO_RANKS if world_size == 2 else MAX_BYTES
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -94,14 +103,16 @@ def fits(num_bytes: int, dtype: torch.dtype, max_bytes: int) -> bool:
     return 0 < num_bytes <= max_bytes and num_bytes % 16 == 0 and dtype in _DTYPES
 
 
-def connect(tp: TensorParallel, device: torch.device, mode: str, max_bytes: int = MAX_BYTES) -> PeerAllReduce | None:
+def connect(tp: TensorParallel, device: torch.device, mode: str, max_bytes: int | None = None) -> PeerAllReduce | None:
     """This rank's PeerAllReduce, connected to the other ranks', or None where NCCL (gloo on the CPU) sums instead.
 
     mode: "auto" (the peers' memory where every rank has the native module and peer access to every other rank's GPU),
     "peer" (that, or PeerAllReduceUnavailable saying why), "nccl" (never; no collective runs). A collective on CUDA
-    unless mode is "nccl"; on the CPU nothing runs (the same on every rank)."""
+    unless mode is "nccl"; on the CPU nothing runs (the same on every rank). max_bytes: the largest message it takes
+    (None: max_bytes_for the group's size)."""
     if mode == "nccl" or tp.world_size < 2:
         return None
+    max_bytes = max_bytes_for(tp.world_size) if max_bytes is None else max_bytes
     if device.type != "cuda":
         if mode == "peer":
             raise PeerAllReduceUnavailable(f"tp_all_reduce='peer' needs CUDA devices, the model is on {device}")

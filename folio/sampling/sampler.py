@@ -136,21 +136,34 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         return None
     per_row, u, _ = _per_row_settings(rows, _native_entry, device,
                                       adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
-    floats = per_row.float()
-    ints = per_row.int()
-
+    floats, ints = per_row.float(), per_row.int()
     return_logits = any(row.return_logits for row in rows)
     work = logits if in_place and not return_logits else logits.clone()
     if width:
         ids = penalty_windows if penalty_windows is not None else history_windows(
             [row.history_ids for row in rows], sizes, width, num_columns, device)  # padding id V: ignored
-        ops.apply_penalties(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
-                 ints[:, 7].contiguous(), ints[:, 8].contiguous())
+        native_penalties(ops, work, ids, floats, ints)
     _apply_bias_and_blocks(work, rows)
     apply_dry(work, rows, num_columns)
     if any(row.vocab_size is not None and row.vocab_size < num_columns for row in rows):
         vocab_sizes = to_device([row.vocab_size or num_columns for row in rows], torch.int64, device)
         work.masked_fill_(torch.arange(num_columns, device=device) >= vocab_sizes[:, None], -math.inf)
+    token_ids, token_probs = native_draw(ops, work, floats, ints, u, allowed_counts)
+    return SampleOutput(token_ids, token_probs, None, None, work if return_logits else None)
+
+
+def native_penalties(ops: OpSet, work: torch.Tensor, ids: torch.Tensor, floats: torch.Tensor,
+                     ints: torch.Tensor) -> None:
+    """The native penalty kernel over `work` in place: ids [B, width] (right-aligned windows padded with V), the
+    rows' native entries as floats and ints [B, 9] (see _native_entry; a range of -1 already resolved)."""
+    ops.apply_penalties(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
+                        ints[:, 7].contiguous(), ints[:, 8].contiguous())
+
+
+def native_draw(ops: OpSet, work: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, u: torch.Tensor,
+                allowed_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native truncation and draw over the processed logits `work` (the rows' entries as in native_penalties):
+    token ids and their probabilities. allowed_counts: per row, the tokens a filter leaves (None: no filter)."""
     top_k = ints[:, 3].contiguous()
     if allowed_counts is not None:
         # A row a filter leaves n <= top_k tokens (or with top-k off) keeps all n under top-k = n: the same
@@ -158,9 +171,8 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         n = allowed_counts.to(torch.int32)
         shorter = (n <= _NATIVE_SHORT_LIST) & ((top_k == 0) | (n < top_k))
         top_k = torch.where(shorter, n, top_k)
-    token_ids, token_probs = ops.sample_rows(work, floats[:, 0].contiguous(), top_k,
-                                         floats[:, 1].contiguous(), floats[:, 2].contiguous(), u)
-    return SampleOutput(token_ids, token_probs, None, None, work if return_logits else None)
+    return ops.sample_rows(work, floats[:, 0].contiguous(), top_k, floats[:, 1].contiguous(),
+                           floats[:, 2].contiguous(), u)
 
 
 def _sample_split(logits: torch.Tensor, rows: Sequence[RowParams], extended: list[bool],
@@ -262,11 +274,20 @@ def _per_row_settings(rows: Sequence[RowParams], entry, device: torch.device, ad
             k = table_index[values] = len(table_index)
         row_index.append(k)
     table = list(table_index) if adjust is None else [adjust(t) for t in table_index]
+    per_row, u = per_row_table(table, row_index, [row.u for row in rows], device)
+    return per_row, u, table
+
+
+def per_row_table(table: Sequence[tuple], row_index: list[int], draws: list[float], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """table[row_index[b]] for each row b as [B, E] float64 on the device, and the draws [B] float32: the table,
+    the draws and the index in one transfer. Each column of the result is contiguous (a [E, B] tensor seen
+    transposed), so a kernel taking one column per argument reads it without a copy."""
     flat = [v for t in table for v in t]
-    packed = to_device(flat + [row.u for row in rows] + row_index, torch.float64, device)
-    num_rows, table_size = len(rows), len(flat)
-    per_row = packed[:table_size].view(len(table), -1)[packed[table_size + num_rows:].long()]
-    return per_row, packed[table_size: table_size + num_rows].float(), table
+    packed = to_device(flat + draws + row_index, torch.float64, device)
+    num_rows, table_size = len(row_index), len(flat)
+    columns = packed[:table_size].view(len(table), -1).t()[:, packed[table_size + num_rows:].long()]
+    return columns.t(), packed[table_size: table_size + num_rows].float()
 
 
 def _entry_of(settings: SamplerSettings, entry) -> tuple:

@@ -1,0 +1,121 @@
+"""The sampler's plain path: a step whose rows need nothing per row but their settings, their draw and their penalty
+window (no filter, banned string, token bias, DRY, extended sampler, blocked token or extra output) goes to the native
+kernels from one pass over its sequences, without a RowParams per row and the general path's passes over them (at
+a batch of hundreds those passes are most of sampling's host time, which bounds a large batch's step on a GPU).
+
+The kernels, their inputs and their order are the general path's (folio.sampling.sampler._sample_native): the same
+tokens and probabilities, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from folio.ops import OpSet
+from folio.sampling.rng import uniforms
+from folio.sampling.sampler import (
+    _MAX_NATIVE_PENALTY_WINDOW,
+    SampleOutput,
+    _native_entry,
+    native_draw,
+    native_penalties,
+    per_row_table,
+)
+
+_UNSET = object()
+
+
+@dataclass
+class PlainRows:
+    """One step's rows on the plain path, as the kernels take them."""
+
+    table: list[tuple]  # the distinct native entries (folio.sampling.sampler._native_entry)
+    row_index: list[int]  # each row's entry
+    seeds: list[int]
+    counters: list[int]  # each row's draw counter: the tokens its sequence has sampled
+    history_rows: list[int]  # the rows whose sequences keep a penalty history on the device
+    lengths: list[int]  # their history lengths (prompt + sampled)
+    sizes: list[int]  # their window sizes (0: no penalty)
+    return_probs: bool  # some row's job reports probabilities
+
+
+def plain_job(job: Any) -> tuple[tuple, bool, int | None] | None:
+    """(native entry, plain greedy, penalty window) for the rows of `job`, or None where they take the general path.
+    Kept on the job: what decides it is fixed once the job is built."""
+    cached = job.__dict__.get("_plain", _UNSET)
+    if cached is not _UNSET:
+        return cached
+    s = job.gen_settings
+    general = (job.filters or job.banned_strings or s.token_bias or s.dry_active or s.uses_extended_samplers
+               or job.return_top_tokens or job.return_logits)
+    window = s.penalty_window
+    cached = None if general else (_native_entry(s), s.is_greedy and window == 0, window)
+    job.__dict__["_plain"] = cached
+    return cached
+
+
+def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
+    """seqs' rows for the plain path, or None when some row needs the general path, when every row is plain greedy
+    (the general path's argmax is cheaper still) or when a window is wider than the native penalty kernel reads.
+    histories: the runner's DeviceHistories."""
+    table_index: dict[tuple, int] = {}
+    row_index, seeds, counters, history_rows, lengths, sizes = [], [], [], [], [], []
+    all_greedy, return_probs = True, False
+    for b, seq in enumerate(seqs):
+        job = seq.job
+        plain = job.__dict__.get("_plain", _UNSET)
+        if plain is _UNSET:
+            plain = plain_job(job)
+        if plain is None:
+            return None
+        num_sampled = seq.num_sampled
+        if job.stop_tokens and num_sampled - job.heals < job.min_new_tokens:
+            return None  # stop tokens blocked (job.blocked_ids_at)
+        entry, greedy, window = plain
+        k = table_index.get(entry)
+        if k is None:
+            k = table_index[entry] = len(table_index)
+        row_index.append(k)
+        seeds.append(job.seed)
+        counters.append(num_sampled)
+        all_greedy = all_greedy and greedy
+        return_probs = return_probs or job.return_probs
+        if seq in histories:
+            history_rows.append(b)
+            length = seq.prompt_len + num_sampled
+            lengths.append(length)
+            sizes.append(length if window is None else min(window, length))
+    if all_greedy or (sizes and max(sizes) > _MAX_NATIVE_PENALTY_WINDOW):
+        return None
+    return PlainRows(list(table_index), row_index, seeds, counters, history_rows, lengths, sizes, return_probs)
+
+
+def sample_plain(logits: torch.Tensor, rows: PlainRows, seqs: Sequence[Any], histories: Any, vocab_size: int | None,
+                 ops: OpSet) -> SampleOutput:
+    """What folio.sampling.sample gives these rows with in_place=True (`logits` is processed where it is): penalties
+    over the device histories' windows, the columns past vocab_size masked, then the draw."""
+    device, num_columns = logits.device, logits.shape[1]
+    width = 0
+    if any(rows.sizes):
+        keys: list[Any] = [None] * len(seqs)
+        all_lengths, all_sizes = [0] * len(seqs), [0] * len(seqs)
+        for b, length, size in zip(rows.history_rows, rows.lengths, rows.sizes):
+            keys[b] = seqs[b] if size else None
+            all_lengths[b], all_sizes[b] = length, size
+        ids = histories.windows(keys, all_lengths, all_sizes, num_columns)
+        width = ids.shape[1]
+    table = [t if t[7] >= 0 else (*t[:7], width, *t[8:]) for t in rows.table]
+    per_row, u = per_row_table(table, rows.row_index, uniforms(rows.seeds, rows.counters), device)
+    floats, ints = per_row.float(), per_row.int()
+    if width:
+        native_penalties(ops, logits, ids, floats, ints)
+    if vocab_size is not None and vocab_size < num_columns:
+        logits[:, vocab_size:] = -math.inf
+    token_ids, token_probs = native_draw(ops, logits, floats, ints, u)
+    return SampleOutput(token_ids, token_probs)
+
