@@ -938,6 +938,7 @@ def main() -> None:
             if (shape, weight_format) not in pairs:
                 for other in list(pairs):
                     del pairs[other]
+                gc.collect()  # (a generator's reference cycles would keep its cache alive past this point)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 pairs[(shape, weight_format)] = build_pair(shape, device)

@@ -131,3 +131,16 @@ def test_blocked_stop_tokens_all_greedy_and_wide_windows_are_refused():
     wide = make_seqs([SamplerSettings()], 2, long, 2)
     wide[0].num_sampled = 20_000  # a whole-history window wider than the native kernel reads
     assert plain_rows(wide, long) is None
+
+
+def test_the_healed_token_takes_the_general_path():
+    """Token healing constrains a job's first sampled token (folio.constrain.healing's mask): that row goes to the
+    general path, which applies the mask; the tokens after it may take the plain path."""
+    histories = DeviceHistories("cpu")
+    seqs = make_seqs([SamplerSettings()], 3, histories, 0)
+    healing = DynamicJob(input_ids=[1, 2, 3, 4], max_new_tokens=8, stop_conditions=[], token_healing=True, seed=1)
+    seq = Sequence(healing, [1, 2, 3])
+    histories.add(seq, seq.token_ids, 16)
+    assert plain_rows(seqs + [seq], histories) is None
+    seq.num_sampled = 1
+    assert plain_rows(seqs + [seq], histories) is not None

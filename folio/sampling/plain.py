@@ -1,7 +1,8 @@
 """The sampler's plain path: a step whose rows need nothing per row but their settings, their draw and their penalty
 window (no filter, banned string, token bias, DRY, extended sampler, blocked token or extra output) goes to the native
 kernels from one pass over its sequences, without a RowParams per row and the general path's passes over them (at
-a batch of hundreds those passes are most of sampling's host time, which bounds a large batch's step on a GPU).
+a batch of hundreds those passes are a large share of sampling's host time, and host time bounds a large batch's
+step on a GPU once the device's step is short: a small model, or tensor parallelism).
 
 The kernels, their inputs and their order are the general path's (folio.sampling.sampler._sample_native): the same
 tokens and probabilities, bit for bit.
@@ -19,10 +20,10 @@ import torch
 from folio.ops import OpSet
 from folio.sampling.rng import uniforms
 from folio.sampling.sampler import (
-    _MAX_NATIVE_PENALTY_WINDOW,
+    MAX_NATIVE_PENALTY_WINDOW,
     SampleOutput,
-    _native_entry,
     native_draw,
+    native_entry,
     native_penalties,
     per_row_table,
 )
@@ -34,7 +35,7 @@ _UNSET = object()
 class PlainRows:
     """One step's rows on the plain path, as the kernels take them."""
 
-    table: list[tuple]  # the distinct native entries (folio.sampling.sampler._native_entry)
+    table: list[tuple]  # the distinct native entries (folio.sampling.sampler.native_entry)
     row_index: list[int]  # each row's entry
     seeds: list[int]
     counters: list[int]  # each row's draw counter: the tokens its sequence has sampled
@@ -46,7 +47,8 @@ class PlainRows:
 
 def plain_job(job: Any) -> tuple[tuple, bool, int | None] | None:
     """(native entry, plain greedy, penalty window) for the rows of `job`, or None where they take the general path.
-    Kept on the job: what decides it is fixed once the job is built."""
+    Kept on the job: what decides it is fixed once the job is built (what changes per token, the healed token and
+    the blocked stop tokens, plain_rows asks per row)."""
     cached = job.__dict__.get("_plain", _UNSET)
     if cached is not _UNSET:
         return cached
@@ -54,7 +56,7 @@ def plain_job(job: Any) -> tuple[tuple, bool, int | None] | None:
     general = (job.filters or job.banned_strings or s.token_bias or s.dry_active or s.uses_extended_samplers
                or job.return_top_tokens or job.return_logits)
     window = s.penalty_window
-    cached = None if general else (_native_entry(s), s.is_greedy and window == 0, window)
+    cached = None if general else (native_entry(s), s.is_greedy and window == 0, window)
     job.__dict__["_plain"] = cached
     return cached
 
@@ -74,6 +76,8 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
         if plain is None:
             return None
         num_sampled = seq.num_sampled
+        if job.heals and num_sampled == 0:
+            return None  # the healed token: its healing filter's mask (job.active_filters)
         if job.stop_tokens and num_sampled - job.heals < job.min_new_tokens:
             return None  # stop tokens blocked (job.blocked_ids_at)
         entry, greedy, window = plain
@@ -90,7 +94,7 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
             length = seq.prompt_len + num_sampled
             lengths.append(length)
             sizes.append(length if window is None else min(window, length))
-    if all_greedy or (sizes and max(sizes) > _MAX_NATIVE_PENALTY_WINDOW):
+    if all_greedy or (sizes and max(sizes) > MAX_NATIVE_PENALTY_WINDOW):
         return None
     return PlainRows(list(table_index), row_index, seeds, counters, history_rows, lengths, sizes, return_probs)
 

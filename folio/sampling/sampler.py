@@ -132,9 +132,9 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         width = max(sizes)
     else:
         width = penalty_windows.shape[1]
-    if width > _MAX_NATIVE_PENALTY_WINDOW:
+    if width > MAX_NATIVE_PENALTY_WINDOW:
         return None
-    per_row, u, _ = _per_row_settings(rows, _native_entry, device,
+    per_row, u, _ = _per_row_settings(rows, native_entry, device,
                                       adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
     floats, ints = per_row.float(), per_row.int()
     return_logits = any(row.return_logits for row in rows)
@@ -155,7 +155,7 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
 def native_penalties(ops: OpSet, work: torch.Tensor, ids: torch.Tensor, floats: torch.Tensor,
                      ints: torch.Tensor) -> None:
     """The native penalty kernel over `work` in place: ids [B, width] (right-aligned windows padded with V), the
-    rows' native entries as floats and ints [B, 9] (see _native_entry; a range of -1 already resolved)."""
+    rows' native entries as floats and ints [B, 9] (see native_entry; a range of -1 already resolved)."""
     ops.apply_penalties(work, ids, floats[:, 4].contiguous(), floats[:, 5].contiguous(), floats[:, 6].contiguous(),
                         ints[:, 7].contiguous(), ints[:, 8].contiguous())
 
@@ -194,7 +194,7 @@ def _sample_split(logits: torch.Tensor, rows: Sequence[RowParams], extended: lis
 _NATIVE_SHORT_LIST = 1024
 
 # The native penalty kernel reads at most this many ids per row (its shared-memory bound).
-_MAX_NATIVE_PENALTY_WINDOW = 16384
+MAX_NATIVE_PENALTY_WINDOW = 16384
 
 
 def _plain_greedy_width(rows: Sequence[RowParams], num_columns: int) -> int | None:
@@ -300,7 +300,7 @@ def _entry_of(settings: SamplerSettings, entry) -> tuple:
     return values
 
 
-def _native_entry(s: SamplerSettings) -> tuple:
+def native_entry(s: SamplerSettings) -> tuple:
     """The native kernels' per-row numbers: truncation, then the penalties (a range of -1, the whole window, is
     resolved per call by _sample_native)."""
     return (*_truncation(s), s.token_repetition_penalty, s.token_frequency_penalty, s.token_presence_penalty,
