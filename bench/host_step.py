@@ -12,6 +12,7 @@ kernels. --profile: one more run under cProfile, the folio functions by their ow
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import io
 import json
@@ -48,11 +49,44 @@ def one_layer_demo(directory: Path) -> Path:
     return cut
 
 
-def run(model, tokenizer, batch: int, steps: int, profiler: cProfile.Profile | None = None) -> dict[str, float]:
+def stub_device_work(gen: folio.DynamicGenerator, batch: int, vocab_size: int) -> None:
+    """--host-only: the forward returns a fixed logits buffer and the native sampling kernels return ids from a fixed
+    random list, so that what a step costs is its host code alone (the CPU's kernels otherwise take most of it); the
+    rows sample through the plain path (folio.sampling.plain), as a GPU's default requests do, and decode steps go
+    through the decode graphs' host side (capture off: the replay is a plain call). The text pipeline sees random
+    ids, as from a random-weight model. Only this generator's objects are changed (its model takes an op set of its
+    own)."""
+    from folio.model.decode_graphs import DecodeGraphs
+    from folio.sampling.plain import plain_rows
+
+    runner = gen.runner
+    model = runner.model
+    logits = torch.zeros(max(batch, 2048), vocab_size)
+    model.forward = lambda forward_batch, cache: logits[: forward_batch.logits_idx.shape[0]]
+    ids = torch.randint(5, vocab_size, (batch * 64,), generator=torch.Generator().manual_seed(0))
+    probs = torch.full((batch * 64,), 0.5)
+    calls = [0]
+
+    def sample_rows(work, temperature, top_k, top_p, min_p, u):
+        start = (calls[0] * work.shape[0]) % (ids.shape[0] - work.shape[0])
+        calls[0] += 1
+        return ids[start:start + work.shape[0]].clone(), probs[start:start + work.shape[0]].clone()
+
+    model.ops = copy.copy(model.ops)
+    model.ops.sample_rows = sample_rows
+    model.ops.apply_penalties = lambda *args: None
+    runner._plain_rows = lambda seqs, logits, masks_later: None if masks_later else plain_rows(seqs, runner._histories)
+    runner.graphs = DecodeGraphs(model, gen.cache, gen.max_batch_size, gen.max_seq_len, capture=False)
+
+
+def run(model, tokenizer, batch: int, steps: int, profiler: cProfile.Profile | None = None,
+        host_only: bool = False) -> dict[str, float]:
     """ms per step by phase over `steps` steps in which all `batch` rows decode."""
     cache = folio.Cache(model, num_tokens=batch * 512, page_size=16)
     gen = folio.DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=batch,
                                  decode_ahead=True, overlap_emit=True)
+    if host_only:
+        stub_device_work(gen, batch, tokenizer.vocab_size)
     rng = random.Random(0)
     for _ in range(batch):
         prompt = [rng.randrange(5, tokenizer.vocab_size) for _ in range(64)]
@@ -81,6 +115,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--host-only", action="store_true", help="stub the forward and the sampling kernels: the "
+                        "step's host code alone, the sampler on its plain path (stub_device_work)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,10 +125,10 @@ def main(argv=None) -> None:
         tokenizer = folio.Tokenizer.from_pretrained(path)
     print(f"{args.batch} decoding rows, one-layer demo model, CPU; ms per step by phase")
     for k in range(args.runs):
-        print(f"run {k}: {run(model, tokenizer, args.batch, args.steps)}")
+        print(f"run {k}: {run(model, tokenizer, args.batch, args.steps, host_only=args.host_only)}")
     if args.profile:
         profiler = cProfile.Profile()
-        run(model, tokenizer, args.batch, args.steps, profiler)
+        run(model, tokenizer, args.batch, args.steps, profiler, host_only=args.host_only)
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(r"/folio/", 30)
         print(out.getvalue())
