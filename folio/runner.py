@@ -121,6 +121,13 @@ class ModelRunner:
         if not plan.chunks:
             return None, False
         rows = plan.chunks
+        if num_fed == len(rows) and self.graphs is not None:
+            # Every row a decode row planned ahead (one token fed from the device, its logits wanted, no verify
+            # rows, no injected embeddings: those are prompt rows): the usual step, without the checks below.
+            adapters = self._row_adapters(rows)
+            if ((adapters is None or self.graphs.lora_slots is self.loras.slots)
+                    and self.graphs.bucket_for(num_fed) is not None):
+                return self._replay(rows, fed_ids, num_fed, adapters), True
         for c in rows:
             if c.verify and c.num_tokens > self.max_q_size:
                 raise ValueError(f"a verify row of {c.num_tokens} tokens exceeds max_q_size={self.max_q_size}")

@@ -1,5 +1,5 @@
-"""bench/host_step.py --host-only on the CPU: the step's host code runs as on a GPU (the sampler's plain path, the decode
-graphs' input staging) with the device's work stubbed, and every phase is timed."""
+"""bench/host_step.py --host-only on the CPU: the step's host code runs as on a GPU (the sampler's plain path, the
+decode graphs' input staging) with the device's work stubbed, and every phase is timed."""
 
 from __future__ import annotations
 

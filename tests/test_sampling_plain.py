@@ -88,6 +88,20 @@ def test_plain_path_equals_the_general_path(seed):
     assert not torch.equal(differs.token_probs, got.token_probs)
 
 
+def test_every_row_penalized_equals_the_general_path():
+    """(the windows built from the rows as they are, without the per-row key lists: a server's default settings)"""
+    histories = DeviceHistories("cpu")
+    penalized = [s for s in MIXED if s.penalty_window != 0]
+    seqs = make_seqs(penalized, 29, histories, 7)
+    assert all(s in histories for s in seqs)
+    logits = torch.randn(len(seqs), COLUMNS, generator=torch.Generator().manual_seed(7)) * 3
+    plain = plain_rows(seqs, histories)
+    assert plain.history_rows == list(range(len(seqs)))
+    got = sample_plain(logits.clone(), plain, seqs, histories, VOCAB, DEFAULT)
+    want = general(logits.clone(), seqs, histories)
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.token_probs, want.token_probs)
+
+
 def test_plain_path_reports_which_rows_keep_histories_and_probabilities():
     histories = DeviceHistories("cpu")
     seqs = make_seqs(MIXED, 10, histories, 5, return_probs=True)

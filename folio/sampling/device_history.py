@@ -10,7 +10,7 @@ Rows live in a [slots, capacity] int64 buffer; both dimensions grow by doubling 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, KeysView, Sequence
 
 import torch
 
@@ -29,6 +29,11 @@ class DeviceHistories:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slots
+
+    @property
+    def holders(self) -> KeysView:
+        """The keys that hold a history, as a live view (`key in holders` without a method call: asked per row)."""
+        return self._slots.keys()
 
     def add(self, key: Hashable, token_ids: Sequence[int], max_len: int) -> None:
         """Give `key` a row holding `token_ids`, with room for `max_len` ids in all."""

@@ -68,6 +68,7 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
     table_index: dict[tuple, int] = {}
     row_index, seeds, counters, history_rows, lengths, sizes = [], [], [], [], [], []
     all_greedy, return_probs = True, False
+    held = histories.holders
     for b, seq in enumerate(seqs):
         job = seq.job
         plain = job.__dict__.get("_plain", _UNSET)
@@ -89,7 +90,7 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
         counters.append(num_sampled)
         all_greedy = all_greedy and greedy
         return_probs = return_probs or job.return_probs
-        if seq in histories:
+        if seq in held:
             history_rows.append(b)
             length = seq.prompt_len + num_sampled
             lengths.append(length)
@@ -105,11 +106,14 @@ def sample_plain(logits: torch.Tensor, rows: PlainRows, seqs: Sequence[Any], his
     over the device histories' windows, the columns past vocab_size masked, then the draw."""
     device, num_columns = logits.device, logits.shape[1]
     width = 0
-    if any(rows.sizes):
+    if len(rows.history_rows) == len(seqs):  # (every row penalized: a server's default settings)
+        ids = histories.windows(seqs, rows.lengths, rows.sizes, num_columns)
+        width = ids.shape[1]
+    elif rows.history_rows:
         keys: list[Any] = [None] * len(seqs)
         all_lengths, all_sizes = [0] * len(seqs), [0] * len(seqs)
         for b, length, size in zip(rows.history_rows, rows.lengths, rows.sizes):
-            keys[b] = seqs[b] if size else None
+            keys[b] = seqs[b]
             all_lengths[b], all_sizes[b] = length, size
         ids = histories.windows(keys, all_lengths, all_sizes, num_columns)
         width = ids.shape[1]
