@@ -36,10 +36,12 @@ class Emitter:
         self.runner = runner
         self.speculator = speculator
         self.live: dict[DynamicJob, Sequence] = {}  # enqueued jobs that have not ended, in enqueue order
+        self.num_rolling_back = 0  # of those, jobs whose emitted tokens may undo sampled ones (DynamicJob.rolls_back)
         self.stats = StepStats()  # the current step's (the generator swaps in a new one each step)
 
     def add(self, seq: Sequence) -> None:
         self.live[seq.job] = seq
+        self.num_rolling_back += seq.job.rolls_back
         self.runner.add_sequence(seq)
         self.scheduler.add(seq)
 
@@ -180,8 +182,11 @@ class Emitter:
         self.stats.num_started += len(results)
         return results
 
-    def prefill_results(self, plan: StepPlan) -> list[Result]:
-        """Prompt progress of the sequences that prefilled this step and have sampled nothing yet."""
+    def prefill_results(self, plan: StepPlan, any_prompt: bool = True) -> list[Result]:
+        """Prompt progress of the sequences that prefilled this step and have sampled nothing yet. any_prompt:
+        False when the caller knows that no chunk of the plan is a prompt chunk (then only plan.progressed counts)."""
+        if not any_prompt and not plan.progressed:
+            return []  # (a decode step: nothing prefilled)
         results = []
         seen: set[Sequence] = set()
         # (plan.progressed is a set: taken in admission order, so results come in the same order every run)
@@ -205,6 +210,7 @@ class Emitter:
         seq = cfg.positive(seq)
         if self.live.pop(seq.job, None) is not None:
             self.stats.num_finished += status is not SeqStatus.CANCELLED
+            self.num_rolling_back -= seq.job.rolls_back
         self.runner.remove_sequence(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)

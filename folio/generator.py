@@ -325,7 +325,7 @@ class DynamicGenerator:
         self.scheduler.commit(plan)
         stats.count_rows(plan.chunks)
         tick = stats.lap("forward", tick)
-        results += emitter.prefill_results(plan)
+        results += emitter.prefill_results(plan, any_prompt=stats.num_prompt_tokens > 0)
         sampled = [c for c in plan.chunks if c.wants_logits]
         if any(c.verify for c in sampled):
             return results + verify_and_emit(self, sampled, logits, stats, tick)
@@ -362,7 +362,7 @@ class DynamicGenerator:
         try:
             tick = stats.lap("sample", tick)
             # A job that may roll back (banned strings) gets its tokens now, before the next step is planned.
-            now = any(c.seq.job.rolls_back for c in chunks)
+            now = self.emitter.num_rolling_back > 0 and any(c.seq.job.rolls_back for c in chunks)
             if pipeline.decode_ahead and not now and not (self.speculator is not None and
                                                           self.speculator.any_drafting(seqs, self.num_steps + 1)):
                 pipeline.launch(chunks, sampled.token_ids, self.scheduler, self.runner, self.max_batch_size)

@@ -209,8 +209,26 @@ def test_launch_ahead_resumes_after_the_banned_job_ends(demo):
         results = run_to_end(gen, js, stats=steps)
         check_clean(js[0], results[js[0].serial], ["est", "es t"])
         assert any(s.launched_ahead for s in steps) is ahead
+        assert gen.emitter.num_rolling_back == 0  # (the banned job ended: the steps' check is a counter's)
         outs.append([(j.generated_ids, j.full_completion) for j in js])
     assert outs[0] == outs[1]
+
+
+def test_jobs_that_roll_back_are_counted_while_live(demo):
+    """The emitter counts the live jobs that may roll back (the step asks its rows only while there are some):
+    enqueued, cancelled, failed and finished jobs all keep the count right."""
+    tok = demo.tokenizer
+    token_lists = prompts(tok, 3)
+    gen = demo.generator()
+    banned = [make(token_lists[0], banned=["est"], max_new_tokens=6), make(token_lists[1], banned=["a"])]
+    plain = make(token_lists[2], max_new_tokens=6)
+    gen.enqueue(banned + [plain])
+    assert gen.emitter.num_rolling_back == 2
+    gen.cancel(banned[1])
+    gen.cancel(banned[1])  # (twice: counted once)
+    assert gen.emitter.num_rolling_back == 1
+    run_to_end(gen, [])
+    assert gen.emitter.num_rolling_back == 0 and banned[0].generated_ids and plain.generated_ids
 
 
 def test_bad_banned_strings():
