@@ -20,7 +20,7 @@ from folio.banned import BannedStrings, BannedTextStream, validate_banned_string
 from folio.constrain.base import Filter
 from folio.constrain.healing import HealingFilter
 from folio.job_inputs import as_filters, as_token_list, split_stop_conditions
-from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult
+from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult, merge_into
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
 
@@ -297,6 +297,12 @@ class DynamicJob:
         if self._keeps_extras:  # (until the text releases the token)
             self._held.append(extras)
         healed = self.heals and self.new_tokens == 1
+        text = None if healed else self._text.push_text(token_id)
+        if text is not None:  # (the usual token: all of its text released, no stop or banned string possible)
+            result = self._released(text, [token_id])
+            if self.new_tokens >= self.max_sampled_tokens or filter_ended:
+                return self._ended(result, filter_ended)
+            return result
         event = self._text.push(token_id, self._healing.num_skipped_bytes() if healed else 0)
         if event.suppressed_token_ids:
             return self._banned_rollback(event)
@@ -307,10 +313,14 @@ class DynamicJob:
             result.held_text = event.held_text
             return self._finish(result, EosReason.STOP_STRING, string=event.stop_string)
         if filter_ended or self.new_tokens >= self.max_sampled_tokens:
-            tail = self._text.flush()
-            self._merge(result, self._released(tail.text, tail.token_ids))
-            return self._finish(result, EosReason.END_FILTER if filter_ended else EosReason.MAX_NEW_TOKENS)
+            return self._ended(result, filter_ended)
         return result
+
+    def _ended(self, result: StreamingResult, filter_ended: bool) -> StreamingResult:
+        """The job ends with this token (its filter completed, or max_new_tokens): the held text goes too."""
+        tail = self._text.flush()
+        merge_into(result, self._released(tail.text, tail.token_ids))
+        return self._finish(result, EosReason.END_FILTER if filter_ended else EosReason.MAX_NEW_TOKENS)
 
     def error_result(self, error: BaseException) -> StreamingResult:
         result = StreamingResult(job=self, serial=self.serial, identifier=self.identifier)
@@ -354,19 +364,6 @@ class DynamicJob:
             rows = [e.logits for e in extras]
             result.logits = torch.stack(rows) if rows else None
         return result
-
-    @staticmethod
-    def _merge(into: StreamingResult, more: StreamingResult) -> None:
-        into.text += more.text
-        into.token_ids += more.token_ids
-        for name in ("token_probs", "top_k_tokens", "top_k_probs"):
-            extra = getattr(more, name)
-            if extra:
-                setattr(into, name, (getattr(into, name) or []) + extra)
-        if more.logits is not None:
-            import torch
-
-            into.logits = more.logits if into.logits is None else torch.cat([into.logits, more.logits])
 
     def _finish(self, result: StreamingResult, reason: EosReason, token_id: int | None = None,
                 string: str | None = None) -> StreamingResult:

@@ -107,3 +107,17 @@ class StreamingResult(Result):
         result.__dict__.update(job=job, serial=serial, identifier=identifier, stage=Stage.STREAMING, text=text,
                                token_ids=token_ids, suppressed_tokens=[])
         return result
+
+
+def merge_into(into: StreamingResult, more: StreamingResult) -> None:
+    """Append `more`'s released text, ids and per-token extras to `into` (one result for one step of a job)."""
+    into.text += more.text
+    into.token_ids += more.token_ids
+    for name in ("token_probs", "top_k_tokens", "top_k_probs"):
+        extra = getattr(more, name)
+        if extra:
+            setattr(into, name, (getattr(into, name) or []) + extra)
+    if more.logits is not None:
+        import torch
+
+        into.logits = more.logits if into.logits is None else torch.cat([into.logits, more.logits])

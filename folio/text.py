@@ -105,6 +105,20 @@ class TextStream:
         self._append(token_id, skip_bytes)
         return self._settle()
 
+    def push_text(self, token_id: int) -> str | None:
+        """`push` for the commonest token: no stop strings, nothing held and ASCII bytes, so its whole text is
+        released at once; returns that text (the event's, with token_ids [token_id]). None, with nothing done,
+        for any other token (call push). A subclass that holds text for other reasons returns None always."""
+        if self.stop_strings or self._held_tokens or type(self).push is not TextStream.push:
+            return None
+        data = self._bytes_of(token_id)
+        if not data.isascii():
+            return None
+        self._num_bytes += len(data)
+        self._num_chars += len(data)
+        self._num_released_chars = self._num_chars
+        return data.decode("ascii")
+
     def _push_unheld(self, token_id: int, skip_bytes: int) -> TextEvent:
         """push with no stop strings and nothing held (so no text held and no bytes in the decoder): the usual case,
         once per sampled token of most jobs, which mostly releases the token's text at once. The same as `_append`

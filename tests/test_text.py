@@ -331,3 +331,33 @@ def test_long_stream_with_stop_strings_keeps_hold_short():
     assert events[-1].stop_string == "STOP" and events[-1].held_text == "STOP"
     # Every plain word was released by its own push (nothing accumulates).
     assert all(e.text == "word " for e in events[:2000])
+
+
+def test_push_text_releases_what_push_releases():
+    """push_text (the usual token's shortcut) gives the text push would, leaves the stream where push leaves it, and
+    declines (None, nothing done) split characters, held tokens, stop strings and the banned-string stream."""
+    from folio.banned import BannedStrings, BannedTextStream
+
+    tok = FakeTokenizer()
+    ids = tok.ids("ab", " c", "é", b"\xc3", b"\xa9", "d", "\U0001F600", "x")
+    special = tok.special("<s>")
+    rng = random.Random(0)
+    sequence = [rng.choice(ids + [special]) for _ in range(400)]
+    quick, plain = TextStream(tok, decode_special_tokens=True), TextStream(tok, decode_special_tokens=True)
+    declined = 0
+    for token_id in sequence:
+        text = quick.push_text(token_id)
+        want = plain.push(token_id)
+        if text is None:
+            declined += 1
+            got = quick.push(token_id)
+            assert (got.text, got.token_ids) == (want.text, want.token_ids)
+        else:
+            assert (text, [token_id]) == (want.text, want.token_ids)
+        assert vars(quick).keys() == vars(plain).keys()
+        assert {k: v for k, v in vars(quick).items() if k != "_decoder"} == \
+            {k: v for k, v in vars(plain).items() if k != "_decoder"}
+    assert 0 < declined < len(sequence)
+    assert quick.flush().text == plain.flush().text
+    assert TextStream(tok, stop_strings=["zz"]).push_text(ids[0]) is None
+    assert BannedTextStream(tok, BannedStrings(["qq"])).push_text(ids[0]) is None
