@@ -95,15 +95,18 @@ class Emitter:
         if token_id < 0:
             return StagedToken(seq, token_id, extras, failure=self.fail(seq, self._nothing_to_pick(seq)))
         filter_ended = False
-        if job.active_filters():
+        if (job.filters or job.heals) and job.active_filters():
             try:
                 filter_ended = job.feed_filters(token_id)
             except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch
                 return StagedToken(seq, token_id, extras, failure=self.fail(seq, error))
         seq.token_ids.append(token_id)
         seq.num_sampled += 1
-        observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu)
-        cfg.follow(seq, token_id)  # a CFG job's negative sequence takes the token too
+        # (per row and step: the calls only where they can do something)
+        if extras.prob is not None:
+            observe_sampled(seq, extras.prob)  # per-job sampler state (mirostat's mu; it needs the probability)
+        if seq.cfg_partner is not None:
+            cfg.follow(seq, token_id)  # a CFG job's negative sequence takes the token too
         self.stats.num_sampled += 1
         # (a job that may roll back ends by length or filter at emission, right after: the token may be undone)
         ends = filter_ended or seq.num_sampled >= job.max_sampled_tokens
