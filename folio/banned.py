@@ -96,6 +96,9 @@ class BannedTextStream(TextStream):
         super().__init__(tokenizer, stop_strings, decode_special_tokens)
         self.banned = banned
 
+    def push_text(self, token_id: int) -> str | None:
+        return None  # (any token's text may be the start of a banned string: push holds it)
+
     def push(self, token_id: int, skip_bytes: int = 0) -> TextEvent:
         self._check_open("push")
         self._append(token_id, skip_bytes)

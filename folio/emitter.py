@@ -95,7 +95,7 @@ class Emitter:
         if token_id < 0:
             return StagedToken(seq, token_id, extras, failure=self.fail(seq, self._nothing_to_pick(seq)))
         filter_ended = False
-        if (job.filters or job.heals) and job.active_filters():
+        if job.may_constrain and job.active_filters():
             try:
                 filter_ended = job.feed_filters(token_id)
             except Exception as error:  # noqa: BLE001 - one job's filter fails that job, not the batch

@@ -19,7 +19,7 @@ from folio import embeddings as injected
 from folio.banned import BannedStrings, BannedTextStream, validate_banned_strings
 from folio.constrain.base import Filter
 from folio.constrain.healing import HealingFilter
-from folio.job_inputs import as_filters, as_token_list, split_stop_conditions
+from folio.job_inputs import as_filters, as_token_list, check_counts, split_stop_conditions
 from folio.results import EosReason, PrefillResult, StartedResult, StreamingResult, merge_into
 from folio.sampling import SamplerSettings
 from folio.text import TextStream
@@ -115,16 +115,7 @@ class DynamicJob:
                 raise ValueError("token_healing needs a prompt of at least 2 tokens (the last one is generated "
                                  "again, and something must come before it)")
             self.healing_token_id = self.input_ids.pop()
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
-        if not isinstance(return_top_tokens, int) or return_top_tokens < 0:
-            raise ValueError(f"return_top_tokens must be an integer >= 0, got {return_top_tokens!r}")
-        if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 0):
-            raise ValueError(f"max_skips must be None or an integer >= 0, got {max_skips!r}")
-        if gen_settings is not None and not isinstance(gen_settings, SamplerSettings):
-            raise TypeError("gen_settings must be a folio.SamplerSettings")
+        check_counts(max_new_tokens, min_new_tokens, return_top_tokens, max_skips, gen_settings)
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.gen_settings = gen_settings if gen_settings is not None else SamplerSettings()
@@ -144,7 +135,8 @@ class DynamicJob:
         self.banned_strings = validate_banned_strings(banned_strings)
         self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
         self._healing = HealingFilter(self.healing_token_id) if self.healing_token_id is not None else None
-        self.heals = self._healing is not None  # (read per token, as the next line)
+        self.heals = self._healing is not None  # (read per token, as the next lines)
+        self.may_constrain = bool(self.filters) or self.heals  # some token of it may take a filter's mask
         self.max_sampled_tokens = max_new_tokens + self.heals  # what the engine samples at most: the healed token too
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
         self._stop_on_eos = stop_conditions is None
@@ -173,9 +165,20 @@ class DynamicJob:
     def active_filters(self) -> tuple[Filter, ...]:
         """The filters that constrain this job's next token (their bitmasks are intersected): with token healing,
         the healing filter alone for the first sampled token, then the job's own."""
-        if self._healing is not None and self.sequence is not None and self.sequence.num_sampled == 0:
+        if self.sequence is not None and self._heals_at(self.sequence.num_sampled):
             return (self._healing,)
         return self.filters
+
+    def _heals_at(self, token_idx: int) -> bool:  # (the healed token: the healing filter alone constrains it)
+        return self.heals and token_idx == 0
+
+    def _stops_blocked_at(self, token_idx: int) -> bool:  # (min_new_tokens does not count the healed token)
+        return token_idx - self.heals < self.min_new_tokens
+
+    def constrained_at(self, token_idx: int) -> bool:
+        """The job's token_idx-th sampled token has a mask beyond its filters and banned strings: the healing
+        filter's (active_filters), or blocked stop tokens (blocked_ids_at)."""
+        return self._heals_at(token_idx) or (bool(self.stop_tokens) and self._stops_blocked_at(token_idx))
 
     @property
     def full_completion(self) -> str:
@@ -202,7 +205,7 @@ class DynamicJob:
     def blocked_ids_at(self, token_idx: int) -> tuple[int, ...]:
         """Tokens the sampler must not pick as this job's token_idx-th sampled token (the healed one counts):
         stop tokens below min_new_tokens, and tokens that began a banned string there."""
-        stops = token_idx - self.heals < self.min_new_tokens
+        stops = self._stops_blocked_at(token_idx)
         explored = self._banned.blocked_at(token_idx) if self._banned is not None else ()
         if not explored:
             return tuple(self.stop_tokens) if stops else ()

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from folio.constrain.base import Filter
+from folio.sampling import SamplerSettings
 
 
 def as_token_list(input_ids: Any) -> list[int]:
@@ -59,3 +60,18 @@ def split_stop_conditions(conditions: Sequence[int | str] | None) -> tuple[froze
         else:
             raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
     return frozenset(tokens), tuple(strings)
+
+
+def check_counts(max_new_tokens: Any, min_new_tokens: Any, return_top_tokens: Any, max_skips: Any,
+                 gen_settings: Any) -> None:
+    """DynamicJob's counts and settings, checked: ValueError / TypeError naming the argument."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+    if not isinstance(return_top_tokens, int) or return_top_tokens < 0:
+        raise ValueError(f"return_top_tokens must be an integer >= 0, got {return_top_tokens!r}")
+    if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 0):
+        raise ValueError(f"max_skips must be None or an integer >= 0, got {max_skips!r}")
+    if gen_settings is not None and not isinstance(gen_settings, SamplerSettings):
+        raise TypeError("gen_settings must be a folio.SamplerSettings")

@@ -125,8 +125,7 @@ class ModelRunner:
             # Every row a decode row planned ahead (one token fed from the device, its logits wanted, no verify
             # rows, no injected embeddings: those are prompt rows): the usual step, without the checks below.
             adapters = self._row_adapters(rows)
-            if ((adapters is None or self.graphs.lora_slots is self.loras.slots)
-                    and self.graphs.bucket_for(num_fed) is not None):
+            if self._graph_takes(adapters, num_fed):
                 return self._replay(rows, fed_ids, num_fed, adapters), True
         for c in rows:
             if c.verify and c.num_tokens > self.max_q_size:
@@ -137,11 +136,9 @@ class ModelRunner:
         # embedding rows injected at placeholder tokens (folio.embeddings): the captured graphs feed token ids only
         injected = [chunk_spans(c.seq.job, c.start, c.end) for c in rows]
         adapters = self._row_adapters(rows)
-        # (steps with LoRA rows replay graphs once the graphs read the adapters' slots: folio.lora.slots)
-        if self.graphs is not None and not any(injected) and (
-                adapters is None or self.graphs.lora_slots is self.loras.slots) and all(
+        if self.graphs is not None and not any(injected) and all(
                 m == "all" or (m == "last" and c.num_tokens == 1) for m, c in zip(modes, rows)):
-            if self.graphs.bucket_for(sum(c.num_tokens for c in rows)) is not None:
+            if self._graph_takes(adapters, sum(c.num_tokens for c in rows)):
                 return self._replay(rows, fed_ids, num_fed, adapters), True
         chunks = [SeqChunk(token_ids=(0,) if k < num_fed else c.token_ids, start_pos=c.start,
                            block_table=c.seq.block_table, logits=mode, injected=spans)
@@ -156,6 +153,12 @@ class ModelRunner:
             batch = dataclasses.replace(batch, lora=self.loras.batch(list(zip(adapters, num_rows)),
                                                                     self.model.device))
         return self.model.forward(batch, self.cache), False
+
+    def _graph_takes(self, adapters: list[LoraAdapter | None] | None, num_rows: int) -> bool:
+        """Whether a captured graph runs these one-token rows: a bucket holds them, and rows with LoRA adapters
+        replay only once the graphs read the adapters' slots (folio.lora.slots)."""
+        return ((adapters is None or self.graphs.lora_slots is self.loras.slots)
+                and self.graphs.bucket_for(num_rows) is not None)
 
     def _row_adapters(self, rows: list[Chunk]) -> list[LoraAdapter | None] | None:
         """Each chunk's LoRA adapter (None: no row uses one)."""
@@ -194,7 +197,7 @@ class ModelRunner:
         seqs = [c.seq for c in chunks]
         plain = self._plain_rows(seqs, logits, masks_later)
         if plain is not None:
-            output = sample_plain(logits, plain, seqs, self._histories, self.vocab_size, self.model.ops)
+            output = sample_plain(logits, plain, self._histories, self.vocab_size, self.model.ops)
             self._record_sampled(seqs, output.token_ids, plain.history_rows)
             return SampledStep(output, plain.return_probs, False, [])
         jobs = [s.job for s in seqs]

@@ -108,12 +108,14 @@ class TextStream:
     def push_text(self, token_id: int) -> str | None:
         """`push` for the commonest token: no stop strings, nothing held and ASCII bytes, so its whole text is
         released at once; returns that text (the event's, with token_ids [token_id]). None, with nothing done,
-        for any other token (call push). A subclass that holds text for other reasons returns None always."""
-        if self.stop_strings or self._held_tokens or type(self).push is not TextStream.push:
+        for any other token (call push). A subclass that holds text for other reasons overrides it."""
+        if self.stop_strings or self._held_tokens:
             return None
         data = self._bytes_of(token_id)
-        if not data.isascii():
-            return None
+        return self._release_ascii(data) if data.isascii() else None
+
+    def _release_ascii(self, data: bytes) -> str:
+        """Release ASCII bytes pushed with nothing held (the decoder holds no bytes then: a char a byte)."""
         self._num_bytes += len(data)
         self._num_chars += len(data)
         self._num_released_chars = self._num_chars
@@ -124,11 +126,8 @@ class TextStream:
         once per sampled token of most jobs, which mostly releases the token's text at once. The same as `_append`
         and `_settle`, without their bookkeeping where it would be undone at once."""
         data = self._bytes_of(token_id)[skip_bytes:]
-        if data.isascii():  # (the decoder holds no bytes here: ASCII decodes alone, a char a byte)
-            self._num_bytes += len(data)
-            self._num_chars += len(data)
-            self._num_released_chars = self._num_chars
-            return TextEvent(data.decode("ascii"), [token_id])
+        if data.isascii():
+            return TextEvent(self._release_ascii(data), [token_id])
         byte_start, char_start = self._num_bytes, self._num_chars
         new_text = self._decoder.decode(data)
         self._num_bytes += len(data)

@@ -449,7 +449,7 @@ def test_first_max_matches_max_with_ties_nan_and_inf():
 def test_per_row_settings_share_one_entry_per_value_and_keep_each_row_s():
     """The per-row table holds one entry per distinct value (a server's jobs each bring their own settings object),
     each row gathers its own settings' numbers, `adjust` applies to the table, and the draws stay per row."""
-    from folio.sampling.sampler import _per_row_settings, native_entry
+    from folio.sampling.sampler import _per_row_settings, native_entry, with_window
 
     made = [SamplerSettings(temperature=0.7, top_k=40), SamplerSettings(temperature=0.7, top_k=40),
             SamplerSettings(temperature=1.1, top_p=0.9, token_repetition_penalty=1.2),
@@ -458,7 +458,7 @@ def test_per_row_settings_share_one_entry_per_value_and_keep_each_row_s():
     rows = [RowParams(settings=s, u=0.1 * k) for k, s in enumerate(made)]
     width = 77  # the call's penalty window: where a row's range is -1 (the whole history)
     per_row, u, table = _per_row_settings(rows, native_entry, torch.device("cpu"),
-                                          adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
+                                          adjust=lambda t: with_window(t, width))
     assert len(table) == 3
     want = [native_entry(s) for s in made]
     want = [t if t[7] >= 0 else (*t[:7], width, *t[8:]) for t in want]
@@ -466,7 +466,7 @@ def test_per_row_settings_share_one_entry_per_value_and_keep_each_row_s():
     assert u.tolist() == pytest.approx([0.1 * k for k in range(5)])
     # asked again (the next step), the same numbers: kept on each settings object
     again, _, _ = _per_row_settings(rows, native_entry, torch.device("cpu"),
-                                    adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
+                                    adjust=lambda t: with_window(t, width))
     assert torch.equal(again, per_row)
     # each column, as the native kernels take it (one argument each), is contiguous: no copy per argument
     for table in (per_row, per_row.float(), per_row.int()):

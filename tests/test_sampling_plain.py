@@ -67,7 +67,7 @@ def test_plain_path_equals_the_general_path(seed):
     logits = torch.randn(len(seqs), COLUMNS, generator=torch.Generator().manual_seed(seed)) * 3
     plain = plain_rows(seqs, histories)
     assert plain is not None and len(plain.table) == len(MIXED)  # one entry per distinct settings
-    got = sample_plain(logits.clone(), plain, seqs, histories, VOCAB, DEFAULT)
+    got = sample_plain(logits.clone(), plain, histories, VOCAB, DEFAULT)
     want = general(logits.clone(), seqs, histories)
     assert torch.equal(got.token_ids, want.token_ids)
     assert torch.equal(got.token_probs, want.token_probs)
@@ -84,12 +84,12 @@ def test_plain_path_equals_the_general_path(seed):
         u.num_sampled = s.num_sampled
     other = plain_rows(unpenalized, DeviceHistories("cpu"))
     assert other is not None and not any(other.sizes)
-    differs = sample_plain(logits.clone(), other, unpenalized, histories, VOCAB, DEFAULT)
+    differs = sample_plain(logits.clone(), other, histories, VOCAB, DEFAULT)
     assert not torch.equal(differs.token_probs, got.token_probs)
 
 
 def test_every_row_penalized_equals_the_general_path():
-    """(the windows built from the rows as they are, without the per-row key lists: a server's default settings)"""
+    """Every row keeps a penalty history (a server's default settings): the same draws as the general path."""
     histories = DeviceHistories("cpu")
     penalized = [s for s in MIXED if s.penalty_window != 0]
     seqs = make_seqs(penalized, 29, histories, 7)
@@ -97,7 +97,7 @@ def test_every_row_penalized_equals_the_general_path():
     logits = torch.randn(len(seqs), COLUMNS, generator=torch.Generator().manual_seed(7)) * 3
     plain = plain_rows(seqs, histories)
     assert plain.history_rows == list(range(len(seqs)))
-    got = sample_plain(logits.clone(), plain, seqs, histories, VOCAB, DEFAULT)
+    got = sample_plain(logits.clone(), plain, histories, VOCAB, DEFAULT)
     want = general(logits.clone(), seqs, histories)
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.token_probs, want.token_probs)
 

@@ -62,7 +62,7 @@ class MaskWorker:
 
     def add(self, seq: Sequence) -> None:
         """A sequence entered the engine: track it if its job may ever be constrained."""
-        if seq.job.filters or seq.job.heals:
+        if seq.job.may_constrain:
             self._members.add(seq)
 
     def constrained(self, seq: Sequence) -> bool:

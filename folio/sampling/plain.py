@@ -26,6 +26,7 @@ from folio.sampling.sampler import (
     native_entry,
     native_penalties,
     per_row_table,
+    with_window,
 )
 
 _UNSET = object()
@@ -40,8 +41,9 @@ class PlainRows:
     seeds: list[int]
     counters: list[int]  # each row's draw counter: the tokens its sequence has sampled
     history_rows: list[int]  # the rows whose sequences keep a penalty history on the device
-    lengths: list[int]  # their history lengths (prompt + sampled)
-    sizes: list[int]  # their window sizes (0: no penalty)
+    keys: list[Any]  # per row: its sequence where it keeps one, else None (DeviceHistories.windows' keys)
+    lengths: list[int]  # per row: its history length (prompt + sampled; 0 without one)
+    sizes: list[int]  # per row: its window size (0: no penalty)
     return_probs: bool  # some row's job reports probabilities
 
 
@@ -66,7 +68,7 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
     (the general path's argmax is cheaper still) or when a window is wider than the native penalty kernel reads.
     histories: the runner's DeviceHistories."""
     table_index: dict[tuple, int] = {}
-    row_index, seeds, counters, history_rows, lengths, sizes = [], [], [], [], [], []
+    row_index, seeds, counters, history_rows, keys, lengths, sizes = [], [], [], [], [], [], []
     all_greedy, return_probs = True, False
     held = histories.holders
     for b, seq in enumerate(seqs):
@@ -77,10 +79,8 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
         if plain is None:
             return None
         num_sampled = seq.num_sampled
-        if job.heals and num_sampled == 0:
-            return None  # the healed token: its healing filter's mask (job.active_filters)
-        if job.stop_tokens and num_sampled - job.heals < job.min_new_tokens:
-            return None  # stop tokens blocked (job.blocked_ids_at)
+        if job.constrained_at(num_sampled):
+            return None  # the healed token's mask, or blocked stop tokens
         entry, greedy, window = plain
         k = table_index.get(entry)
         if k is None:
@@ -92,32 +92,27 @@ def plain_rows(seqs: Sequence[Any], histories: Any) -> PlainRows | None:
         return_probs = return_probs or job.return_probs
         if seq in held:
             history_rows.append(b)
+            keys.append(seq)
             length = seq.prompt_len + num_sampled
             lengths.append(length)
             sizes.append(length if window is None else min(window, length))
-    if all_greedy or (sizes and max(sizes) > MAX_NATIVE_PENALTY_WINDOW):
+        else:
+            keys.append(None)
+            lengths.append(0)
+            sizes.append(0)
+    if all_greedy or (history_rows and max(sizes) > MAX_NATIVE_PENALTY_WINDOW):
         return None
-    return PlainRows(list(table_index), row_index, seeds, counters, history_rows, lengths, sizes, return_probs)
+    return PlainRows(list(table_index), row_index, seeds, counters, history_rows, keys, lengths, sizes, return_probs)
 
 
-def sample_plain(logits: torch.Tensor, rows: PlainRows, seqs: Sequence[Any], histories: Any, vocab_size: int | None,
+def sample_plain(logits: torch.Tensor, rows: PlainRows, histories: Any, vocab_size: int | None,
                  ops: OpSet) -> SampleOutput:
     """What folio.sampling.sample gives these rows with in_place=True (`logits` is processed where it is): penalties
     over the device histories' windows, the columns past vocab_size masked, then the draw."""
     device, num_columns = logits.device, logits.shape[1]
-    width = 0
-    if len(rows.history_rows) == len(seqs):  # (every row penalized: a server's default settings)
-        ids = histories.windows(seqs, rows.lengths, rows.sizes, num_columns)
-        width = ids.shape[1]
-    elif rows.history_rows:
-        keys: list[Any] = [None] * len(seqs)
-        all_lengths, all_sizes = [0] * len(seqs), [0] * len(seqs)
-        for b, length, size in zip(rows.history_rows, rows.lengths, rows.sizes):
-            keys[b] = seqs[b]
-            all_lengths[b], all_sizes[b] = length, size
-        ids = histories.windows(keys, all_lengths, all_sizes, num_columns)
-        width = ids.shape[1]
-    table = [t if t[7] >= 0 else (*t[:7], width, *t[8:]) for t in rows.table]
+    ids = histories.windows(rows.keys, rows.lengths, rows.sizes, num_columns) if rows.history_rows else None
+    width = 0 if ids is None else ids.shape[1]
+    table = [with_window(t, width) for t in rows.table]
     per_row, u = per_row_table(table, rows.row_index, uniforms(rows.seeds, rows.counters), device)
     floats, ints = per_row.float(), per_row.int()
     if width:

@@ -134,8 +134,7 @@ def _sample_native(ops: OpSet, logits: torch.Tensor, rows: Sequence[RowParams],
         width = penalty_windows.shape[1]
     if width > MAX_NATIVE_PENALTY_WINDOW:
         return None
-    per_row, u, _ = _per_row_settings(rows, native_entry, device,
-                                      adjust=lambda t: t if t[7] >= 0 else (*t[:7], width, *t[8:]))
+    per_row, u, _ = _per_row_settings(rows, native_entry, device, adjust=lambda t: with_window(t, width))
     floats, ints = per_row.float(), per_row.int()
     return_logits = any(row.return_logits for row in rows)
     work = logits if in_place and not return_logits else logits.clone()
@@ -302,9 +301,14 @@ def _entry_of(settings: SamplerSettings, entry) -> tuple:
 
 def native_entry(s: SamplerSettings) -> tuple:
     """The native kernels' per-row numbers: truncation, then the penalties (a range of -1, the whole window, is
-    resolved per call by _sample_native)."""
+    resolved per call: with_window)."""
     return (*_truncation(s), s.token_repetition_penalty, s.token_frequency_penalty, s.token_presence_penalty,
             s.token_repetition_range, s.token_repetition_decay)
+
+
+def with_window(entry: tuple, width: int) -> tuple:
+    """A native entry with a repetition range of -1 (the whole history) resolved to the call's window width."""
+    return entry if entry[7] >= 0 else (*entry[:7], width, *entry[8:])
 
 
 def _pick_params(rows: Sequence[RowParams], num_columns: int, device: torch.device) -> _PickParams:
