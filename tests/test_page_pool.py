@@ -287,18 +287,61 @@ def test_partial_page_cached_and_found():
     assert pool.find_partial(None, [0, 1, 2, 77]) == (ids[0], 3)
 
 
-def test_partial_match_prefers_longest_then_lowest_id():
+def test_partial_match_prefers_longest_then_first_in_token_order():
     pool = CheckedPool(8)
     pages = pool.allocate(3)
     pool.record_tokens(pages[0], None, [1, 2, 3])
     pool.record_tokens(pages[1], None, [1, 2])
     pool.record_tokens(pages[2], None, [1, 2, 3, 4])
+    # [1, 2, 3] and [1, 2, 3, 4] both share 3 tokens: the one that sorts first (a prefix sorts before its extensions)
     assert pool.find_partial(None, [1, 2, 3, 9]) == (pages[0], 3)
     assert pool.find_partial(None, [1, 2, 3, 4]) == (pages[2], 4)  # in-use pages count too
     pool.record_tokens(pages[2], None, [1, 2])  # rolled back: replaces the record
     assert pool.find_partial(None, [1, 2, 3, 4]) == (pages[0], 3)
+    # token order before page id: [1, 2, 3, 0] sorts before [1, 2, 3, 4] though its page id is higher
+    pool.record_tokens(pages[0], None, [1, 2, 3, 4])
+    pool.record_tokens(pages[2], None, [1, 2, 3, 0])
+    assert pool.find_partial(None, [1, 2, 3, 9]) == (pages[2], 3)
+    pool.record_tokens(pages[2], None, [1, 2, 3, 4])  # the same tokens on two pages: the lower id
+    assert pool.find_partial(None, [1, 2, 3, 9]) == (pages[0], 3)
     pool.release(pages)
     assert pool.num_cached == 3
+
+
+def test_partial_match_in_a_large_bucket_against_comparing_every_page():
+    """Thousands of pages filed under one key (prompts that begin alike), tokens from a small alphabet so that long
+    shared prefixes and ties are common: each answer is the one a comparison with every page gives."""
+    import random
+
+    rng = random.Random(0)
+    page_size, num_pages = 16, 3000
+    pool = PagePool(num_pages, page_size)
+    ids = pool.allocate(num_pages)
+    recorded = {}
+    for page_id in ids:
+        tokens = [7, 8] + [rng.randrange(3) for _ in range(rng.randrange(0, page_size - 1))]
+        pool.record_tokens(page_id, None, tokens)
+        recorded[page_id] = tuple(tokens)
+    for page_id in rng.sample(ids, 500):  # rewritten records: the index drops the old entry
+        tokens = [7, 8] + [rng.randrange(3) for _ in range(rng.randrange(0, page_size - 1))]
+        pool.record_tokens(page_id, None, tokens)
+        recorded[page_id] = tuple(tokens)
+    pool.check()
+
+    def every_page(query):
+        best = None
+        for page_id, tokens in recorded.items():
+            num = 0
+            while num < min(len(tokens), len(query)) and tokens[num] == query[num]:
+                num += 1
+            if num >= 2 and (best is None or (-num, tokens, page_id) < best):
+                best = (-num, tokens, page_id)
+        return None if best is None else (best[2], -best[0])
+
+    for _ in range(300):
+        query = [7, 8] + [rng.randrange(3) for _ in range(rng.randrange(0, page_size))]
+        assert pool.find_partial(None, query) == every_page(query), query
+    assert pool.find_partial(None, [7, 9, 0]) is None
 
 
 def test_partial_pages_are_per_namespace():

@@ -150,16 +150,18 @@ class PoolMachine(RuleBasedStateMachine):
         return PrefixLookup(num_ready, end - num_ready)
 
     def expected_partial(self, parent, tokens, namespace):
-        best = None
-        for page_id, c in sorted(self.content.items()):
+        """Every page compared: the longest common prefix (at least 2), ties to the page whose tokens sort first,
+        then the lowest page id."""
+        best = None  # (num matching, its tokens, page id)
+        for page_id, c in self.content.items():
             if c.parent != parent or c.namespace != namespace:
                 continue
             num = 0
             while num < min(len(c.tokens), len(tokens)) and c.tokens[num] == tokens[num]:
                 num += 1
-            if num >= 2 and (best is None or num > best[1]):
-                best = (page_id, num)
-        return best
+            if num >= 2 and (best is None or (-num, tuple(c.tokens), page_id) < (-best[0], best[1], best[2])):
+                best = (num, tuple(c.tokens), page_id)
+        return None if best is None else (best[2], best[0])
 
     def preempt(self, job: Job) -> None:
         self.release(job.pages)

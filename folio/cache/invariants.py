@@ -144,8 +144,8 @@ def _verify_partial_index(pool: PagePool) -> None:
     expected: dict = {}
     for page in pool._pages:
         if page.tokens is not None and len(page.tokens) >= 2:
-            expected.setdefault(partial_key(page), set()).add(page.page_id)
-    if expected != pool._partial_index.buckets:
+            expected.setdefault(partial_key(page), []).append((page.tokens, page.page_id))
+    if {key: sorted(entries) for key, entries in expected.items()} != pool._partial_index.buckets:
         _fail("the partial-page index does not match the recorded tokens")
 
 

@@ -1,7 +1,7 @@
 """PagePool: which KV-cache pages hold what, who references them, and which to recycle next.
 
 Torch-free host bookkeeping on the per-step path; every operation is O(1) or O(log num_pages) per page touched,
-except find_partial (O(candidates * page_size), at admission) and check() (O(num_pages), for tests).
+except find_partial (O(log(candidates) * page_size), at admission) and check() (O(num_pages), for tests).
 
 A page is FREE (no content), IN_USE (refcount >= 1; refcounts count block tables, plus pins) or CACHED (refcount 0,
 content kept, evictable). A page's content is described by
@@ -285,8 +285,8 @@ class PagePool:
     def find_partial(self, parent_hash: bytes | None, token_ids: Sequence[int],
                      *, namespace: bytes = b"") -> PartialMatch | None:
         """The cached or in-use page (full or partial) following `parent_hash` (None = a first page) in
-        `namespace` whose recorded tokens share the longest common prefix with `token_ids`; ties go to the lowest
-        page id. None unless at least MIN_PARTIAL_MATCH tokens match. Changes nothing: pin() the page before any
+        `namespace` whose recorded tokens share the longest common prefix with `token_ids`; ties go to the page
+        whose recorded tokens sort first (then the lowest page id). None unless at least MIN_PARTIAL_MATCH tokens match. Changes nothing: pin() the page before any
         allocation that could evict it, copy its first num_matching slots, then unpin() it.
 
         The namespace matters for first pages only (parent None cannot tell namespaces apart; a parent hash
