@@ -78,6 +78,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens of every request")
     parser.add_argument("--duration", type=float, default=20.0, help="closed-loop seconds")
     parser.add_argument("--clients", type=int, default=2, help="client processes of the flood")
+    parser.add_argument("--client-niceness", type=int, default=10, help="the client processes' nice value (they "
+                        "share the machine with the server: the higher, the less of its CPU they take)")
+    parser.add_argument("--peer-after", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the closed loop again after the flood and compare with the mean of the two: "
+                             "a change of the machine's speed during the run then moves both sides alike")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--cpu-only-cluster", type=float, default=None, help="Ray's num_cpus (default: cores)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
@@ -130,7 +135,7 @@ def main() -> int:
             if not args.profile_flood:
                 threading.Timer(1.0, profile.__enter__).start()  # (once the loop runs: py-spy takes a while to start)
         loop_records = closed_loop(target, config.app_name, make, num_streams=args.streams,
-                                   duration_s=args.duration)
+                                   duration_s=args.duration, niceness=args.client_niceness)
         if profile is not None and not args.profile_flood:
             profile.__exit__(None, None, None)
         if profile is not None and args.profile_flood:
@@ -143,11 +148,17 @@ def main() -> int:
         sampler = threading.Thread(target=sample_replicas, args=(config.app_name, stop, samples), daemon=True)
         sampler.start()
         flood_records = flood(target, config.app_name, [make(i) for i in range(args.requests)],
-                              num_processes=args.clients)
+                              num_processes=args.clients, niceness=args.client_niceness)
         stop.set()
         sampler.join(timeout=10)
         if profile is not None and args.profile_flood:
             profile.__exit__(None, None, None)
+        after_tps = None
+        if args.peer_after:
+            after = closed_loop(target, config.app_name, make, num_streams=args.streams, duration_s=args.duration,
+                                niceness=args.client_niceness)
+            after_start = min(r.start_s for r in after)
+            after_tps = tokens_per_s(after, after_start, after_start + args.duration)
     finally:
         local.shutdown()
 
@@ -161,6 +172,10 @@ def main() -> int:
     loop_codes = dict(Counter(r.code for r in loop_records))
     print(f"closed loop: {args.streams} streams x {args.tokens} tokens: {loop_tps:.0f} tok/s "
           f"({len(loop_records)} requests, codes {loop_codes})")
+    if after_tps is not None:
+        print(f"closed loop after the flood: {after_tps:.0f} tok/s; the peer is their mean, "
+              f"{(loop_tps + after_tps) / 2:.0f} tok/s")
+        loop_tps = (loop_tps + after_tps) / 2
     print(f"flood: {args.requests} requests at once from {args.clients} processes: codes {dict(codes)}")
     print(f"  admitted: {len(ok)}, latency p50 {percentile(latencies, 50):.2f} s, "
           f"p99 {percentile(latencies, 99):.2f} s, max {max(latencies, default=float('nan')):.2f} s")

@@ -76,8 +76,8 @@ chat="--workload chat --turns 4 --conversations 128 --concurrency 0 --requests 6
 flood="bench/flood.py --device cuda --model $ckpt --replicas 1 --requests 1000 --streams 256 --max-batch-size 256 \
 --duration 20 --clients 4"
 case "$SUITE" in
-  flood)
-    runs+=("$flood" "$flood");;
+  flood)  # (FLOOD_PROFILE_S: py-spy the second burst's Serve processes, WHEELS with py-spy's wheel)
+    runs+=("$flood" "$flood --profile-s ${FLOOD_PROFILE_S:-0} --profile-flood");;
   one)
     runs+=("$serve --workload w2 --replicas 1 --max-batch-size 256 --concurrency 256 --duration 25 --rate 2 \
 --requests 40 --profile-s 10 --label w2-engine")

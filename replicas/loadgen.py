@@ -133,13 +133,13 @@ def _flood_worker(args: tuple, barrier) -> list[CallRecord]:
 
 def flood(target: str, app: str, messages: Sequence, num_processes: int = 2, timeout_s: float = 600.0,
           stream: bool = False, calls_per_channel: int = CALLS_PER_CHANNEL,
-          client_cpu_s: list[float] | None = None) -> list[CallRecord]:
+          client_cpu_s: list[float] | None = None, niceness: int = CLIENT_NICENESS) -> list[CallRecord]:
     """Send every message at once, split over `num_processes` client processes that start together once all are
     connected, and wait for all the answers."""
     payloads = [m.SerializeToString() for m in messages]
     shares = [payloads[i::num_processes] for i in range(num_processes)]
     jobs = [(target, app, share, timeout_s, stream, calls_per_channel) for share in shares if share]
-    return _run_processes(_flood_worker, jobs, timeout_s, client_cpu_s)
+    return _run_processes(_flood_worker, jobs, timeout_s, client_cpu_s, niceness)
 
 
 async def _closed_async(target: str, app: str, make_request: Callable[[int], object], stream_ids: Sequence[int],
@@ -172,14 +172,14 @@ def _closed_worker(args: tuple, barrier) -> list[CallRecord]:
 
 def closed_loop(target: str, app: str, make_request: Callable[[int], object], num_streams: int, duration_s: float,
                 num_processes: int = 2, timeout_s: float = 600.0, stream: bool = False,
-                client_cpu_s: list[float] | None = None) -> list[CallRecord]:
+                client_cpu_s: list[float] | None = None, niceness: int = CLIENT_NICENESS) -> list[CallRecord]:
     """`num_streams` callers, each sending its next request as soon as the last one ends, for `duration_s` from the
     moment every client process is connected; make_request(n) builds the n-th message (picklable: a top-level
     function or a partial of one). Calls still running at the end are waited for and recorded."""
     ids = list(range(num_streams))
     jobs = [(target, app, make_request, ids[i::num_processes], duration_s, timeout_s, stream)
             for i in range(num_processes) if ids[i::num_processes]]
-    return _run_processes(_closed_worker, jobs, duration_s + timeout_s, client_cpu_s)
+    return _run_processes(_closed_worker, jobs, duration_s + timeout_s, client_cpu_s, niceness)
 
 
 def poisson_arrivals_s(num_requests: int, rate_per_s: float, seed: int = 0) -> list[float]:
@@ -245,11 +245,11 @@ def _process_main(worker: Callable, job: tuple, barrier, results, niceness: int)
 
 
 def _run_processes(worker: Callable, jobs: list[tuple], timeout_s: float,
-                   client_cpu_s: list[float] | None = None) -> list[CallRecord]:
+                   client_cpu_s: list[float] | None = None, niceness: int = CLIENT_NICENESS) -> list[CallRecord]:
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(jobs))
     results = context.Queue()
-    processes = [context.Process(target=_process_main, args=(worker, job, barrier, results, CLIENT_NICENESS),
+    processes = [context.Process(target=_process_main, args=(worker, job, barrier, results, niceness),
                                  daemon=True) for job in jobs]
     for process in processes:
         process.start()
