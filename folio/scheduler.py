@@ -304,6 +304,13 @@ class Scheduler:
     # --- admission ---
 
     def _admit(self, plan: StepPlan) -> None:
+        if not self.pending or len(self.active) >= self.max_batch_size:
+            return
+        if self.active and self._admission_reserve_pages > self.cache.num_allocatable:
+            # No queued job fits (each needs the reserve and >= 0 pages more; _fits): skipping them all changes
+            # nothing (skips count only when a later job is admitted), so the queue, thousands of jobs under a
+            # burst against a full cache, is not walked at every plan.
+            return
         skipped: list[Sequence] = []
         for seq in list(self.pending):
             if seq.cfg_negative:

@@ -302,6 +302,28 @@ def test_gathering_feeds_the_prompts_that_came_meanwhile_together():
     assert fed_at == {0: 2, 1: 2, 2: 2}
 
 
+def test_a_full_cache_does_not_walk_the_queue_and_admits_in_order_once_pages_free(monkeypatch):
+    """While no page is left beyond the admission reserve, no queued job can fit: a plan must not test each of them
+    (a burst of thousands against a full cache did so at every step); once pages free, they are admitted in order."""
+    h = Harness(num_pages=8, page_size=4, max_batch_size=8, max_chunk_size=64)
+    running = h.enqueue([1, 2, 3, 4], max_new_tokens=3)  # 7 tokens: 2 pages
+    h.step()
+    h.step()
+    assert len(running.block_table) == 2
+    held = h.pool.allocate(h.pool.num_allocatable)  # the rest of the cache, in use elsewhere
+    queued = [h.enqueue([9, 9, k], max_new_tokens=2) for k in range(1000)]
+    calls = []
+    fits = h.sched._fits
+    monkeypatch.setattr(h.sched, "_fits", lambda group: calls.append(group) or fits(group))
+    while h.sched.active:
+        h.step()
+    assert h.finished == 1 and calls == [] and all(seq.status is SeqStatus.WAITING for seq in queued)
+    h.pool.release(held)
+    h.step()
+    admitted = [seq for seq in queued if seq.status is SeqStatus.RUNNING]
+    assert admitted and admitted == queued[:len(admitted)] and len(calls) >= len(admitted)
+
+
 def test_ten_thousand_jobs_leak_no_page():
     rng = random.Random(7)
     h = Harness(num_pages=64, page_size=8, max_batch_size=32, max_chunk_size=64)
