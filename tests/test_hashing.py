@@ -107,7 +107,7 @@ def test_torch_free_modules():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for name in names:
-                assert name.split(".")[0] in {"__future__", "folio", "array", "hashlib", "struct", "sys",
+                assert name.split(".")[0] in {"__future__", "folio", "array", "bisect", "hashlib", "struct", "sys",
                                               "collections", "dataclasses", "enum", "heapq", "typing"}, \
                     f"{path.name} imports {name}"
                 assert not name.startswith("folio.") or name.startswith(
