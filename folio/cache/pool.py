@@ -285,10 +285,9 @@ class PagePool:
     def find_partial(self, parent_hash: bytes | None, token_ids: Sequence[int],
                      *, namespace: bytes = b"") -> PartialMatch | None:
         """The cached or in-use page (full or partial) following `parent_hash` (None = a first page) in
-        `namespace` whose recorded tokens share the longest common prefix with `token_ids`; ties go to the page
-        whose recorded tokens sort first (then the lowest page id). None unless at least MIN_PARTIAL_MATCH tokens
-        match. Changes nothing: pin() the page before any allocation that could evict it, copy its first
-        num_matching slots, then unpin() it.
+        `namespace` whose recorded tokens share the longest common prefix with `token_ids` (ties: partial_index).
+        None unless at least MIN_PARTIAL_MATCH tokens match. Changes nothing: pin() the page before any allocation
+        that could evict it, copy its first num_matching slots, then unpin() it.
 
         The namespace matters for first pages only (parent None cannot tell namespaces apart; a parent hash
         already includes the namespace) but is part of the key everywhere, so pass the sequence's namespace.
