@@ -121,12 +121,11 @@ class ModelRunner:
         if not plan.chunks:
             return None, False
         rows = plan.chunks
-        if num_fed == len(rows) and self.graphs is not None:
+        adapters = self._row_adapters(rows)
+        if num_fed == len(rows) and self.graphs is not None and self._graph_takes(adapters, num_fed):
             # Every row a decode row planned ahead (one token fed from the device, its logits wanted, no verify
             # rows, no injected embeddings: those are prompt rows): the usual step, without the checks below.
-            adapters = self._row_adapters(rows)
-            if self._graph_takes(adapters, num_fed):
-                return self._replay(rows, fed_ids, num_fed, adapters), True
+            return self._replay(rows, fed_ids, num_fed, adapters), True
         for c in rows:
             if c.verify and c.num_tokens > self.max_q_size:
                 raise ValueError(f"a verify row of {c.num_tokens} tokens exceeds max_q_size={self.max_q_size}")
@@ -135,7 +134,6 @@ class ModelRunner:
                  for k, c in enumerate(rows)]
         # embedding rows injected at placeholder tokens (folio.embeddings): the captured graphs feed token ids only
         injected = [chunk_spans(c.seq.job, c.start, c.end) for c in rows]
-        adapters = self._row_adapters(rows)
         if self.graphs is not None and not any(injected) and all(
                 m == "all" or (m == "last" and c.num_tokens == 1) for m, c in zip(modes, rows)):
             if self._graph_takes(adapters, sum(c.num_tokens for c in rows)):

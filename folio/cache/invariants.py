@@ -39,8 +39,8 @@ def _fail(message: str) -> None:
 
 def _verify_shared_state(pool: PagePool) -> None:
     """The pool's parts work on the pool's own page list, ready-hash index and eviction queue, not on copies."""
-    if pool._lineage._pages is not pool._pages or pool._partial_index._pages is not pool._pages:
-        _fail("the lineage or the partial-page index reads another page list than the pool's")
+    if pool._lineage._pages is not pool._pages:
+        _fail("the lineage reads another page list than the pool's")
     if pool._lineage._ready is not pool._ready:
         _fail("the lineage reads another ready-hash index than the pool's")
     if pool._lineage._queue is not pool._eviction:

@@ -41,8 +41,7 @@ def partial_key(page: PageRecord) -> PartialKey:
 class PartialIndex:
     """Owns PageRecord.tokens/namespace: set and clear them only through set_tokens() and clear_tokens()."""
 
-    def __init__(self, pages: list[PageRecord]) -> None:
-        self._pages = pages  # the pool's page list, shared (the pool never rebinds it)
+    def __init__(self) -> None:
         # partial_key -> (recorded tokens, page id) of the pages with >= MIN_PARTIAL_MATCH recorded tokens filed
         # there, sorted; read by check().
         self.buckets: dict[PartialKey, list[tuple[tuple[int, ...], int]]] = {}

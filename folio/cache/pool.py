@@ -70,7 +70,7 @@ class PagePool:
         self._pending: dict[bytes, int] = {}  # pending hash -> page id (in use)
         self._eviction = EvictionQueue()  # allocate() pops it; self._lineage decides what it holds
         self._lineage = Lineage(self._pages, self._ready, self._eviction)  # parent links, eviction tiers
-        self._partial_index = PartialIndex(self._pages)  # recorded tokens, for find_partial()
+        self._partial_index = PartialIndex()  # recorded tokens, for find_partial()
         self._events = EventLog(record_events)
         self._host = (HostTier(num_host_pages, self._events, write_through=host_write_through)
                       if num_host_pages else None)
@@ -325,7 +325,7 @@ class PagePool:
         for page in self._pages:
             if page.ready:
                 self._events.log(PageEventKind.EVICTED, page.hash, page.depth)
-        # In place: self._lineage and self._partial_index share the list.
+        # In place: self._lineage shares the list.
         self._pages[:] = [PageRecord(page_id) for page_id in range(len(self._pages))]
         self._free = list(range(len(self._pages)))
         self._ready.clear()
